@@ -1,0 +1,146 @@
+"""`ragblend` command line: ingest, serve, ask, compare, bench, store."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from app.config import Settings, load_settings
+
+cli = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="RAG serving with CacheBlend-style KV reuse.")
+store_cli = typer.Typer(no_args_is_help=True, help="Inspect and clean the tiered KV store.")
+cli.add_typer(store_cli, name="store")
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file overriding configs/default.yaml.")
+
+
+def _settings(config: Optional[Path]) -> Settings:
+    from app.logs import setup_logging
+
+    try:
+        settings = load_settings(config)
+    except ValueError as exc:  # bad file or invalid values
+        fail(str(exc).splitlines()[0] if "\n" not in str(exc) else " ".join(str(exc).split()))
+    setup_logging()
+    return settings
+
+
+def fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@cli.command()
+def ingest(paths: list[Path] = typer.Argument(None, help="Files or folders (.txt, .md, .jsonl)."),
+           delete: list[str] = typer.Option([], "--delete", help="Remove a document by id (repeatable)."),
+           config: Optional[Path] = ConfigOpt) -> None:
+    """Chunk, embed and index documents, and precompute each chunk's KV into the store."""
+    from app.ingest import run_ingest
+
+    if not paths and not delete:
+        fail("give at least one PATH or --delete DOC_ID")
+    raise typer.Exit(run_ingest(_settings(config), paths or [], delete))
+
+
+@cli.command()
+def serve(host: Optional[str] = typer.Option(None), port: Optional[int] = typer.Option(None),
+          config: Optional[Path] = ConfigOpt) -> None:
+    """Start the HTTP API."""
+    from app.server import run_server
+
+    settings = _settings(config)
+    run_server(settings, host or settings.server.host, port if port is not None else settings.server.port)
+
+
+@cli.command()
+def ask(question: str, top_k: Optional[int] = typer.Option(None, min=1),
+        mode: str = typer.Option("blend", help="blend | full | reuse"),
+        ratio: Optional[float] = typer.Option(None, min=0.0, max=1.0, help="Recompute ratio."),
+        max_tokens: Optional[int] = typer.Option(None, min=1),
+        config: Optional[Path] = ConfigOpt) -> None:
+    """Answer one question with the same engine as the API, without HTTP."""
+    from app.engine import run_ask
+
+    if mode not in ("blend", "full", "reuse"):
+        fail(f"unknown mode {mode!r}: use blend, full or reuse")
+    raise typer.Exit(run_ask(_settings(config), question, top_k=top_k, mode=mode, ratio=ratio,
+                             max_tokens=max_tokens))
+
+
+@cli.command()
+def compare(dataset: Path = typer.Option(..., exists=True, dir_okay=False, help="MuSiQue/CacheBlend-format JSON."),
+            limit: int = typer.Option(20, min=1), passages: int = typer.Option(5, min=1),
+            ratios: str = typer.Option("0,0.15,0.3,1", help="Comma-separated recompute ratios."),
+            out: Path = typer.Option(Path("reports/compare")),
+            precompute: Optional[str] = typer.Option(None, help="head | zero (default: config)."),
+            codec: Optional[str] = typer.Option(None, help="none | fp16 | int8: pass chunk KV through a store codec."),
+            max_tokens: int = typer.Option(32, min=1), resume: bool = typer.Option(False),
+            seed: int = typer.Option(0, help="Seed of the random-selection baseline (plus the question index)."),
+            threads: Optional[int] = typer.Option(None, min=1, help="torch threads for the run (default: torch's)."),
+            config: Optional[Path] = ConfigOpt) -> None:
+    """Compare blended answers with full prefill (quality and TTFT) on a dataset."""
+    from app.compare import run_compare
+
+    try:
+        ratio_list = [float(r) for r in ratios.split(",") if r.strip()]
+    except ValueError:
+        fail(f"--ratios must be comma-separated numbers, got {ratios!r}")
+    if not ratio_list or any(not 0.0 <= r <= 1.0 for r in ratio_list):
+        fail("--ratios must be numbers in [0, 1]")
+    if precompute not in (None, "head", "zero"):
+        fail(f"unknown --precompute {precompute!r}: use head or zero")
+    if codec not in (None, "none", "fp16", "int8"):
+        fail(f"unknown --codec {codec!r}: use none, fp16 or int8")
+    raise typer.Exit(run_compare(_settings(config), dataset, limit=limit, passages=passages, ratios=ratio_list,
+                                 out=out, precompute=precompute, codec=codec, max_tokens=max_tokens,
+                                 resume=resume, seed=seed, threads=threads))
+
+
+@cli.command()
+def bench(name: str = typer.Argument(..., help="ttft | store | ingest | serve"),
+          args: list[str] = typer.Argument(None, help="Arguments passed to the script.")) -> None:
+    """Run a benchmark script from bench/ (prints JSON)."""
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    if not script.exists():
+        fail(f"unknown benchmark {name!r}: choose from ttft, store, ingest, serve")
+    sys.argv = [str(script), *(args or [])]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+@store_cli.command("stats")
+def store_stats(config: Optional[Path] = ConfigOpt) -> None:
+    """Entries, bytes, hits and misses per tier."""
+    store, _ = _open_store(config)
+    typer.echo(json.dumps(store.stats(), indent=2, default=str))
+    store.close()
+
+
+@store_cli.command("gc")
+def store_gc(config: Optional[Path] = ConfigOpt) -> None:
+    """Enforce the byte caps and drop entries of other model fingerprints."""
+    store, fingerprint = _open_store(config)
+    typer.echo(json.dumps(store.gc(fingerprint), indent=2, default=str))
+    store.close()
+
+
+def _open_store(config: Optional[Path]):
+    """The configured store, for the configured model's fingerprint."""
+    from app.components import load_llm, open_store
+
+    settings = _settings(config)
+    fingerprint = load_llm(settings).fingerprint
+    return open_store(settings, fingerprint), fingerprint
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Typed settings: configs/default.yaml < a --config file < RAGBLEND_* environment variables."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
+ENV_PREFIX = "RAGBLEND_"
+ENV_NESTED_DELIMITER = "__"
+
+
+class ModelSettings(BaseModel):
+    name: str = "embedded"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    cache_dir: Path | None = None
+    system_prompt: str = "You are a helpful assistant. Answer the question using the passages. Be brief."
+
+
+class EmbedderSettings(BaseModel):
+    name: str = "embedded"
+    batch_size: int = Field(32, ge=1)
+
+
+class ChunkingSettings(BaseModel):
+    target_tokens: int = Field(384, ge=8)
+    max_tokens: int = Field(512, ge=8)
+    min_tokens: int = Field(32, ge=1)
+
+
+class RetrievalSettings(BaseModel):
+    top_k: int = Field(4, ge=1)
+    order: Literal["score", "document"] = "score"
+    index: Literal["flat", "hnsw"] = "flat"
+
+
+class BlendSettings(BaseModel):
+    ratio: float = Field(0.15, ge=0.0, le=1.0)
+    check_layer: int = Field(1, ge=0)
+    deviation: Literal["value", "key"] = "value"
+    precompute: Literal["head", "zero"] = "head"
+
+
+class StoreSettings(BaseModel):
+    codec: Literal["fp16", "int8"] = "fp16"
+    memory_bytes: int = Field(512 << 20, ge=0)
+    disk_bytes: int = Field(4 << 30, ge=0)
+    redis_url: str | None = None
+    redis_password: str | None = None
+    redis_prefix: str = "ragblend:"
+    redis_ttl_s: int | None = None
+    redis_timeout_s: float = 0.5
+    redis_backoff_s: float = 5.0
+    redis_queue_size: int = 256
+
+
+class ServerSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = None
+    queue_size: int = Field(16, ge=1)
+    request_timeout_s: float = Field(120.0, gt=0)
+
+
+class LimitsSettings(BaseModel):
+    max_question_chars: int = Field(2000, ge=1)
+    max_top_k: int = Field(16, ge=1)
+    max_new_tokens: int = Field(512, ge=1)
+    default_max_new_tokens: int = Field(128, ge=1)
+    max_body_bytes: int = Field(10 << 20, ge=1)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter=ENV_NESTED_DELIMITER, extra="forbid"
+    )
+
+    data_dir: Path = Path("data")
+    model: ModelSettings = ModelSettings()
+    embedder: EmbedderSettings = EmbedderSettings()
+    chunking: ChunkingSettings = ChunkingSettings()
+    retrieval: RetrievalSettings = RetrievalSettings()
+    blend: BlendSettings = BlendSettings()
+    store: StoreSettings = StoreSettings()
+    server: ServerSettings = ServerSettings()
+    limits: LimitsSettings = LimitsSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Environment beats the YAML files, which arrive as init kwargs.
+        return env_settings, init_settings
+
+    # Derived locations under the one data directory.
+    @property
+    def model_cache_dir(self) -> Path:
+        return self.model.cache_dir or self.data_dir / "models"
+
+    @property
+    def index_dir(self) -> Path:
+        return self.data_dir / "index"
+
+    @property
+    def kv_dir(self) -> Path:
+        return self.data_dir / "kv"
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ValueError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Defaults from configs/default.yaml, then `config_file`, then RAGBLEND_* env vars.
+
+    `overrides` (nested dicts) sit between the config file and the environment; tests use them.
+    """
+    values = _read_yaml(DEFAULT_CONFIG)
+    if config_file is not None:
+        values = _deep_merge(values, _read_yaml(Path(config_file)))
+    values = _deep_merge(values, overrides)
+    return Settings(**values)

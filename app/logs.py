@@ -1,0 +1,35 @@
+"""Structured (JSON-lines) logging on stderr, quiet by default: RAGBLEND_LOG_LEVEL=INFO for more."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+_STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"ts": round(time.time(), 3), "level": record.levelname.lower(), "logger": record.name,
+                 "msg": record.getMessage()}
+        entry.update({k: v for k, v in record.__dict__.items() if k not in _STD_ATTRS})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def setup_logging(level: str | None = None) -> None:
+    """Route the `ragblend.*` loggers to stderr as JSON lines; silence chatty libraries."""
+    root = logging.getLogger("ragblend")
+    if getattr(root, "_ragblend_configured", False):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root.addHandler(handler)
+    root.setLevel((level or os.environ.get("RAGBLEND_LOG_LEVEL", "WARNING")).upper())
+    root.propagate = False
+    root._ragblend_configured = True
+    for noisy in ("transformers", "sentence_transformers", "httpx", "faiss"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)

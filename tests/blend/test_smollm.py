@@ -1,0 +1,91 @@
+"""The blender on the real embedded SmolLM2 and real MuSiQue passages."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blend import Blender, PromptFormat, SamplingParams, TextStream
+
+pytestmark = pytest.mark.slow
+SYSTEM = "You are a helpful assistant. Answer the question using the passages. Be brief."
+
+
+@pytest.fixture(scope="module")
+def blender(smollm) -> Blender:
+    return Blender(smollm.model, smollm.tokenizer, smollm.fingerprint)
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm) -> PromptFormat:
+    return PromptFormat(smollm.tokenizer, SYSTEM)
+
+
+def build(blender: Blender, prompt: PromptFormat, item: dict, passages: int):
+    head = blender.precompute(prompt.head_ids)
+    chunks = [blender.precompute(prompt.passage_ids(c["text"], c["title"]), prompt.head_ids, context=head)
+              for c in item["ctxs"][:passages]]
+    suffix = prompt.suffix_ids(item["question"])
+    ids = prompt.head_ids + [i for c in chunks for i in c.token_ids.tolist()] + suffix
+    return [head, *chunks], suffix, ids
+
+
+def answer(blender: Blender, prefill, n: int = 12) -> list[int]:
+    return list(blender.decode(prefill, SamplingParams(max_new_tokens=n)))
+
+
+def test_loader_answers_a_simple_chat_prompt(smollm, blender):
+    ids = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+    text = smollm.tokenizer.decode(answer(blender, blender.full_prefill(ids), 12), skip_special_tokens=True)
+    assert "Paris" in text
+
+
+def test_ratio_one_matches_full_prefill_on_real_passages(blender, prompt, musique):
+    segments, suffix, ids = build(blender, prompt, musique[0], passages=2)
+    full, blended = blender.full_prefill(ids), blender.prefill(segments, suffix, ratio=1.0)
+    assert (blended.logits - full.logits).abs().max() < 1e-3
+    assert answer(blender, blended) == answer(blender, blender.full_prefill(ids))
+
+
+def kl_over_answer(blender: Blender, full_logits: torch.Tensor, prefill, target: list[int]) -> float:
+    """Mean KL(full ‖ mode) over the full-prefill answer, teacher-forced."""
+    p = torch.log_softmax(full_logits, -1)
+    q = torch.log_softmax(blender.teacher_force(prefill, target), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def test_hkvd_selection_beats_random_selection(blender, prompt, musique):
+    hkvd, rand = [], []
+    for item in musique[:3]:
+        segments, suffix, ids = build(blender, prompt, item, passages=3)
+        target = answer(blender, blender.full_prefill(ids), 8)
+        full_logits = blender.teacher_force(blender.full_prefill(ids), target)
+        hkvd.append(kl_over_answer(blender, full_logits, blender.prefill(segments, suffix, 0.15), target))
+        rand.append(kl_over_answer(blender, full_logits,
+                                   blender.prefill(segments, suffix, 0.15, selection="random", seed=0), target))
+    print(f"mean KL at 15%: hkvd {sum(hkvd) / 3:.4f}, random {sum(rand) / 3:.4f}")
+    assert sum(hkvd) < sum(rand)
+
+
+def test_stream_stops_at_stop_string_and_eos(smollm, blender):
+    ids = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "Count from 1 to 20, comma-separated."}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+    stream = TextStream(smollm.tokenizer, stop=("5",), eos_ids=blender.eos_ids)
+    text = "".join(stream.feed(blender.decode(blender.full_prefill(ids), SamplingParams(max_new_tokens=60))))
+    assert stream.finish_reason == "stop" and "5" not in text and "4" in text
+
+    stream = TextStream(smollm.tokenizer, eos_ids=blender.eos_ids)
+    "".join(stream.feed(blender.decode(blender.full_prefill(ids), SamplingParams(max_new_tokens=3))))
+    assert stream.finish_reason == "length" and len(stream.tokens) == 3
+
+
+def test_sampling_is_seeded_and_varies(smollm, blender):
+    ids = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "Write a word."}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    def sample(seed: int) -> list[int]:
+        return answer(blender, blender.full_prefill(ids), 6) if seed < 0 else list(
+            blender.decode(blender.full_prefill(ids), SamplingParams(6, temperature=1.5, top_p=0.95, seed=seed)))
+
+    assert sample(1) == sample(1)
+    assert len({tuple(sample(s)) for s in range(4)}) > 1

@@ -1,0 +1,33 @@
+"""Shared fixtures: paths, settings in a temp data dir, the real embedded model (loaded once)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data" / "musique_dev.json"
+MODEL_CACHE = REPO / "data" / "models"  # converted once by `make models`; shared by all tests
+
+
+@pytest.fixture(scope="session")
+def musique() -> list[dict]:
+    if not SHARED_DATA.exists():
+        pytest.skip(f"real data not found at {SHARED_DATA}")
+    return json.loads(SHARED_DATA.read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The real embedded SmolLM2-135M-Instruct (LoadedModel), shared by the whole session."""
+    from blend import load_model
+
+    return load_model("embedded", cache_dir=MODEL_CACHE)
+
+
+@pytest.fixture
+def settings(tmp_path):
+    from app.config import load_settings
+
+    return load_settings(data_dir=tmp_path / "data", model={"cache_dir": str(MODEL_CACHE)})

@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from typer._click.exceptions import UsageError  # typer vendors click; this is its UsageError
 
 from app.config import Settings, load_settings
 
 cli = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  help="RAG serving with CacheBlend-style KV reuse.")
-store_cli = typer.Typer(no_args_is_help=True, help="Inspect and clean the tiered KV store.")
+                  rich_markup_mode=None, help="RAG serving with CacheBlend-style KV reuse.")
+store_cli = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Inspect and clean the tiered KV store.")
 cli.add_typer(store_cli, name="store")
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file overriding configs/default.yaml.")
@@ -139,7 +140,16 @@ def _open_store(config: Optional[Path]):
 
 
 def main() -> None:
-    cli()
+    """Entry point: bad arguments get one line on stderr and exit code 2."""
+    try:
+        code = cli(standalone_mode=False)
+    except UsageError as exc:
+        bare_help = type(exc).__name__ == "NoArgsIsHelpError"
+        typer.echo(exc.format_message() if bare_help else f"error: {exc.format_message()}", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,118 @@
+"""Shared tier: serialized entries in Redis, so replicas reuse each other's KV.
+
+Redis is an optimisation, never a dependency: a connection error or timeout is a miss (or a
+dropped write), counted in stats and logged once per outage. After a failure the tier is skipped
+for `backoff_s`, so a dead Redis costs one timeout per back-off window rather than one per
+request; the first call after the window retries, and redis-py reconnects by itself.
+Capacity and eviction are Redis's business (maxmemory policy, optional TTL).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from store.keys import is_key, validate_key
+
+log = logging.getLogger("ragblend.store")
+T = TypeVar("T")
+_GLOB_SPECIAL = "\\*?[]"
+
+
+class RedisTier:
+    name = "redis"
+    remote = True  # the store writes it from a background thread
+    trusted = False
+
+    def __init__(self, url: str, password: str | None = None, prefix: str = "ragblend:",
+                 ttl_s: int | None = None, timeout_s: float = 0.5, backoff_s: float = 5.0) -> None:
+        extra = {} if password is None else {"password": password}
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            # A dropped connection (server restarted, idle timeout) gets one immediate reconnect;
+            # a timeout gets none: a hung server must cost one timeout, not several.
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            **extra)
+        kw = self._client.connection_pool.connection_kwargs
+        self.where = f"{kw.get('host', kw.get('path'))}:{kw.get('port', '')}/{kw.get('db', 0)}"  # no password
+        self.prefix, self.ttl_s, self.backoff_s = prefix, ttl_s, backoff_s
+        self._lock = threading.Lock()
+        self._down_until = 0.0  # time.monotonic() before which Redis is skipped
+        self._up = True
+        self._errors = self._outages = self._skipped = 0
+
+    def _name(self, key: str) -> str:
+        return self.prefix + validate_key(key)
+
+    def _call(self, default: T, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run one Redis command; on trouble count it, back off if the server is unreachable."""
+        if time.monotonic() < self._down_until:
+            with self._lock:
+                self._skipped += 1
+            return default
+        try:
+            result = fn(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            self._went_down(exc)
+            return default
+        except redis.RedisError as exc:  # the server answered with an error (e.g. OOM): no back-off
+            with self._lock:
+                self._errors += 1
+            log.debug("redis tier: %s", exc)
+            return default
+        if not self._up:
+            self._came_back()
+        return result
+
+    def _went_down(self, exc: Exception) -> None:
+        with self._lock:
+            self._errors += 1
+            self._down_until = time.monotonic() + self.backoff_s
+            if not self._up:
+                return
+            self._up = False
+            self._outages += 1
+        log.warning("redis tier: %s unreachable (%s); serving from the other tiers, retrying every %.1fs",
+                    self.where, exc, self.backoff_s)
+
+    def _came_back(self) -> None:
+        with self._lock:
+            was_up, self._up = self._up, True
+        if not was_up:
+            log.warning("redis tier: %s is back", self.where)
+
+    def get(self, key: str) -> bytes | None:
+        return self._call(None, self._client.get, self._name(key))
+
+    def head(self, key: str, nbytes: int) -> bytes | None:
+        return self._call(None, self._client.getrange, self._name(key), 0, nbytes - 1) or None
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call(None, self._client.set, self._name(key), data, ex=self.ttl_s or None)
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call(0, self._client.delete, self._name(key)))
+
+    def contains(self, key: str) -> bool:
+        return bool(self._call(0, self._client.exists, self._name(key)))
+
+    def keys(self) -> Iterator[str]:
+        pattern = "".join("\\" + c if c in _GLOB_SPECIAL else c for c in self.prefix) + "*"
+        names = self._call([], lambda: list(self._client.scan_iter(match=pattern, count=1000)))
+        n = len(self.prefix)
+        return (key for name in names if is_key(key := name.decode(errors="replace")[n:]))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"entries": None, "bytes": None, "evictions": None,  # Redis's own business
+                    "errors": self._errors, "outages": self._outages, "skipped": self._skipped,
+                    "available": self._up and time.monotonic() >= self._down_until}

@@ -1,0 +1,295 @@
+"""TieredStore: lookups through the chain, bad entries as misses, Redis outages, replicas, threads."""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+import pytest
+
+from app.config import StoreSettings
+from store import (CODECS, DiskTier, KVMismatchError, MemoryTier, RedisTier, TieredStore, build_store,
+                   encode)
+from store.testing import assert_same_kv, random_kv
+
+FP = "model-a"
+
+
+def make_store(tmp_path, redis_url=None, *, memory=True, disk=True, codec="fp16", name="r1",
+               memory_bytes=1 << 20, disk_bytes=1 << 20, **redis_kw) -> TieredStore:
+    tiers = []
+    if memory:
+        tiers.append(MemoryTier(memory_bytes))
+    if disk:
+        tiers.append(DiskTier(tmp_path / name, disk_bytes))
+    if redis_url:
+        tiers.append(RedisTier(redis_url, **({"timeout_s": 0.2, "backoff_s": 0.3} | redis_kw)))
+    return TieredStore(tiers, codec=codec, fingerprint=FP)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("only", ["memory", "disk", "redis"])
+def test_round_trip_per_codec_and_tier(tmp_path, redis_url, codec, only):
+    store = make_store(tmp_path, redis_url if only == "redis" else None, codec=codec,
+                       memory=only == "memory", disk=only == "disk")
+    key, kv = random_kv(0, context=[7, 8])
+    assert store.get(key) is None
+    store.put(key, kv)
+    store.flush()
+    assert store.contains(key)
+    assert_same_kv(store.get(key), kv, codec)
+    stats = store.stats()
+    assert (stats["hits"], stats["misses"], stats["puts"]) == (1, 1, 1)
+    assert stats["tiers"][only]["hits"] == 1 and stats["tiers"][only]["load_ms_mean"] > 0
+    store.close()
+
+
+def test_hits_are_promoted_to_faster_tiers(tmp_path, redis_url):
+    key, kv = random_kv(1)
+    with make_store(tmp_path, redis_url, name="writer") as writer:
+        writer.put(key, kv)
+    reader = make_store(tmp_path, redis_url, name="reader")  # empty memory and disk
+    found, tier = reader.get_with_tier(key)
+    assert_same_kv(found, kv)
+    assert tier == "redis"
+    assert reader.tiers[0].contains(key) and reader.tiers[1].contains(key)
+    found, tier = reader.get_with_tier(key)
+    assert_same_kv(found, kv)
+    assert tier == "memory"
+    tiers = reader.stats()["tiers"]
+    assert (tiers["redis"]["hits"], tiers["memory"]["hits"], tiers["memory"]["misses"]) == (1, 1, 1)
+    reader.close()
+
+
+def test_memory_and_disk_caps_evict_by_bytes(tmp_path):
+    entry_bytes = len(encode(random_kv(0)[1]))
+    store = make_store(tmp_path, memory_bytes=2 * entry_bytes, disk_bytes=3 * entry_bytes)
+    keys = [store.put(k, kv) or k for k, kv in (random_kv(i) for i in range(5))]
+    stats = store.stats()["tiers"]
+    assert stats["memory"]["entries"] == 2 and stats["memory"]["bytes"] <= 2 * entry_bytes
+    assert stats["disk"]["entries"] == 3 and stats["disk"]["evictions"] == 2
+    assert store.get(keys[0]) is None and store.get(keys[4]) is not None
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
+def test_damaged_disk_file_is_a_miss_and_is_removed(tmp_path, damage):
+    key, kv = random_kv(2)
+    make_store(tmp_path, memory=False).put(key, kv)
+    path = next((tmp_path / "r1").rglob("*.kv"))
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data[: {"flip": len(data), "truncate": len(data) - 7, "empty": 0}[damage]]))
+
+    store = make_store(tmp_path)
+    assert store.get(key) is None
+    assert not path.exists() and not store.contains(key)
+    assert store.stats()["corrupt"] == 1 and store.stats()["tiers"]["disk"]["corrupt"] == 1
+
+
+def test_damaged_disk_entry_falls_through_to_a_good_redis_copy(tmp_path, redis_url):
+    key, kv = random_kv(3)
+    with make_store(tmp_path, redis_url) as store:
+        store.put(key, kv)
+    path = next((tmp_path / "r1").rglob("*.kv"))
+    path.write_bytes(path.read_bytes()[:-1])
+    store = make_store(tmp_path, redis_url, memory=False)
+    assert_same_kv(store.get(key), kv)  # served from Redis, then rewritten to disk
+    assert_same_kv(make_store(tmp_path, memory=False).get(key), kv)
+    store.close()
+
+
+def test_truncated_redis_value_is_a_miss_and_is_removed(tmp_path, redis_url, redis_server):
+    key, kv = random_kv(4)
+    with make_store(tmp_path, redis_url, name="writer") as store:
+        store.put(key, kv)
+    with redis_server.client() as raw:
+        name = "ragblend:" + key
+        raw.set(name, raw.get(name)[:-100])
+        reader = make_store(tmp_path, redis_url, name="reader")
+        assert reader.get(key) is None
+        assert raw.exists(name) == 0
+    assert reader.stats()["tiers"]["redis"]["corrupt"] == 1
+    reader.close()
+
+
+def test_other_models_entries_are_refused_and_dropped(tmp_path):
+    store = make_store(tmp_path)
+    key_b, kv_b = random_kv(5, fingerprint="model-b")
+    with pytest.raises(KVMismatchError):
+        store.put(key_b, kv_b)
+    # Model B's KV planted under the key model A would use for the same tokens: a miss, deleted.
+    key_a = random_kv(5, fingerprint=FP)[0]
+    store.tiers[1].put(key_a, encode(kv_b))
+    assert store.get(key_a) is None and not store.tiers[1].contains(key_a)
+    assert store.stats()["corrupt"] == 1
+
+
+def test_an_entry_must_sit_under_its_own_key(tmp_path):
+    store = make_store(tmp_path)
+    key1, kv1 = random_kv(6)
+    key2, _ = random_kv(7)
+    with pytest.raises(KVMismatchError):
+        store.put(key2, kv1)
+    store.tiers[0].put(key2, encode(kv1))  # a valid entry, but of other tokens
+    assert store.get(key2) is None and not store.tiers[0].contains(key2)
+    with pytest.raises(ValueError):
+        store.get("../" + key1[3:])
+
+
+def _serve_during_outage(store: TieredStore, kvs: dict, seed: int) -> float:
+    """150 calls a request path would make; returns the seconds they took."""
+    absent = [random_kv(i)[0] for i in range(1000 + seed, 1010 + seed)]
+    start = time.monotonic()
+    for round_ in range(10):
+        for key, kv in kvs.items():
+            assert_same_kv(store.get(key), kv)  # local tiers keep serving
+        for key in absent:
+            assert store.get(key) is None  # looks in Redis: times out once, then skips it
+        store.put(*random_kv(seed + round_))  # never waits for Redis
+    return time.monotonic() - start
+
+
+def test_redis_outage_is_survived_and_recovered(tmp_path, redis_server, redis_url, caplog):
+    store = make_store(tmp_path, redis_url)  # timeout 0.2 s, back-off 0.3 s
+    kvs = dict(random_kv(i) for i in range(10, 14))
+    for key, kv in kvs.items():
+        store.put(key, kv)
+    store.flush()
+    caplog.set_level(logging.WARNING, logger="ragblend.store")
+
+    redis_server.pause()  # hung: every call would wait out the timeout without the back-off
+    elapsed = _serve_during_outage(store, kvs, seed=200)
+    assert elapsed < 2.0, f"{elapsed:.2f}s for 150 calls with Redis hung"
+    redis_server.stop()  # then dead
+    elapsed = _serve_during_outage(store, kvs, seed=300)
+    assert elapsed < 2.0, f"{elapsed:.2f}s for 150 calls with Redis dead"
+    store.flush()
+    redis_stats = store.stats()["tiers"]["redis"]
+    assert redis_stats["errors"] >= 1 and redis_stats["skipped"] > 100 and not redis_stats["available"]
+    assert redis_stats["outages"] == 1
+    assert sum("unreachable" in r.getMessage() for r in caplog.records) == 1  # once per outage
+
+    redis_server.start()  # back, empty, same port
+    time.sleep(0.35)  # past the back-off
+    key, kv = random_kv(400)
+    store.put(key, kv)
+    store.flush()
+    with redis_server.client() as raw:
+        assert raw.exists("ragblend:" + key)
+    assert store.stats()["tiers"]["redis"]["available"]
+    assert any("is back" in r.getMessage() for r in caplog.records)
+    other = make_store(tmp_path, redis_url, name="r2")
+    assert_same_kv(other.get(key), kv)
+    other.close()
+    store.close()
+
+
+def test_two_replicas_share_redis(tmp_path, redis_url):
+    one = make_store(tmp_path, redis_url, name="one")
+    two = make_store(tmp_path, redis_url, name="two")
+    key, kv = random_kv(20)
+    assert two.get(key) is None
+    one.put(key, kv)
+    one.flush()
+    assert_same_kv(two.get(key), kv)
+    assert two.stats()["tiers"]["redis"]["hits"] == 1
+    one.close()
+    two.close()
+
+
+def test_concurrent_gets_and_puts_never_see_partial_entries(tmp_path, redis_url):
+    entries = dict(random_kv(i, shape=(2, 2, 33, 8)) for i in range(8))
+    entry_bytes = len(encode(next(iter(entries.values()))))
+    store = make_store(tmp_path, redis_url, memory_bytes=3 * entry_bytes, disk_bytes=4 * entry_bytes)
+    keys, errors, seen = list(entries), [], []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(80):
+                key = rng.choice(keys)
+                if rng.random() < 0.4:
+                    store.put(key, entries[key])
+                else:
+                    got = store.get(key)
+                    if got is not None:
+                        assert_same_kv(got, entries[key])
+                        seen.append(key)
+        except BaseException as exc:  # surfaced below; a thread's assert would be lost
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store.close()
+    assert not errors, errors[0]
+    assert seen and store.stats()["corrupt"] == 0
+    assert not list((tmp_path / "r1").rglob("*.tmp"))
+    after = make_store(tmp_path, redis_url, name="r1")  # what is left on disk and in Redis is whole
+    for key, kv in entries.items():
+        if (got := after.get(key)) is not None:
+            assert_same_kv(got, kv)
+    assert after.stats()["corrupt"] == 0
+
+
+def test_full_write_queue_drops_instead_of_blocking(tmp_path):
+    class StuckRemote(MemoryTier):  # a remote tier whose writes hang
+        name, remote, trusted = "stuck", True, False
+
+        def __init__(self) -> None:
+            super().__init__(1 << 20)
+            self.release = threading.Event()
+
+        def put(self, key: str, data: bytes) -> None:
+            self.release.wait()
+            super().put(key, data)
+
+    stuck = StuckRemote()
+    store = TieredStore([MemoryTier(1 << 20), stuck], fingerprint=FP, queue_size=2)
+    start = time.monotonic()
+    for i in range(6):
+        store.put(*random_kv(i))
+    assert time.monotonic() - start < 1.0
+    dropped = store.stats()["dropped_writes"]
+    assert 3 <= dropped <= 4  # two fit in the queue, plus one in the writer's hands if it took one
+    stuck.release.set()
+    store.close()  # flushes what was queued
+    assert stuck.stats()["entries"] == 6 - dropped
+
+
+def test_gc_drops_other_models_and_unreadable_entries(tmp_path):
+    store = TieredStore([MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20)])  # accepts any model
+    mine = dict(random_kv(i) for i in range(3))
+    theirs = dict(random_kv(i, fingerprint="model-b") for i in range(3, 5))
+    for key, kv in (mine | theirs).items():
+        store.put(key, kv)
+    junk = random_kv(9)[0]
+    store.tiers[1].put(junk, b"RBKV garbage")
+
+    report = store.gc(keep_fingerprint=FP)
+    assert report["memory"] == {"scanned": 5, "dropped": 2, "entries": 3, "bytes": report["memory"]["bytes"]}
+    assert report["disk"]["scanned"] == 6 and report["disk"]["dropped"] == 3 and report["disk"]["entries"] == 3
+    assert all(store.get(k) is not None for k in mine) and all(not store.contains(k) for k in theirs)
+
+
+def test_build_store_from_settings(tmp_path, redis_url):
+    settings = StoreSettings(codec="int8", memory_bytes=1 << 20, disk_bytes=1 << 20, redis_url=redis_url,
+                             redis_prefix="t:", redis_ttl_s=30)
+    store = build_store(settings, tmp_path / "kv", FP)
+    assert [t.name for t in store.tiers] == ["memory", "disk", "redis"] and store.codec == "int8"
+    key, kv = random_kv(30)
+    store.put(key, kv)
+    store.close()
+    replica = build_store(settings, tmp_path / "kv2", FP)
+    assert_same_kv(replica.get(key), kv, "int8")
+    assert replica.stats()["tiers"]["redis"]["hits"] == 1
+    replica.close()
+
+    no_memory = build_store(StoreSettings(memory_bytes=0), tmp_path / "kv", FP)
+    assert [t.name for t in no_memory.tiers] == ["disk"]
+    with pytest.raises(KVMismatchError):
+        no_memory.put(*random_kv(31, fingerprint="model-b"))

@@ -17,7 +17,7 @@ class ModelSettings(BaseModel):
     name: str = "embedded"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     cache_dir: Path | None = None
-    system_prompt: str = "You are a helpful assistant. Answer the question using the passages. Be brief."
+    system_prompt: str = "Answer the question with a short phrase, using only the passages."
 
 
 class EmbedderSettings(BaseModel):

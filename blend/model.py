@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 log = logging.getLogger("ragblend.blend")
 
@@ -97,6 +98,7 @@ def load_model(name: str = EMBEDDED, cache_dir: str | Path = "data/models", dtyp
     """
     from blend.attention import BLEND_ATTENTION
 
+    hf_logging.disable_progress_bar()  # loading takes < 1 s from the cache; the bars are noise
     start = time.perf_counter()
     source = str(convert_embedded(Path(cache_dir))) if name == EMBEDDED else name
     tokenizer = AutoTokenizer.from_pretrained(source)

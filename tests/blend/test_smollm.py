@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from app.config import load_settings
 from blend import Blender, PromptFormat, SamplingParams, TextStream
 
 pytestmark = pytest.mark.slow
-SYSTEM = "You are a helpful assistant. Answer the question using the passages. Be brief."
+SYSTEM = load_settings().model.system_prompt
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,350 @@
+"""Ingest: files → documents → chunks → embeddings + precomputed chunk KV → metadata + index.
+
+Inputs: .txt, .md and .jsonl files, and folders searched recursively (sorted; hidden entries and
+other extensions skipped). Each JSONL line is one `{"id"?, "title"?, "text"}` object.
+
+Document ids, stable across runs:
+- a file named directly: its stem             (`corpus/harbor.md` → "harbor");
+- a file found in a folder: its path relative to that folder, without extension, "/"-separated
+                                              (`corpus` holding `recipes/bread.md` → "recipes/bread");
+- a JSONL line: its "id", else "<file id>:<line number>".
+Titles: the JSONL "title"; else, for .md, the first heading (dropped from the text when it is the
+first line, since the prompt shows the title anyway); else the file stem.
+
+Per document (`Ingestor`): chunk; skip it if nothing changed (same text, title, chunks and KV
+keys: a new model or prompt changes the keys, so re-ingesting recomputes the KV); embed and
+precompute each chunk's KV; then commit metadata + index in one step (retrieval.Retriever) and
+drop the KV entries of replaced chunks. A failure before the commit leaves the previous version
+in place and deletes the KV entries written for the failed one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+from app.config import Settings
+from retrieval import Chunk, Chunker, Retriever
+from retrieval.chunker import sha256_text
+
+log = logging.getLogger("ragblend.ingest")
+
+SUFFIXES = (".txt", ".md", ".jsonl")
+_HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
+
+
+class IngestError(ValueError):
+    """A document that cannot be ingested; the message names the file (and line)."""
+
+
+class KVCache(Protocol):
+    """What ingest needs from app.kv.ChunkKVCache."""
+
+    def key(self, text: str, title: str | None = None) -> str: ...
+    def ensure(self, text: str, title: str | None = None) -> str: ...
+    def delete(self, key: str) -> None: ...
+
+
+@dataclass
+class SourceDocument:
+    doc_id: str
+    title: str | None
+    text: str
+    source: str  # where it came from, for messages: "path" or "path:line"
+
+
+@dataclass
+class IngestResult:
+    doc_id: str
+    status: Literal["added", "updated", "unchanged"]
+    n_chunks: int
+    seconds: float
+
+
+@dataclass
+class PreparedDocument:
+    """A chunked document, and whether it differs from the stored version."""
+
+    doc: SourceDocument
+    chunks: list[Chunk]
+    content_hash: str
+    existed: bool
+    unchanged: bool
+
+
+def _noop(n: int) -> None:
+    pass
+
+
+@dataclass
+class Ingestor:
+    retriever: Retriever
+    chunker: Chunker
+    kv_cache: KVCache
+    on_embedded: Callable[[int], object] = _noop  # progress: called with a number of chunks
+    on_precomputed: Callable[[int], object] = _noop
+
+    def ingest_text(self, doc_id: str, title: str | None, text: str, source: str | None = None) -> IngestResult:
+        """Add or replace one document (the API's upload goes through here). Raises IngestError."""
+        return self.commit(self.prepare(SourceDocument(doc_id, title, text, source or doc_id)))
+
+    def delete(self, doc_id: str) -> None:
+        """Remove a document, its index entries and its KV entries; KeyError if unknown."""
+        for key in self.retriever.delete_document(doc_id):
+            self.kv_cache.delete(key)
+
+    def prepare(self, doc: SourceDocument) -> PreparedDocument:
+        """Chunk the document and decide whether anything changed (cheap: tokenization only)."""
+        title = doc.title.strip() if doc.title else None
+        doc = SourceDocument(doc.doc_id.strip(), title or None, normalize_text(doc.text), doc.source)
+        if not doc.doc_id:
+            raise IngestError(f"{doc.source}: empty document id")
+        chunks = self.chunker.chunk(doc.doc_id, doc.text)
+        if not chunks:
+            raise IngestError(f"{doc.source}: empty document")
+        content_hash = sha256_text(doc.text)
+        old = self.retriever.get_document(doc.doc_id)
+        unchanged = old is not None and old.content_hash == content_hash and old.title == doc.title and \
+            [(c.text, c.kv_key) for c in self.retriever.document_chunks(doc.doc_id)] == \
+            [(c.text, self.kv_cache.key(c.text, doc.title)) for c in chunks]
+        return PreparedDocument(doc, chunks, content_hash, old is not None, unchanged)
+
+    def commit(self, prepared: PreparedDocument) -> IngestResult:
+        """Embed and precompute, then write metadata + index; the previous version survives any failure."""
+        start = time.perf_counter()
+        doc, chunks = prepared.doc, prepared.chunks
+        if prepared.unchanged:
+            return IngestResult(doc.doc_id, "unchanged", len(chunks), 0.0)
+        written: list[str] = []
+        try:
+            # 1. Embed and precompute: nothing is visible to queries yet.
+            embeddings = self.retriever.embed_chunks(chunks, doc.title, self.on_embedded)
+            for chunk in chunks:
+                written.append(self.kv_cache.ensure(chunk.text, doc.title))
+                self.on_precomputed(1)
+            # 2. Commit metadata, then the index (see retrieval.retriever for the crash story).
+            stale = self.retriever.add_document(doc.doc_id, chunks, title=doc.title, source=doc.source,
+                                                content_hash=prepared.content_hash, embeddings=embeddings,
+                                                kv_keys=written)
+        except BaseException:
+            self._forget(written)
+            raise
+        # 3. KV entries only the replaced version used.
+        for key in stale:
+            self.kv_cache.delete(key)
+        seconds = time.perf_counter() - start
+        status = "updated" if prepared.existed else "added"
+        log.info("document ingested", extra={"doc_id": doc.doc_id, "status": status, "chunks": len(chunks),
+                                             "seconds": round(seconds, 3)})
+        return IngestResult(doc.doc_id, status, len(chunks), seconds)
+
+    def _forget(self, keys: list[str]) -> None:
+        """Delete KV entries written for a failed document, unless a committed chunk uses them."""
+        for key in dict.fromkeys(keys):
+            if not self.retriever.is_referenced(key):
+                try:
+                    self.kv_cache.delete(key)
+                except Exception:  # the original error matters more; an orphan entry is harmless
+                    log.warning("could not delete KV entry", extra={"key": key}, exc_info=True)
+
+
+# Reading files ---------------------------------------------------------------------------------
+
+def normalize_text(text: str) -> str:
+    """Unix newlines, no NULs; everything else is kept as written."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+
+
+def collect_files(paths: list[Path]) -> tuple[list[tuple[Path, str]], list[str]]:
+    """(file, doc id) for every input file, in order, and an error line for every bad path."""
+    files, errors = [], []
+    for path in paths:
+        if path.is_dir():
+            for file in sorted(path.rglob("*")):
+                relative = file.relative_to(path)
+                if file.is_file() and file.suffix.lower() in SUFFIXES and \
+                        not any(part.startswith(".") for part in relative.parts):
+                    files.append((file, relative.with_suffix("").as_posix()))
+        elif not path.exists():
+            errors.append(f"{path}: no such file or folder")
+        elif path.suffix.lower() not in SUFFIXES:
+            errors.append(f"{path}: unsupported file type {path.suffix or '(none)'!r}: use .txt, .md or .jsonl")
+        else:
+            files.append((path, path.stem))
+    return files, errors
+
+
+def read_documents(path: Path, doc_id: str) -> tuple[list[SourceDocument], list[str]]:
+    """The documents in one file, and an error line for each bad one (a JSONL file may hold both)."""
+    try:
+        text = read_text(path)
+    except IngestError as exc:
+        return [], [str(exc)]
+    if path.suffix.lower() == ".jsonl":
+        return _read_jsonl(path, doc_id, text)
+    title = path.stem
+    if path.suffix.lower() == ".md":
+        title, text = _markdown_title(text, title)
+    return [SourceDocument(doc_id, title, text, str(path))], []
+
+
+def read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise IngestError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if b"\x00" in data:
+        raise IngestError(f"{path}: binary file, not text")
+    try:
+        return normalize_text(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise IngestError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") from None
+
+
+def _markdown_title(text: str, fallback: str) -> tuple[str, str]:
+    match = _HEADING.search(text)
+    if match is None:
+        return fallback, text
+    if not text[:match.start()].strip():  # the heading opens the document: it becomes the title
+        text = text[match.end():]
+    return match.group(1), text
+
+
+def _read_jsonl(path: Path, file_id: str, text: str) -> tuple[list[SourceDocument], list[str]]:
+    docs, errors = [], []
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            errors.append(f"{where}: malformed JSON: {exc.msg} (column {exc.colno})")
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            errors.append(f'{where}: expected an object with a "text" string')
+            continue
+        doc_id, title = obj.get("id"), obj.get("title")
+        if doc_id is not None and (isinstance(doc_id, bool) or not isinstance(doc_id, (str, int))):
+            errors.append(f'{where}: "id" must be a string or an integer')
+            continue
+        if title is not None and not isinstance(title, str):
+            errors.append(f'{where}: "title" must be a string')
+            continue
+        docs.append(SourceDocument(f"{file_id}:{number}" if doc_id is None else str(doc_id),
+                                   path.stem if title is None else title, obj["text"], where))
+    return docs, errors
+
+
+# The command -----------------------------------------------------------------------------------
+
+@dataclass
+class _Summary:
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("added", "updated", "unchanged", "deleted", "failed"), 0))
+    chunks: int = 0
+
+    def error(self, message: str) -> None:
+        from tqdm import tqdm
+
+        self.counts["failed"] += 1
+        tqdm.write(f"error: {message}", file=sys.stderr)  # tqdm.write keeps the progress bars intact
+
+    def line(self, seconds: float) -> str:
+        c = self.counts
+        return (f"ingest: {c['added']} added, {c['updated']} updated, {c['unchanged']} unchanged, "
+                f"{c['deleted']} deleted, {c['failed']} failed; {self.chunks} chunks embedded and "
+                f"precomputed in {seconds:.1f} s")
+
+
+def run_ingest(settings: Settings, paths: list[Path], delete_ids: list[str]) -> int:
+    """`ragblend ingest`: 0 if all went well, 1 if any input or deletion failed, 2 if ingest could not start."""
+    from retrieval import IndexMismatchError
+
+    start, summary = time.perf_counter(), _Summary()
+    docs = _read_inputs(paths, summary)
+    if docs or delete_ids:  # all inputs bad: report without loading any model
+        try:
+            with open_ingestor(settings) as ingestor:
+                for doc_id in delete_ids:
+                    try:
+                        ingestor.delete(doc_id)
+                        summary.counts["deleted"] += 1
+                    except KeyError:
+                        summary.error(f"--delete {doc_id}: unknown document id")
+                _ingest_all(ingestor, docs, summary)
+        except IndexMismatchError as exc:
+            summary.error(str(exc))
+            return 2
+    print(summary.line(time.perf_counter() - start))
+    return 1 if summary.counts["failed"] else 0
+
+
+@contextmanager
+def open_ingestor(settings: Settings) -> Iterator[Ingestor]:
+    """An Ingestor over the configured model, store and index, closed on exit."""
+    from app.components import build_kv_cache, load_llm, open_store
+    from retrieval import open_retriever
+
+    loaded = load_llm(settings)
+    with open_store(settings, loaded.fingerprint) as store:
+        retriever = open_retriever(settings)
+        try:
+            yield Ingestor(retriever, Chunker(loaded.tokenizer, settings.chunking),
+                           build_kv_cache(settings, loaded, store))
+        finally:
+            retriever.close()
+
+
+def _read_inputs(paths: list[Path], summary: _Summary) -> list[SourceDocument]:
+    """Every document of every input; bad files, lines and duplicate ids are reported and skipped."""
+    files, errors = collect_files(paths)
+    docs: list[SourceDocument] = []
+    for path, doc_id in files:
+        found, bad = read_documents(path, doc_id)
+        docs += found
+        errors += bad
+    seen: dict[str, str] = {}
+    unique = []
+    for doc in docs:
+        if doc.doc_id in seen:
+            errors.append(f"{doc.source}: duplicate document id {doc.doc_id!r} (also in {seen[doc.doc_id]})")
+        else:
+            seen[doc.doc_id] = doc.source
+            unique.append(doc)
+    for message in errors:
+        summary.error(message)
+    return unique
+
+
+def _ingest_all(ingestor: Ingestor, docs: list[SourceDocument], summary: _Summary) -> None:
+    """Chunk everything first (so the progress bars know their totals), then embed, precompute, commit."""
+    from tqdm import tqdm
+
+    prepared = []
+    for doc in docs:
+        try:
+            prepared.append(ingestor.prepare(doc))
+        except IngestError as exc:
+            summary.error(str(exc))
+    total = sum(len(p.chunks) for p in prepared if not p.unchanged)
+    with tqdm(total=total, desc="embedded", unit="chunk", file=sys.stderr, disable=None) as embedded, \
+            tqdm(total=total, desc="KV precomputed", unit="chunk", file=sys.stderr, disable=None) as kv:
+        ingestor.on_embedded, ingestor.on_precomputed = embedded.update, kv.update
+        for item in prepared:
+            try:
+                result = ingestor.commit(item)
+            except Exception as exc:  # one bad document must not stop the batch
+                log.debug("ingest failed", extra={"source": item.doc.source}, exc_info=True)
+                summary.error(f"{item.doc.source}: {type(exc).__name__}: {exc}")
+                continue
+            summary.counts[result.status] += 1
+            if result.status != "unchanged":
+                summary.chunks += result.n_chunks

@@ -1,0 +1,289 @@
+"""Ingest: bookkeeping (re-ingest, replace, delete, failures) and the real `ragblend ingest` end to end."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import app.components
+import retrieval
+from app.cli import cli
+from app.ingest import Ingestor, IngestError, SourceDocument, collect_files, read_documents, run_ingest
+from app.config import ChunkingSettings
+from blend import PromptFormat, hash_ids
+from retrieval import Chunker, Retriever
+from retrieval.testing import (MODEL_CACHE, ROOT, DictKVCache, shared_embedder, shared_llm, shared_tokenizer,
+                               test_settings)
+from store import kv_key
+
+LONG = " ".join(f"Sentence {i} of the long document talks about harbour number {i}." for i in range(12))
+
+
+# Bookkeeping, with a dict standing in for the KV store -------------------------------------------
+
+@pytest.fixture
+def parts(tmp_path):
+    retriever = Retriever(tmp_path / "index", shared_embedder())
+    kv = DictKVCache()
+    chunker = Chunker(shared_tokenizer(), ChunkingSettings(target_tokens=40, max_tokens=64, min_tokens=4))
+    yield Ingestor(retriever, chunker, kv), retriever, kv
+    retriever.close()
+
+
+def stored_keys(retriever: Retriever) -> set[str]:
+    return {c.kv_key for d in retriever.list_documents() for c in retriever.document_chunks(d.id)}
+
+
+def test_reingest_is_idempotent_and_a_change_replaces(parts):
+    ingestor, retriever, kv = parts
+    embedded, precomputed = [], []
+    ingestor.on_embedded, ingestor.on_precomputed = embedded.append, precomputed.append
+    assert ingestor.ingest_text("long", "Long", LONG).status == "added"
+    assert sum(embedded) == sum(precomputed) == len(retriever) > 2  # the progress bars' feed
+    assert ingestor.ingest_text("short", "Short", "A short note about the tides.").status == "added"
+    first = {c.ordinal: c for c in retriever.document_chunks("long")}
+    assert len(first) > 2 and set(kv.entries) == stored_keys(retriever)
+
+    kv.fail_on = "harbour"  # any KV work now would raise: unchanged documents must not need any
+    assert ingestor.ingest_text("long", "Long", LONG).status == "unchanged"
+    ingestor.ingest_text("lines", "Lines", "First line.\nSecond line.")
+    assert ingestor.ingest_text("lines", "Lines", "First line.\r\nSecond line.").status == "unchanged"
+    kv.fail_on = None
+
+    changed = LONG.replace("Sentence 11 of", "The last sentence of")  # only the last chunk changes
+    result = ingestor.ingest_text("long", "Long", changed)
+    assert (result.status, result.n_chunks) == ("updated", len(first))
+    after = {c.ordinal: c for c in retriever.document_chunks("long")}
+    assert after[0].kv_key == first[0].kv_key and after[len(first) - 1].kv_key != first[len(first) - 1].kv_key
+    assert set(kv.entries) == stored_keys(retriever)  # the replaced chunk's KV is gone
+    assert sorted(retriever.index.ids()) == sorted(retriever.metadata.chunk_ids())
+
+    assert ingestor.ingest_text("long", "A new title", changed).status == "updated"  # titles are in the KV
+    assert set(kv.entries) == stored_keys(retriever)
+
+
+def test_shared_chunks_keep_their_kv_until_the_last_user_goes(parts):
+    ingestor, retriever, kv = parts
+    ingestor.ingest_text("a", "Same", "Identical text in two documents.")
+    ingestor.ingest_text("b", "Same", "Identical text in two documents.")
+    assert len(kv.entries) == 1
+    ingestor.delete("a")
+    assert len(kv.entries) == 1
+    ingestor.delete("b")
+    assert kv.entries == {} and len(retriever) == 0
+    with pytest.raises(KeyError):
+        ingestor.delete("b")
+
+
+@pytest.mark.parametrize("failure", ["kv", "embed"])
+def test_a_failure_mid_document_leaves_the_previous_version(parts, failure, monkeypatch):
+    ingestor, retriever, kv = parts
+    ingestor.ingest_text("long", "Long", LONG)
+    before = [(c.id, c.text, c.kv_key) for c in retriever.document_chunks("long")]
+    entries = dict(kv.entries)
+
+    new_version = LONG.replace("Sentence 5 of", "BROKEN sentence of").replace("Sentence 0 of", "The first of")
+    if failure == "kv":
+        kv.fail_on = "BROKEN"  # the first chunk's KV is written, then the second one fails
+    else:
+        def out_of_memory(*args, **kwargs):
+            raise MemoryError
+
+        monkeypatch.setattr(retriever.embedder, "embed", out_of_memory)
+    with pytest.raises(RuntimeError if failure == "kv" else MemoryError):
+        ingestor.ingest_text("long", "Long", new_version)
+
+    assert [(c.id, c.text, c.kv_key) for c in retriever.document_chunks("long")] == before
+    assert kv.entries == entries  # what was written for the failed version is gone again
+    assert sorted(retriever.index.ids()) == sorted(retriever.metadata.chunk_ids())
+
+
+def test_empty_documents_and_ids_are_refused(parts):
+    ingestor = parts[0]
+    with pytest.raises(IngestError, match="empty document"):
+        ingestor.ingest_text("x", "T", " \n\t ")
+    with pytest.raises(IngestError, match="empty document id"):
+        ingestor.ingest_text("  ", "T", "text")
+
+
+def test_document_ids_and_titles(tmp_path):
+    root = tmp_path / "docs"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.md").write_text("\n# Title A\n\nBody of A.\n## Section\nmore")
+    (root / "sub" / "b.txt").write_text("Body of B.")
+    (root / "sub" / "c.md").write_text("No heading first.\n\n# Later heading\n")
+    (root / "faq.jsonl").write_text('{"id": 7, "title": "Seven", "text": "x"}\n\n{"text": "y"}\n')
+    (root / "skip.pdf").write_text("ignored inside folders")
+    (root / ".hidden.md").write_text("ignored")
+    files, errors = collect_files([root, root / "sub" / "b.txt"])
+    assert errors == []
+    assert [(p.name, i) for p, i in files] == [("a.md", "a"), ("faq.jsonl", "faq"), ("b.txt", "sub/b"),
+                                               ("c.md", "sub/c"), ("b.txt", "b")]
+    docs = [d for path, doc_id in files for d in read_documents(path, doc_id)[0]]
+    assert [(d.doc_id, d.title) for d in docs] == [("a", "Title A"), ("7", "Seven"), ("faq:3", "faq"),
+                                                   ("sub/b", "b"), ("sub/c", "Later heading"), ("b", "b")]
+    assert docs[0].text.strip() == "Body of A.\n## Section\nmore"  # an opening heading becomes the title
+    assert docs[4].text.startswith("No heading first.")  # a later one stays in the text
+    assert docs[2].source == f"{root / 'faq.jsonl'}:3"
+
+
+def test_unreadable_file(tmp_path, monkeypatch):
+    path = tmp_path / "secret.txt"
+    path.write_text("x")
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    assert read_documents(path, "secret") == ([], [f"{path}: cannot read: Permission denied"])
+
+
+# The real command: SmolLM2 KV precompute into the tiered store, MiniLM, FAISS, SQLite ------------
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """Environment for `ragblend` in a fresh data dir; models are loaded once per session."""
+    monkeypatch.setattr(app.components, "load_llm", lambda settings: shared_llm())
+    monkeypatch.setattr(retrieval, "open_embedder", lambda settings: shared_embedder())
+    return {"RAGBLEND_DATA_DIR": str(tmp_path / "data"), "RAGBLEND_MODEL__CACHE_DIR": str(MODEL_CACHE)}
+
+
+def ragblend(env: dict[str, str], *args: str):
+    return CliRunner().invoke(cli, ["ingest", *args], env=env)
+
+
+def inspect(env: dict[str, str]) -> tuple[dict[str, list[str]], set[str]]:
+    """(doc id -> its chunks' kv keys, the chunk kv keys in the on-disk store), read back from disk."""
+    settings = test_settings(Path(env["RAGBLEND_DATA_DIR"]))
+    retriever = retrieval.open_retriever(settings)
+    docs = {d.id: [c.kv_key for c in retriever.document_chunks(d.id)] for d in retriever.list_documents()}
+    assert sorted(retriever.index.ids()) == sorted(retriever.metadata.chunk_ids())
+    retriever.close()
+    with app.components.open_store(settings, shared_llm().fingerprint) as store:
+        [disk] = [t for t in store.tiers if t.name == "disk"]  # this process's memory tier is empty
+        held = set(disk.keys())
+    head_ids = PromptFormat(shared_tokenizer(), settings.model.system_prompt).head_ids
+    held.discard(kv_key(shared_llm().fingerprint, hash_ids([]), head_ids))  # the prompt head's own KV
+    return docs, held
+
+
+def test_ingest_demo_corpus_then_reingest_change_and_delete(tmp_path, env):
+    corpus = tmp_path / "corpus"
+    shutil.copytree(ROOT / "corpus", corpus)
+    result = ragblend(env, str(corpus))
+    assert result.exit_code == 0, result.output
+    assert "11 added, 0 updated, 0 unchanged, 0 deleted, 0 failed" in result.stdout
+    docs, held = inspect(env)
+    assert sorted(docs) == ["alderwick/history", "alderwick/lantern-festival", "alderwick/lighthouse",
+                            "alderwick/town", "bluefin-faq/about", "bluefin-faq/hours", "bluefin-faq/returns",
+                            "bluefin-faq/shipping", "howto/bicycle-gears", "howto/harbour-oat-bread",
+                            "howto/tides"]
+    assert held == {k for keys in docs.values() for k in keys}  # every chunk's KV is precomputed
+
+    settings = test_settings(Path(env["RAGBLEND_DATA_DIR"]))
+    retriever = retrieval.open_retriever(settings)
+    assert retriever.search("How tall is Gull Point Lighthouse?", top_k=1)[0].doc_id == "alderwick/lighthouse"
+    assert retriever.search("How long is the Bluefin warranty on engine parts?", top_k=1)[0].doc_id == \
+        "bluefin-faq/returns"
+    retriever.close()
+
+    result = ragblend(env, str(corpus))
+    assert result.exit_code == 0 and "0 added, 0 updated, 11 unchanged" in result.stdout, result.output
+
+    faq = corpus / "bluefin-faq.jsonl"  # one of its four documents changes
+    faq.write_text(faq.read_text().replace("Standard delivery takes 2 to 3", "Standard delivery takes 3 to 4"))
+    result = ragblend(env, str(corpus))
+    assert result.exit_code == 0 and "0 added, 1 updated, 10 unchanged" in result.stdout, result.output
+    new_docs, held = inspect(env)
+    assert new_docs["bluefin-faq/shipping"] != docs["bluefin-faq/shipping"]
+    assert {d: k for d, k in new_docs.items() if d != "bluefin-faq/shipping"} == \
+        {d: k for d, k in docs.items() if d != "bluefin-faq/shipping"}
+    assert held == {k for keys in new_docs.values() for k in keys}  # the old version's KV is gone
+
+    result = ragblend(env, "--delete", "alderwick/lighthouse", "--delete", "no-such-doc")
+    assert result.exit_code == 1
+    assert "error: --delete no-such-doc: unknown document id" in result.stderr
+    assert "1 deleted, 1 failed" in result.stdout
+    final_docs, held = inspect(env)
+    assert "alderwick/lighthouse" not in final_docs and len(final_docs) == 10
+    assert held == {k for keys in final_docs.values() for k in keys}
+
+
+def test_bad_inputs_are_reported_and_the_rest_is_ingested(tmp_path, env):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "good.md").write_text("# Good\n\nThe ferry leaves at nine.")
+    (d / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    (d / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (d / "empty.md").write_text("# Only a title\n\n")
+    (d / "lines.jsonl").write_text('{"id": "ok", "text": "Line one is fine."}\n{"id": "broken", "text": \n'
+                                   '{"title": "no text"}\n["not", "an", "object"]\n')
+    (d / "notes.pdf").write_text("pdf")
+
+    args = [d / "good.md", d / "missing.txt", d / "binary.txt", d / "latin1.txt", d / "empty.md",
+            d / "lines.jsonl", d / "notes.pdf"]
+    result = ragblend(env, *map(str, args))
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    expected = [f"{d / 'missing.txt'}: no such file or folder",
+                f"{d / 'notes.pdf'}: unsupported file type '.pdf'",
+                f"{d / 'binary.txt'}: binary file",
+                f"{d / 'latin1.txt'}: not UTF-8 text",
+                f"{d / 'lines.jsonl'}:2: malformed JSON",
+                f"{d / 'lines.jsonl'}:3: expected an object with a \"text\" string",
+                f"{d / 'lines.jsonl'}:4: expected an object",
+                f"{d / 'empty.md'}: empty document"]
+    for message in expected:
+        assert sum(message in line for line in errors) == 1, (message, errors)
+    assert len(errors) == len(expected)
+    assert "2 added, 0 updated, 0 unchanged, 0 deleted, 8 failed" in result.stdout
+    docs, _ = inspect(env)
+    assert sorted(docs) == ["good", "ok"]
+
+
+def test_all_inputs_bad_fails_fast_and_usage_errors_exit_2(tmp_path, env, monkeypatch):
+    monkeypatch.setattr(app.components, "load_llm", lambda settings: pytest.fail("no model should load"))
+    result = ragblend(env, str(tmp_path / "nothing-here"))
+    assert result.exit_code == 1 and f"error: {tmp_path / 'nothing-here'}: no such file or folder" in result.stderr
+    assert ragblend(env).exit_code == 2  # neither PATH nor --delete
+
+
+def test_a_crash_mid_batch_keeps_what_was_committed(tmp_path, monkeypatch):
+    from app.kv import ChunkKVCache
+
+    monkeypatch.setattr(app.components, "load_llm", lambda settings: shared_llm())
+    monkeypatch.setattr(retrieval, "open_embedder", lambda settings: shared_embedder())
+    (tmp_path / "a.txt").write_text("Ferries to the island leave at nine every morning.")
+    (tmp_path / "b.txt").write_text("The island has one shop.\n\nIt opens at ten and closes at four.")
+    real_ensure = ChunkKVCache.ensure
+
+    def ensure(self, text, title=None):
+        if "four" in text:  # the last of b's three chunks
+            raise RuntimeError("killed mid-precompute")
+        return real_ensure(self, text, title)
+
+    monkeypatch.setattr(ChunkKVCache, "ensure", ensure)
+    settings = test_settings(tmp_path / "data", chunking={"target_tokens": 8, "max_tokens": 16, "min_tokens": 2})
+    assert run_ingest(settings, [tmp_path / "a.txt", tmp_path / "b.txt"], []) == 1
+    env = {"RAGBLEND_DATA_DIR": str(tmp_path / "data")}
+    docs, held = inspect(env)
+    assert list(docs) == ["a"] and held == set(docs["a"])  # the KV of b's first two chunks was removed again
+
+
+def test_ingest_text_for_the_api(tmp_path, monkeypatch):
+    from app.ingest import open_ingestor
+
+    monkeypatch.setattr(app.components, "load_llm", lambda settings: shared_llm())
+    monkeypatch.setattr(retrieval, "open_embedder", lambda settings: shared_embedder())
+    with open_ingestor(test_settings(tmp_path)) as ingestor:
+        result = ingestor.ingest_text("upload-1", "Upload", "The museum opens in April.", source="upload")
+        assert (result.doc_id, result.status, result.n_chunks) == ("upload-1", "added", 1)
+        [hit] = ingestor.retriever.search("When does the museum open?", top_k=1)
+        assert hit.kv_key == ingestor.kv_cache.key(hit.text, "Upload")
+        assert ingestor.kv_cache.store.contains(hit.kv_key)
+        ingestor.delete("upload-1")
+        assert not ingestor.kv_cache.store.contains(hit.kv_key)
+        with pytest.raises(KeyError):
+            ingestor.delete("upload-1")
+    assert SourceDocument("x", None, "t", "s").title is None

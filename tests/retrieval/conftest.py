@@ -1,0 +1,21 @@
+"""Retrieval fixtures: the real SmolLM2 tokenizer and MiniLM embedder, loaded once per session."""
+from __future__ import annotations
+
+import pytest
+
+from retrieval.testing import shared_embedder, shared_tokenizer, test_settings
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return shared_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    return shared_embedder()
+
+
+@pytest.fixture
+def settings(tmp_path):
+    return test_settings(tmp_path)

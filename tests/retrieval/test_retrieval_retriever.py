@@ -1,0 +1,151 @@
+"""Retriever: search, document order, updates, and recovery of the FAISS file from SQLite."""
+from __future__ import annotations
+
+import sqlite3
+
+import numpy as np
+import pytest
+
+from retrieval import Chunker, IndexMismatchError, Retriever, VectorIndex
+from retrieval.retriever import DB_FILE, INDEX_FILE
+
+DOCS = {
+    "lighthouse": ("Gull Point Lighthouse", "The lighthouse was built in 1891 and is 31 metres tall.\n\n"
+                   "Its lamp flashes white every 10 seconds and is seen from 22 nautical miles."),
+    "bread": ("Harbour oat bread", "Mix flour, oats, yeast and salt. Knead for 10 minutes.\n\n"
+              "Bake the loaf at 200 degrees Celsius for 35 minutes."),
+    "gears": ("Bicycle gears", "The gear ratio is chainring teeth divided by cog teeth.\n\n"
+              "A derailleur pushes the chain from one cog to the next."),
+}
+
+
+@pytest.fixture
+def chunker(tokenizer):
+    from app.config import ChunkingSettings
+
+    return Chunker(tokenizer, ChunkingSettings(target_tokens=24, max_tokens=32, min_tokens=4))  # a chunk a paragraph
+
+
+def add(retriever: Retriever, chunker: Chunker, doc_id: str, title: str, text: str, keys=None) -> list[str]:
+    chunks = chunker.chunk(doc_id, text)
+    return retriever.add_document(doc_id, chunks, title=title, source=f"{doc_id}.md",
+                                  kv_keys=keys or [f"{doc_id}-{c.ordinal}" for c in chunks])
+
+
+@pytest.fixture
+def retriever(tmp_path, embedder, chunker):
+    r = Retriever(tmp_path, embedder)
+    for doc_id, (title, text) in DOCS.items():
+        add(r, chunker, doc_id, title, text)
+    yield r
+    r.close()
+
+
+def test_search_finds_the_answering_chunk(retriever):
+    hits = retriever.search("In which year was the lighthouse built, and how tall is it?", top_k=3)
+    assert [h.doc_id for h in hits[:2]] == ["lighthouse", "lighthouse"]
+    [answer] = [h for h in hits if "31 metres" in h.text]
+    assert (answer.ordinal, answer.title, answer.kv_key) == (0, "Gull Point Lighthouse", "lighthouse-0")
+    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+    assert retriever.search("At what temperature do I bake the bread?", top_k=1)[0].doc_id == "bread"
+    assert len(retriever.search("anything", top_k=100)) == len(retriever) == 6
+
+
+def test_document_order_groups_a_document_in_reading_order(retriever):
+    question = "How often does the lighthouse lamp flash, and when was it built?"
+    by_score = retriever.search(question, top_k=4)
+    by_doc = retriever.search(question, top_k=4, order="document")
+    assert sorted(h.chunk_id for h in by_doc) == sorted(h.chunk_id for h in by_score)
+    docs = [h.doc_id for h in by_doc]
+    assert docs[0] == by_score[0].doc_id
+    assert docs == sorted(docs, key=docs.index)  # each document's chunks are contiguous
+    for doc in set(docs):
+        ordinals = [h.ordinal for h in by_doc if h.doc_id == doc]
+        assert ordinals == sorted(ordinals)
+
+
+def test_replace_and_delete_keep_metadata_and_index_in_step(tmp_path, retriever, chunker):
+    old_ids = [c.id for c in retriever.document_chunks("bread")]
+    # Chunk 0's key is shared with the new version: only chunk 1's key becomes unreferenced.
+    stale = add(retriever, chunker, "bread", "Harbour oat bread", "Bake rye bread at 220 degrees for 50 minutes.",
+                keys=["bread-0"])
+    assert stale == ["bread-1"] and retriever.is_referenced("bread-0")
+    new = retriever.document_chunks("bread")
+    assert len(new) == 1 and not set(old_ids) & {c.id for c in new}  # ids are never reused
+    assert retriever.search("rye bread temperature", top_k=1)[0].chunk_id == new[0].id
+
+    assert sorted(retriever.delete_document("gears")) == ["gears-0", "gears-1"]
+    with pytest.raises(KeyError):
+        retriever.delete_document("gears")
+    assert [d.id for d in retriever.list_documents()] == ["bread", "lighthouse"]
+    assert retriever.get_document("gears") is None and retriever.get_document("bread").n_chunks == 1
+    assert sorted(retriever.index.ids()) == sorted(retriever.metadata.chunk_ids())
+
+    reopened = Retriever(tmp_path, retriever.embedder)
+    assert sorted(reopened.index.ids()) == sorted(retriever.metadata.chunk_ids())
+    assert reopened.document_chunks("lighthouse")[0].token_ids == retriever.document_chunks("lighthouse")[0].token_ids
+    reopened.close()
+
+
+def test_crash_between_metadata_commit_and_index_write_is_repaired(tmp_path, retriever, chunker, monkeypatch):
+    def killed(self, path):
+        raise KeyboardInterrupt  # the process dies after the commit, before the new file is in place
+
+    monkeypatch.setattr(VectorIndex, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        add(retriever, chunker, "tides", "Tides", "Spring tides come at new and full moon.")
+    with pytest.raises(KeyboardInterrupt):
+        retriever.delete_document("gears")
+    monkeypatch.undo()
+
+    reopened = Retriever(tmp_path, retriever.embedder)  # the file still holds the old ids: rebuilt
+    assert sorted(d.id for d in reopened.list_documents()) == ["bread", "lighthouse", "tides"]
+    assert sorted(reopened.index.ids()) == sorted(reopened.metadata.chunk_ids())
+    assert reopened.search("When are spring tides?", top_k=1)[0].doc_id == "tides"
+    assert sorted(VectorIndex.load(tmp_path / INDEX_FILE).ids()) == sorted(reopened.metadata.chunk_ids())
+    reopened.close()
+
+
+def test_torn_index_file_is_rebuilt(tmp_path, retriever):
+    (tmp_path / INDEX_FILE).write_bytes(b"\x00" * 100)
+    reopened = Retriever(tmp_path, retriever.embedder)
+    assert len(reopened) == 6 and reopened.search("derailleur", top_k=1)[0].doc_id == "gears"
+    reopened.close()
+
+
+def test_another_process_commit_is_seen_before_the_next_search(tmp_path, retriever, chunker):
+    writer = Retriever(tmp_path, retriever.embedder)  # e.g. `ragblend ingest` while the server runs
+    add(writer, chunker, "tides", "Tides", "Spring tides come at new and full moon.")
+    writer.delete_document("gears")
+    writer.close()
+    assert retriever.search("When are spring tides?", top_k=1)[0].doc_id == "tides"
+    assert "gears" not in {h.doc_id for h in retriever.search("derailleur chain cog", top_k=6)}
+
+
+def test_hnsw_index_rebuilds_on_delete(tmp_path, embedder, chunker):
+    r = Retriever(tmp_path, embedder, kind="hnsw")
+    for doc_id, (title, text) in DOCS.items():
+        add(r, chunker, doc_id, title, text)
+    r.delete_document("lighthouse")
+    assert len(r) == 4 and r.index.kind == "hnsw"
+    assert r.search("How tall is the lighthouse?", top_k=4)[0].doc_id != "lighthouse"
+    r.close()
+    flat = Retriever(tmp_path, embedder, kind="flat")  # switching kinds rebuilds from SQLite
+    assert flat.index.kind == "flat" and len(flat) == 4
+    flat.close()
+
+
+def test_another_embedder_is_refused(tmp_path, retriever):
+    class Other:
+        name, dim = "other-model", retriever.embedder.dim
+
+    with pytest.raises(IndexMismatchError, match="other-model"):
+        Retriever(tmp_path, Other())
+
+
+def test_metadata_stores_no_pickle(tmp_path, retriever):
+    db = sqlite3.connect(tmp_path / DB_FILE)
+    blob, n_tokens, embedding = db.execute("SELECT token_ids, n_tokens, embedding FROM chunks LIMIT 1").fetchone()
+    assert len(blob) == 4 * n_tokens and len(embedding) == 4 * retriever.embedder.dim
+    assert np.isclose(np.linalg.norm(np.frombuffer(embedding, "<f4")), 1.0)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"

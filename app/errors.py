@@ -1,0 +1,95 @@
+"""API errors: every failure becomes an OpenAI-shaped body {"error": {"message", "type", "code", "param"}}.
+
+`as_api_error` is the one place that decides which exception means which status.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from app.api_models import LimitError
+from app.engine import RequestError
+from app.ingest import IngestError
+from app.worker import QueueTimeout, WorkerStopped
+
+log = logging.getLogger("ragblend.server")
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type"}
+
+
+class ApiError(Exception):
+    """An error as the client sees it."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.headers = status, message, code, param, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "code": self.code, "param": self.param}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body over the {limit}-byte limit")
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    """Every exception the API can meet, as the error the client sees."""
+    match exc:
+        case ApiError():
+            return exc
+        case RequestValidationError():
+            return _validation_error(exc.errors())
+        case LimitError():
+            return ApiError(422, str(exc), "invalid_value", exc.param)
+        case IngestError():
+            return ApiError(422, str(exc), "invalid_document")
+        case RequestError():
+            return ApiError(400, str(exc), "invalid_request")
+        case QueueTimeout():
+            return ApiError(503, "timed out waiting in the queue; retry later", "queue_timeout")
+        case WorkerStopped():
+            return ApiError(503, "the server is shutting down", "shutting_down")
+        case HTTPException() if isinstance(exc.__cause__, ValueError):  # FastAPI could not decode the body
+            return ApiError(422, f"body: invalid JSON ({exc.__cause__})", "invalid_value", "body")
+        case HTTPException():
+            return ApiError(exc.status_code, str(exc.detail), HTTP_CODES.get(exc.status_code), headers=exc.headers)
+    log.error("unhandled error", exc_info=exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}", "internal_error")
+
+
+def _validation_error(errors: list[dict[str, Any]]) -> ApiError:
+    """422 naming the first bad field as `param` ("messages.0.role"); every problem in the message."""
+    def field(error: dict[str, Any]) -> str:
+        loc = [str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path")]
+        return ".".join(loc) if loc and error.get("type") != "json_invalid" else "body"
+
+    def describe(error: dict[str, Any]) -> str:
+        if error.get("type") == "json_invalid":
+            return f"body: invalid JSON ({error.get('ctx', {}).get('error', error.get('msg'))})"
+        return f"{field(error)}: {error.get('msg')}"
+
+    message = "; ".join(describe(e) for e in errors[:5]) or "invalid request"
+    return ApiError(422, message, "invalid_value", field(errors[0]) if errors else None)
+
+
+async def handle_error(request: Request, exc: Exception) -> JSONResponse:
+    return as_api_error(exc).response()
+
+
+# What create_app registers `handle_error` for (Exception last: the 500 of last resort).
+HANDLED = (ApiError, RequestValidationError, HTTPException, LimitError, IngestError, RequestError, QueueTimeout,
+           WorkerStopped, Exception)

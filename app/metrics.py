@@ -1,0 +1,81 @@
+"""Prometheus metrics, vLLM-style names in the `ragblend:` namespace, on a registry of our own
+(so several apps in one process, as in the tests, never collide)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from app.engine import QueryStats
+
+# Seconds; CPU prefill of a few passages takes 0.1-10 s.
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _StoreCollector:
+    """Per-tier hits and misses of the KV store, read from `store.stats()` at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any] | None]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if not stats:
+            return
+        hits = CounterMetricFamily("ragblend:kv_store_hits", "Chunk KV lookups found in a store tier.",
+                                   labels=["tier"])
+        misses = CounterMetricFamily("ragblend:kv_store_misses", "Chunk KV lookups a store tier missed.",
+                                     labels=["tier"])
+        for tier, counts in stats.get("tiers", {}).items():
+            hits.add_metric([tier], counts.get("hits", 0))
+            misses.add_metric([tier], counts.get("misses", 0))
+        yield hits
+        yield misses
+
+
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int],
+                 store_stats: Callable[[], dict[str, Any] | None]):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("ragblend:http_requests", "HTTP requests by endpoint and status.",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("ragblend:time_to_first_token_seconds", "Time to first token, queue included.",
+                              ["mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("ragblend:e2e_request_latency_seconds", "End-to-end query latency, queue included.",
+                             ["mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("ragblend:request_queue_time_seconds", "Time a job waited for the worker.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("ragblend:prompt_tokens", "Prompt tokens of answered queries.", registry=r)
+        self.cached_tokens = Counter("ragblend:prompt_tokens_cached",
+                                     "Prompt tokens whose KV came from chunk caches.", registry=r)
+        self.recomputed_tokens = Counter("ragblend:prompt_tokens_recomputed",
+                                         "Cached prompt tokens recomputed by the blend.", registry=r)
+        self.generation_tokens = Counter("ragblend:generation_tokens", "Generated tokens.", registry=r)
+        self.chunks = Counter("ragblend:kv_chunks", 'Chunk KVs by where they came from ("computed": a miss).',
+                              ["source"], registry=r)
+        Gauge("ragblend:num_requests_waiting", "Jobs waiting for the worker.",
+              registry=r).set_function(queue_depth)
+        Gauge("ragblend:num_requests_running", "Jobs the worker is running (0 or 1).",
+              registry=r).set_function(running)
+        r.register(_StoreCollector(store_stats))
+
+    def observe_query(self, stats: QueryStats, queue_s: float) -> None:
+        """One finished query; TTFT and latency count the queue wait, as a client sees them."""
+        if stats.ttft_ms:
+            self.ttft.labels(stats.mode).observe(queue_s + stats.ttft_ms / 1000)
+        self.e2e.labels(stats.mode).observe(queue_s + stats.total_ms / 1000)
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_tokens.inc(stats.cached_tokens)
+        self.recomputed_tokens.inc(stats.recomputed_tokens)
+        self.generation_tokens.inc(stats.completion_tokens)
+        for source, count in stats.store_hits.items():
+            self.chunks.labels(source).inc(count)
+
+    def observe_queue(self, seconds: float) -> None:
+        self.queue_time.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,196 @@
+"""Server test fixtures: one real engine per session (SmolLM2-135M on CPU) over a tiny corpus,
+apps built around it, a live uvicorn server for socket-level clients, and a stub engine for the
+tests that must control timing (queue full, queue timeout, disconnects)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from app.config import Settings, load_settings
+from app.engine import QueryParams, QueryResult, QueryStats, Source
+
+MODELS = Path(__file__).resolve().parents[2] / "data" / "models"
+
+# Made-up facts, so an answer can only come from the passage.
+CORPUS = {
+    "harbor": ("Port Velmar lighthouse",
+               "The lighthouse of Port Velmar was built in 1887 by the engineer Ada Quenby. Its lamp shines green "
+               "and can be seen 30 kilometres out at sea. The keeper's cottage is now a small museum."),
+    "bakery": ("Kestrel Bakery",
+               "The Kestrel Bakery in Dunmore bakes rye bread with caraway seeds every Tuesday. It was founded by "
+               "Tomas Brell in 1952 and still uses his wood-fired oven."),
+    "volcano": ("Mount Orrin",
+                "Mount Orrin is a dormant volcano on the island of Sarne. It last erupted in 1402, burying the "
+                "village of Kell under ash. Its crater holds a blue lake."),
+    "chess": ("The Halden Open",
+              "The Halden Open is a chess tournament held every August in the town of Halden. The 2019 edition was "
+              "won by Mira Sokol, who played the Caro-Kann defence in every game."),
+}
+# (question, the document that answers it, words of which a right answer holds at least one)
+QUESTIONS = [
+    ("Who built the lighthouse of Port Velmar?", "harbor", ("Quenby", "Ada")),
+    ("In which year did Mount Orrin last erupt?", "volcano", ("1402",)),
+    ("Who won the Halden Open in 2019?", "chess", ("Sokol", "Mira")),
+    ("Who founded the Kestrel Bakery?", "bakery", ("Brell", "Tomas")),
+]
+
+
+def make_settings(data_dir: Path, **sections: dict[str, Any]) -> Settings:
+    """Test settings: the converted model, short answers, two passages; `sections` override per key."""
+    base: dict[str, dict[str, Any]] = {"model": {"cache_dir": str(MODELS)}, "retrieval": {"top_k": 2},
+                                       "limits": {"default_max_new_tokens": 8}}
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return load_settings(data_dir=str(data_dir), **base)
+
+
+@pytest.fixture(scope="session")
+def server_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return make_settings(tmp_path_factory.mktemp("ragblend"))
+
+
+@pytest.fixture(scope="session")
+def server_engine(server_settings: Settings):
+    """The real engine, loaded once: every app in the session shares it (one at a time)."""
+    from app.engine import RagEngine
+
+    engine = RagEngine(server_settings)
+    yield engine
+    engine.parts.close()
+
+
+@pytest.fixture(scope="session")
+def make_app(server_settings: Settings, server_engine) -> Callable[..., FastAPI]:
+    """create_app over the session engine, with settings sections overridden (e.g. server={"api_key": "k"})."""
+    from app.server import create_app
+
+    def make(**sections: dict[str, Any]) -> FastAPI:
+        settings = make_settings(server_settings.data_dir, **sections) if sections else server_settings
+        return create_app(settings, server_engine)
+    return make
+
+
+@pytest.fixture(scope="session")
+def corpus(make_app) -> SimpleNamespace:
+    """CORPUS ingested through POST /v1/documents, once per session: .docs, .questions, .ingested
+    (each document's ingest response)."""
+    with TestClient(make_app()) as client:
+        responses = {doc_id: client.post("/v1/documents", json={"id": doc_id, "title": title, "text": text})
+                     for doc_id, (title, text) in CORPUS.items()}
+    assert all(r.status_code == 201 for r in responses.values()), {k: r.text for k, r in responses.items()}
+    return SimpleNamespace(docs=CORPUS, questions=QUESTIONS,
+                           ingested={doc_id: r.json()["data"][0] for doc_id, r in responses.items()})
+
+
+@pytest.fixture(scope="module")
+def client(make_app, corpus) -> Iterator[TestClient]:
+    with TestClient(make_app()) as client:
+        yield client
+
+
+class LiveServer:
+    """uvicorn serving `app` on a free loopback port, in a thread."""
+
+    def __init__(self, app: FastAPI):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = "http://127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                                    timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="session")
+def live_server(make_app, corpus) -> Iterator[LiveServer]:
+    with LiveServer(make_app()) as server:
+        yield server
+
+
+# ---- a stub engine, for timing-controlled tests -------------------------------------------------
+
+class StubEngine:
+    """Stands in for RagEngine: each query emits `max_tokens` deltas, one per `step_s`, each after
+    `gate` opens; it records what it saw (calls, deltas emitted, whether a query stopped early)."""
+
+    def __init__(self, settings: Settings, step_s: float = 0.0):
+        self.settings, self.step_s = settings, step_s
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Semaphore(0)
+        self.calls = 0
+        self.cancelled = threading.Event()
+        self.emitted = 0
+        self.parts = SimpleNamespace(loaded=SimpleNamespace(name="stub"), tokenizer=None, kv_cache=None,
+                                     retriever=None, store=SimpleNamespace(stats=lambda: {"tiers": {}}),
+                                     close=lambda: None)
+
+    def stream(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
+               ) -> Iterator[str | QueryResult]:
+        self.calls += 1
+        self.started.release()
+        text, finished = "", False
+        try:
+            for _ in range(params.max_tokens or 4):
+                assert self.gate.wait(30), "gate never opened"
+                if cancelled():
+                    return
+                time.sleep(self.step_s)
+                self.emitted += 1
+                text += "ok "
+                yield "ok "
+            finished = True
+        finally:  # stopped early: by `cancelled()` or by the worker closing this generator
+            if not finished:
+                self.cancelled.set()
+        stats = QueryStats(mode=params.mode, ttft_ms=1.0, total_ms=2.0, prompt_tokens=10, cached_tokens=6,
+                           completion_tokens=params.max_tokens or 4, store_hits={"memory": 1})
+        yield QueryResult(text.strip(), [Source("d", 1, "t", 0.5, "passage")], stats, "length")
+
+
+@pytest.fixture
+def stub_app(tmp_path: Path) -> Callable[..., tuple[FastAPI, StubEngine]]:
+    """make(step_s=0, **sections) -> (app, its StubEngine)."""
+    from app.server import create_app
+
+    def make(step_s: float = 0.0, **sections: dict[str, Any]) -> tuple[FastAPI, StubEngine]:
+        engine = StubEngine(make_settings(tmp_path, **sections), step_s)
+        return create_app(engine.settings, engine), engine
+    return make
+
+
+@pytest.fixture
+def stub_settings(tmp_path: Path) -> Settings:
+    return make_settings(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def stub_engine_type() -> type[StubEngine]:
+    return StubEngine
+
+
+@pytest.fixture(scope="session")
+def serve_live() -> type[LiveServer]:
+    """`with serve_live(app) as live:` uvicorn on a free port; live.url."""
+    return LiveServer

@@ -30,7 +30,10 @@ def main() -> None:
     parser.add_argument("--passages", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", default="reuse,blend@0.15,blend@0.3")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     item = json.loads(args.dataset.read_text())[args.question]
     with tempfile.TemporaryDirectory() as tmp:

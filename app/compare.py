@@ -1,0 +1,427 @@
+"""`ragblend compare`: blended prefill against full prefill on a QA dataset — quality and TTFT.
+
+The dataset is the CacheBlend/MuSiQue format: a JSON list of
+`{"question", "answers": [...], "ctxs": [{"title", "text"}, ...]}`. Each question's prompt is
+head | first K passages (dataset order) | suffix, answered greedily in these MODES:
+
+    full        every token through every layer (the reference)
+    reuse       ratio 0: the cached chunk KVs concatenated (RoPE-shifted), only the question computed
+    blend@R     CacheBlend selective recompute of the top R of cached tokens by KV deviation (HKVD)
+    random@R    the same number of tokens picked at random (the baseline HKVD must beat; 0 < R < 1)
+
+Per question, step by step:
+    1. precompute the head's and passages' KV (untimed, as at ingest), each passed through the
+       store codec and back (`--codec`), as serving reads them from the store
+    2. full prefill, timed; its greedy answer is the reference token sequence
+    3. every other mode right after it, timed the same way (TTFT = prefill + choosing the first
+       token), so each mode's TTFT ratio compares two back-to-back runs on the same prompt
+    4. agreement with full prefill, teacher-forced over the reference tokens: mean KL(full || mode)
+       and top-1 agreement per answer position; plus exact equality of the greedy answers
+    5. answer F1 / EM / Rouge-L against the gold answers; report.json rewritten atomically
+
+Outputs in `--out`: report.json (per question + aggregate), report.md, quality_vs_ttft.png.
+`ttft_ratio` in the aggregate is the mean over questions of (mode TTFT / full TTFT of the same
+question); `ttft_ratio_of_medians` is median(mode TTFT) / median(full TTFT).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from app.answer_metrics import answer_scores
+from app.config import Settings
+from blend import Blender, ChunkKV, Prefill, PromptFormat, SamplingParams, hash_ids
+from blend.engine import Selection
+
+log = logging.getLogger("ragblend.compare")
+
+REPORT_JSON, REPORT_MD, PLOT_PNG = "report.json", "report.md", "quality_vs_ttft.png"
+TARGET = {"mode": "blend@0.15", "top1": 0.95, "kl": 0.05, "ttft_ratio": 0.25}
+METRICS = ("kl", "top1", "same_answer", "f1", "em", "rouge_l")
+
+
+# ---- configuration and modes ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CompareConfig:
+    dataset: str
+    passages: int
+    ratios: list[float]
+    precompute: str      # "head" | "zero"
+    codec: str           # "none" | "fp16" | "int8"
+    check_layer: int
+    deviation: str
+    max_tokens: int
+    seed: int
+    threads: int         # torch intra-op threads the timings ran with
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    ratio: float | None  # None: full prefill
+    selection: Selection = "hkvd"
+
+
+def fmt_ratio(ratio: float) -> str:
+    return f"{ratio:g}"
+
+
+def build_modes(ratios: Iterable[float]) -> list[Mode]:
+    """full, reuse (ratio 0), blend@R for each ratio, random@R for 0 < R < 1 — in that order."""
+    modes = [Mode("full", None)]
+    for r in sorted(set(ratios)):
+        modes.append(Mode("reuse" if r == 0 else f"blend@{fmt_ratio(r)}", r))
+    modes += [Mode(f"random@{fmt_ratio(r)}", r, "random") for r in sorted(set(ratios)) if 0 < r < 1]
+    return modes
+
+
+# ---- one question -------------------------------------------------------------------------------
+
+@dataclass
+class PromptKV:
+    segments: list[ChunkKV]   # head, then passages
+    suffix_ids: list[int]
+    full_ids: list[int]       # the same tokens, concatenated
+
+
+@dataclass
+class Timed:
+    prefill: Prefill
+    ttft_s: float
+
+
+class Harness:
+    """Runs every mode on one question with one Blender; knows nothing about files."""
+
+    def __init__(self, blender: Blender, prompt: PromptFormat, config: CompareConfig):
+        self.blender, self.prompt, self.config = blender, prompt, config
+        self.modes = build_modes(config.ratios)
+        self.head_ids = prompt.head_ids
+        self.head_kv = self._through_codec(blender.precompute(self.head_ids))
+        self.sampling = SamplingParams(max_new_tokens=config.max_tokens)
+
+    def _through_codec(self, kv: ChunkKV) -> ChunkKV:
+        """The KV as serving would read it back from the store."""
+        if self.config.codec == "none":
+            return kv
+        import store
+
+        return store.decode(store.encode(kv, self.config.codec), expected_fingerprint=self.blender.fingerprint)
+
+    def prepare(self, item: dict[str, Any]) -> PromptKV:
+        """1. Head + first K passages (dataset order) + question suffix, chunk KVs precomputed."""
+        ctxs = item["ctxs"][: self.config.passages]
+        passages = [self.prompt.passage_ids(c["text"], c.get("title") or None) for c in ctxs]
+        if self.config.precompute == "head":
+            kvs = [self.blender.precompute(p, self.head_ids, context=self.head_kv) for p in passages]
+        else:
+            kvs = [self.blender.precompute(p) for p in passages]
+        suffix = self.prompt.suffix_ids(item["question"])
+        full_ids = self.head_ids + [t for p in passages for t in p] + suffix
+        return PromptKV([self.head_kv, *map(self._through_codec, kvs)], suffix, full_ids)
+
+    def timed(self, mode: Mode, pkv: PromptKV, seed: int) -> Timed:
+        """TTFT as serving sees it: the prefill plus choosing the first token."""
+        start = time.perf_counter()
+        if mode.ratio is None:
+            prefill = self.blender.full_prefill(pkv.full_ids)
+        else:
+            prefill = self.blender.prefill(pkv.segments, pkv.suffix_ids, mode.ratio, selection=mode.selection,
+                                           seed=seed)
+        int(prefill.logits.argmax())  # the first token (greedy)
+        return Timed(prefill, time.perf_counter() - start)
+
+    def answer(self, prefill: Prefill) -> list[int]:
+        """Greedy answer tokens (eos included when generated); decodes on a copy of the cache."""
+        return list(self.blender.decode(copy.deepcopy(prefill), self.sampling))
+
+    def text(self, tokens: list[int]) -> str:
+        return self.prompt.tokenizer.decode([t for t in tokens if t not in self.blender.eos_ids],
+                                            skip_special_tokens=True).strip()
+
+    def run(self, index: int, item: dict[str, Any]) -> dict[str, Any]:
+        pkv = self.prepare(item)
+        golds = gold_answers(item)
+        seed = self.config.seed + index
+        # 2. The reference: full prefill, its greedy answer and teacher-forced log-probs.
+        full = self.timed(self.modes[0], pkv, seed)
+        ref = self.answer(full.prefill)
+        ref_logp = torch.log_softmax(self.blender.teacher_force(full.prefill, ref), dim=-1)  # [A, V]
+        ref_text = self.text(ref)
+        results = {"full": mode_result(ref_text, golds, full, full.ttft_s, kl=0.0, top1=1.0, same=True)}
+        # 3-5. Every other mode, back to back with the reference.
+        for mode in self.modes[1:]:
+            run = self.timed(mode, pkv, seed)
+            tokens = self.answer(run.prefill)
+            logp = torch.log_softmax(self.blender.teacher_force(run.prefill, ref), dim=-1)
+            kl, top1 = agreement(ref_logp, logp)
+            results[mode.name] = mode_result(self.text(tokens), golds, run, full.ttft_s, kl=kl, top1=top1,
+                                             same=tokens == ref)
+        return {"index": index, "question": item["question"], "answers": golds, "prompt_tokens": len(pkv.full_ids),
+                "cached_tokens": len(pkv.full_ids) - len(pkv.suffix_ids), "reference_tokens": len(ref),
+                "reference_answer": ref_text, "modes": results}
+
+
+def agreement(ref_logp: torch.Tensor, logp: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(ref || mode), top-1 agreement) over answer positions; both log-probs [A, V]."""
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0.0)  # [A]
+    top1 = (ref_logp.argmax(-1) == logp.argmax(-1)).float()            # [A]
+    return float(kl.mean()), float(top1.mean())
+
+
+def mode_result(answer: str, golds: list[str], run: Timed, full_ttft_s: float, *, kl: float, top1: float,
+                same: bool) -> dict[str, Any]:
+    stats = run.prefill.stats
+    return {"answer": answer, **answer_scores(answer, golds), "kl": kl, "top1": top1, "same_answer": float(same),
+            "ttft_s": run.ttft_s, "ttft_ratio": run.ttft_s / full_ttft_s, "exact_tokens": stats.exact_tokens,
+            "recomputed_tokens": stats.recomputed_tokens, "timings_ms": stats.timings_ms}
+
+
+def gold_answers(item: dict[str, Any]) -> list[str]:
+    """The gold answers, plus a reference `summary` where the dataset has one."""
+    answers = item.get("answers") or []
+    answers = [answers] if isinstance(answers, str) else list(answers)
+    return answers + ([item["summary"]] if item.get("summary") else [])
+
+
+# ---- aggregate and outputs -------------------------------------------------------------------
+
+def aggregate(questions: list[dict[str, Any]], modes: list[str]) -> dict[str, dict[str, float]]:
+    """Per mode: means of the quality metrics, median TTFT, and the TTFT ratio to full prefill."""
+    out = {}
+    full_ttft = [q["modes"]["full"]["ttft_s"] for q in questions]
+    for name in modes:
+        rows = [q["modes"][name] for q in questions if name in q["modes"]]
+        if not rows:
+            continue
+        ttft = [r["ttft_s"] for r in rows]
+        ratios = [r["ttft_ratio"] for r in rows]
+        out[name] = {**{m: statistics.fmean(r[m] for r in rows) for m in METRICS},
+                     "ttft_s": statistics.median(ttft), "ttft_ratio": statistics.fmean(ratios),
+                     "ttft_ratio_median": statistics.median(ratios),
+                     "ttft_ratio_of_medians": statistics.median(ttft) / statistics.median(full_ttft),
+                     "recomputed_tokens": statistics.fmean(r["recomputed_tokens"] for r in rows), "n": len(rows)}
+    return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder + os.replace: readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    cfg, agg = report["config"], report["aggregate"]
+    lines = [f"# ragblend compare — {len(report['questions'])} questions × {cfg['passages']} passages", "",
+             f"- model `{report['model']['name']}` (fingerprint `{report['model']['fingerprint']}`), "
+             f"commit `{report['commit']}`",
+             f"- dataset `{cfg['dataset']}`; precompute `{cfg['precompute']}`, codec `{cfg['codec']}`, "
+             f"check layer {cfg['check_layer']}, deviation `{cfg['deviation']}`, max tokens {cfg['max_tokens']}, "
+             f"seed {cfg['seed']}, {cfg['threads']} torch thread(s)",
+             f"- prompt: system `{report['prompt']['system_prompt']}`, suffix `{report['prompt']['suffix']!r}`",
+             f"- mean prompt {report['mean_prompt_tokens']:.0f} tokens, median full-prefill TTFT "
+             f"{agg['full']['ttft_s']:.2f} s",
+             "- KL = mean KL(full ‖ mode) and top-1 = share of positions with the same argmax, both teacher-forced "
+             "over full prefill's greedy answer; same answer = identical greedy tokens; F1/EM/Rouge-L vs gold "
+             "(SQuAD normalisation, best gold answer)",
+             "- TTFT = prefill + first token (precompute excluded); TTFT/full = mean over questions of the ratio "
+             "to the full prefill timed just before, ratio of medians in brackets", "",
+             "| mode | KL | top-1 | same answer | F1 | EM | Rouge-L | TTFT median (s) | TTFT / full |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, a in agg.items():
+        lines.append(f"| {name} | {a['kl']:.4f} | {a['top1']:.3f} | {a['same_answer']:.2f} | {a['f1']:.3f} | "
+                     f"{a['em']:.2f} | {a['rouge_l']:.3f} | {a['ttft_s']:.2f} | {a['ttft_ratio']:.3f} "
+                     f"({a['ttft_ratio_of_medians']:.3f}) |")
+    lines += ["", "## One line per setting", ""]
+    lines += [f"- **{name}**: top-1 {a['top1']:.3f}, KL {a['kl']:.4f}, same answer {a['same_answer']:.0%}, "
+              f"F1 {a['f1']:.3f}, at {a['ttft_ratio']:.2f}× full-prefill TTFT" for name, a in agg.items()]
+    if TARGET["mode"] in agg:
+        a = agg[TARGET["mode"]]
+        met = a["top1"] >= TARGET["top1"] and a["kl"] <= TARGET["kl"] and a["ttft_ratio"] <= TARGET["ttft_ratio"]
+        lines += ["", f"Target {TARGET['mode']}: top-1 ≥ {TARGET['top1']}, KL ≤ {TARGET['kl']}, TTFT ≤ "
+                      f"{TARGET['ttft_ratio']}× — {'met' if met else 'not met'} (top-1 {a['top1']:.3f}, "
+                      f"KL {a['kl']:.4f}, TTFT {a['ttft_ratio']:.3f}×)"]
+    lines += ["", f"![quality vs TTFT]({PLOT_PNG})", ""]
+    return "\n".join(lines)
+
+
+def plot(agg: dict[str, dict[str, float]], path: Path) -> None:
+    """x = TTFT relative to full prefill, y = top-1 agreement; one annotated point per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    families = {"blend": ("tab:blue", "o", (-8, 8)), "random": ("tab:red", "s", (6, -18)),
+                "reuse": ("tab:orange", "D", (6, 8)), "full": ("black", "*", (-8, -24))}
+    for family, (color, marker, offset) in families.items():
+        names = sorted((n for n in agg if n.split("@")[0] == family), key=lambda n: agg[n]["ttft_ratio"])
+        if not names:
+            continue
+        xs, ys = [agg[n]["ttft_ratio"] for n in names], [agg[n]["top1"] for n in names]
+        ax.plot(xs, ys, color=color, marker=marker, linestyle="-" if len(names) > 1 else "", label=family)
+        for n, x, y in zip(names, xs, ys):
+            ax.annotate(f"{n}\nKL {agg[n]['kl']:.3f}", (x, y), textcoords="offset points", xytext=offset,
+                        fontsize=8, ha="right" if offset[0] < 0 else "left", color=color)
+    ax.set_xlabel("TTFT / full prefill (same question, back to back)")
+    ax.set_ylabel("top-1 agreement with full prefill")
+    ax.set_title("Answer agreement vs time to first token")
+    ax.margins(x=0.12, y=0.15)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+# ---- the run ------------------------------------------------------------------------------------
+
+def load_dataset(path: Path, limit: int) -> list[dict[str, Any]]:
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, list) or not all(isinstance(d, dict) and "question" in d and "ctxs" in d for d in data):
+        raise ValueError(f"{path}: expected a JSON list of {{question, answers, ctxs}} objects")
+    return data[:limit]
+
+
+def run_identity(loaded, config: CompareConfig, prompt: PromptFormat) -> dict[str, Any]:
+    """What a report's numbers depend on: model, config and prompt; resume requires all three equal."""
+    return {"model": {"name": loaded.name, "fingerprint": loaded.fingerprint}, "config": asdict(config),
+            "prompt": {"system_prompt": prompt.system_prompt, "head_hash": hash_ids(prompt.head_ids)[:16],
+                       "suffix": prompt.tokenizer.decode(prompt.suffix_ids("{question}"))}}
+
+
+def load_previous(path: Path, identity: dict[str, Any]) -> list[dict[str, Any]]:
+    """Questions already in `path` under the same identity (resume), else raises ValueError."""
+    if not path.exists():
+        return []
+    report = json.loads(path.read_text())
+    changed = [key for key, value in identity.items() if report.get(key) != value]
+    if changed:
+        raise ValueError(f"{path} was written with another {' and '.join(changed)}; use another --out or drop "
+                         "--resume")
+    return report.get("questions", [])
+
+
+def build_report(identity: dict[str, Any], modes: list[Mode], questions: list[dict[str, Any]],
+                 commit: str) -> dict[str, Any]:
+    questions = sorted(questions, key=lambda q: q["index"])
+    return {**identity, "commit": commit, "modes": [m.name for m in modes],
+            "ttft_ratio_method": "mean over questions of mode TTFT / full-prefill TTFT of the same question",
+            "mean_prompt_tokens": statistics.fmean(q["prompt_tokens"] for q in questions) if questions else 0.0,
+            "aggregate": aggregate(questions, [m.name for m in modes]), "questions": questions}
+
+
+def write_outputs(out: Path, report: dict[str, Any], final: bool) -> None:
+    write_atomic(out / REPORT_JSON, json.dumps(report, indent=1))
+    if final and report["questions"]:
+        write_atomic(out / REPORT_MD, render_markdown(report))
+        plot(report["aggregate"], out / PLOT_PNG)
+
+
+def run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int, ratios: list[float], out: Path,
+                precompute: str | None, codec: str | None, max_tokens: int, resume: bool, seed: int = 0,
+                threads: int | None = None, progress: bool = True) -> int:
+    """The `ragblend compare` command; returns the exit code.
+
+    `threads` sets torch's intra-op threads for the run (restored after): on a shared machine one
+    thread times far more steadily than threads that wait on each other.
+    """
+    previous = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _run_compare(settings, dataset, limit=limit, passages=passages, ratios=ratios, out=out,
+                            precompute=precompute, codec=codec, max_tokens=max_tokens, resume=resume, seed=seed,
+                            progress=progress)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int, ratios: list[float], out: Path,
+                 precompute: str | None, codec: str | None, max_tokens: int, resume: bool, seed: int,
+                 progress: bool) -> int:
+    from tqdm import tqdm
+
+    from app.components import load_llm
+
+    # 1. Config, data, model.
+    config = CompareConfig(str(dataset), passages, sorted(set(ratios)), precompute or settings.blend.precompute,
+                           codec or settings.store.codec, settings.blend.check_layer, settings.blend.deviation,
+                           max_tokens, seed, torch.get_num_threads())
+    try:
+        items = load_dataset(dataset, limit)
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot read dataset: {exc}", file=sys.stderr)
+        return 2
+    loaded = load_llm(settings)
+    blender = Blender(loaded.model, loaded.tokenizer, loaded.fingerprint, check_layer=config.check_layer,
+                      deviation=config.deviation)
+    harness = Harness(blender, PromptFormat(loaded.tokenizer, settings.model.system_prompt), config)
+    identity, commit = run_identity(loaded, config, harness.prompt), git_commit()
+    # 2. Resume: keep the questions already answered under the same model, config and prompt.
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        done = load_previous(out / REPORT_JSON, identity) if resume else []
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    done = [q for q in done if q["index"] < len(items)]
+    todo = [(i, item) for i, item in enumerate(items) if i not in {q["index"] for q in done}]
+    log.info("compare started", extra={"config": asdict(config), "done": len(done), "todo": len(todo)})
+    if todo:
+        warm_up(harness)
+    # 3. Each question: all modes back to back; the report rewritten after each.
+    questions = list(done)
+    with tqdm(total=len(items), initial=len(done), desc="compare", unit="q", file=sys.stderr,
+              disable=not progress) as bar:
+        for index, item in todo:
+            start = time.perf_counter()
+            result = harness.run(index, item)
+            questions.append(result)
+            write_outputs(out, build_report(identity, harness.modes, questions, commit), final=False)
+            log.info("question done", extra={"index": index, "seconds": round(time.perf_counter() - start, 1),
+                                             "ttft_ratio": {m: round(r["ttft_ratio"], 3)
+                                                            for m, r in result["modes"].items()}})
+            bar.update(1)
+    # 4. Aggregate table and plot.
+    report = build_report(identity, harness.modes, questions, commit)
+    write_outputs(out, report, final=True)
+    log.info("compare finished", extra={"out": str(out), "questions": len(questions)})
+    return 0
+
+
+def warm_up(harness: Harness) -> None:
+    """One small run of each mode, so the first question's timings carry no first-call cost."""
+    passage = {"title": "Warm-up", "text": "A short passage to warm up every prefill path. " * 4}
+    pkv = harness.prepare({"question": "Is this warm?", "ctxs": [passage, passage]})
+    for mode in harness.modes:
+        harness.timed(mode, pkv, seed=0)

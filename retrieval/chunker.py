@@ -2,8 +2,9 @@
 
 Contract (tested):
 - `chunk.text == document[chunk.start:chunk.end]`, and it has no leading or trailing whitespace;
-- only whitespace lies before the first chunk, between chunks and after the last one, so the
-  chunks in order cover every non-whitespace character of the document exactly once;
+- only whitespace, or text the tokenizer drops entirely (control characters), lies before the
+  first chunk, between chunks and after the last one, so the chunks in order cover every
+  character the model would see exactly once;
 - `chunk.token_ids == tokenizer(chunk.text, add_special_tokens=False)["input_ids"]`: each chunk is
   tokenized on its own (never a slice of the document's tokens), so the ids are what the model
   sees when the chunk is rendered alone, and no token straddles two chunks;
@@ -83,10 +84,12 @@ class Chunker:
             return []
         pieces = self._split(text, start, end, PARAGRAPH, 0)
         groups = self._merge_small(text, self._pack(text, pieces))
-        chunks = []
-        for ordinal, (first, last) in enumerate(groups):
+        chunks: list[Chunk] = []
+        for first, last in groups:
             body = text[first.start:last.end]
-            chunks.append(Chunk(doc_id, ordinal, body, self.encode(body), first.start, last.end))
+            ids = self.encode(body)
+            if ids:  # text the tokenizer drops entirely (e.g. control characters) gives the model nothing
+                chunks.append(Chunk(doc_id, len(chunks), body, ids, first.start, last.end))
         return chunks
 
     # 1. Pieces: spans of at most target_tokens, split recursively at ever finer boundaries.

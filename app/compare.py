@@ -36,7 +36,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -272,7 +272,7 @@ def plot(agg: dict[str, dict[str, float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    families = {"blend": ("tab:blue", "o", (-8, 8)), "random": ("tab:red", "s", (6, -18)),
+    families = {"blend": ("tab:blue", "o", (-8, 8)), "random": ("tab:red", "s", (8, -26)),
                 "reuse": ("tab:orange", "D", (6, 8)), "full": ("black", "*", (-8, -24))}
     for family, (color, marker, offset) in families.items():
         names = sorted((n for n in agg if n.split("@")[0] == family), key=lambda n: agg[n]["ttft_ratio"])
@@ -334,7 +334,8 @@ def load_previous(path: Path, identity: dict[str, Any]) -> list[dict[str, Any]]:
 def build_report(identity: dict[str, Any], modes: list[Mode], questions: list[dict[str, Any]],
                  commit: str) -> dict[str, Any]:
     questions = sorted(questions, key=lambda q: q["index"])
-    return {**identity, "commit": commit, "modes": [m.name for m in modes],
+    commits = list(dict.fromkeys(q.get("commit", "unknown") for q in questions)) or [commit]
+    return {**identity, "commit": ", ".join(commits), "modes": [m.name for m in modes],
             "ttft_ratio_method": "mean over questions of mode TTFT / full-prefill TTFT of the same question",
             "mean_prompt_tokens": statistics.fmean(q["prompt_tokens"] for q in questions) if questions else 0.0,
             "aggregate": aggregate(questions, [m.name for m in modes]), "questions": questions}
@@ -405,7 +406,7 @@ def _run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int
               disable=not progress) as bar:
         for index, item in todo:
             start = time.perf_counter()
-            result = harness.run(index, item)
+            result = harness.run(index, item) | {"commit": commit}
             questions.append(result)
             write_outputs(out, build_report(identity, harness.modes, questions, commit), final=False)
             log.info("question done", extra={"index": index, "seconds": round(time.perf_counter() - start, 1),

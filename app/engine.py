@@ -13,7 +13,6 @@ from typing import Callable, Iterator, Literal
 
 from app.components import Components
 from app.config import Settings
-from app.kv import COMPUTED
 from blend import ChunkKV, Prefill, SamplingParams, TextStream
 
 Mode = Literal["blend", "full", "reuse"]

@@ -25,7 +25,7 @@ def _settings(config: Optional[Path]) -> Settings:
     try:
         settings = load_settings(config)
     except ValueError as exc:  # bad file or invalid values
-        fail(str(exc).splitlines()[0] if "\n" not in str(exc) else " ".join(str(exc).split()))
+        fail(" ".join(str(exc).split()))  # pydantic's multi-line message, on one line
     setup_logging()
     return settings
 

@@ -126,14 +126,13 @@ class Blender:
         clock = _Clock()
         for seg in segments:
             self._check_segment(seg)
+        ids = torch.cat([s.token_ids for s in segments] + [torch.tensor(list(suffix_ids), dtype=torch.int64)])
         if segments and self.shifter is None:  # cannot move keys: run the same tokens in full
-            ids = torch.cat([s.token_ids for s in segments] + [torch.tensor(list(suffix_ids))])
             result = self.full_prefill(ids.tolist())
             result.stats.fallback = self.unsupported
             return result
 
         # 1. Layout and cache: cached K/V rotated to their new positions.
-        ids = torch.cat([s.token_ids for s in segments] + [torch.tensor(list(suffix_ids), dtype=torch.int64)])
         total, cached = ids.numel(), sum(s.num_tokens for s in segments)
         keys, values = self._empty_kv(total)                                      # [L, H, N, D]
         start = 0

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from app.config import LimitsSettings
-from app.engine import Mode
+from app.engine import Mode, QueryStats, Source
+from retrieval import DocumentInfo
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
 
@@ -64,35 +66,10 @@ class QueryRequest(BaseModel):
     stream: bool = False
 
 
-class SourceOut(BaseModel):
-    doc_id: str
-    chunk_id: int
-    title: str | None
-    score: float
-    text: str
-
-
-class StatsOut(BaseModel):
-    mode: str
-    ttft_ms: float
-    total_ms: float
-    queue_ms: float = 0.0
-    retrieve_ms: float
-    kv_load_ms: float
-    prefill_ms: float
-    prompt_tokens: int
-    cached_tokens: int
-    recomputed_tokens: int
-    recompute_ratio: float
-    completion_tokens: int
-    store_hits: dict[str, int] = Field(description='Chunks per tier they came from; "computed" = store miss.')
-    fallback: str | None = None
-
-
 class QueryResponse(BaseModel):
     answer: str
-    sources: list[SourceOut]
-    stats: StatsOut
+    sources: list[Source]
+    stats: QueryStats
     finish_reason: str
 
 
@@ -193,7 +170,7 @@ class ChatCompletion(BaseModel):
     choices: list[Choice]
     usage: Usage
     system_fingerprint: str | None = None
-    sources: list[SourceOut] = Field(default_factory=list, description="ragblend extra: the retrieved passages.")
+    sources: list[Source] = Field(default_factory=list, description="ragblend extra: the retrieved passages.")
 
 
 class Delta(BaseModel):
@@ -242,17 +219,8 @@ class DocumentIn(BaseModel):
     text: NonBlank = Field(min_length=1)
 
 
-class DocumentOut(BaseModel):
-    id: str
-    object: Literal["document"] = "document"
-    title: str | None
-    source: str | None
-    n_chunks: int
-    content_hash: str
-    ingested_at: float
-
-
-class IngestedDocument(DocumentOut):
+@pydantic_dataclass
+class IngestedDocument(DocumentInfo):
     status: Literal["added", "updated", "unchanged"]
 
 
@@ -263,7 +231,7 @@ class IngestResponse(BaseModel):
 
 class DocumentList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[DocumentOut]
+    data: list[DocumentInfo]
 
 
 class DeletedDocument(BaseModel):

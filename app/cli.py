@@ -116,27 +116,23 @@ def bench(name: str = typer.Argument(..., help="ttft | store | ingest | serve"),
 
 @store_cli.command("stats")
 def store_stats(config: Optional[Path] = ConfigOpt) -> None:
-    """Entries, bytes, hits and misses per tier."""
-    store, _ = _open_store(config)
-    typer.echo(json.dumps(store.stats(), indent=2, default=str))
-    store.close()
+    """Entries, bytes, hits and misses per tier (no model is loaded)."""
+    from app.components import Components
+
+    with Components(_settings(config)).inspect_store() as store:
+        typer.echo(json.dumps(store.stats(), indent=2, default=str))
 
 
 @store_cli.command("gc")
 def store_gc(config: Optional[Path] = ConfigOpt) -> None:
     """Enforce the byte caps and drop entries of other model fingerprints."""
-    store, fingerprint = _open_store(config)
-    typer.echo(json.dumps(store.gc(fingerprint), indent=2, default=str))
-    store.close()
+    from app.components import Components
 
-
-def _open_store(config: Optional[Path]):
-    """The configured store, for the configured model's fingerprint."""
-    from app.components import load_llm, open_store
-
-    settings = _settings(config)
-    fingerprint = load_llm(settings).fingerprint
-    return open_store(settings, fingerprint), fingerprint
+    parts = Components(_settings(config))
+    try:
+        typer.echo(json.dumps(parts.store.gc(parts.llm.fingerprint), indent=2, default=str))
+    finally:
+        parts.close()
 
 
 def main() -> None:

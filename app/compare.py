@@ -28,11 +28,9 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,6 +42,7 @@ from app.answer_metrics import answer_scores
 from app.config import Settings
 from blend import Blender, ChunkKV, Prefill, PromptFormat, SamplingParams, hash_ids
 from blend.engine import Selection
+from common import write_atomic
 
 log = logging.getLogger("ragblend.compare")
 
@@ -124,7 +123,7 @@ class Harness:
     def prepare(self, item: dict[str, Any]) -> PromptKV:
         """1. Head + first K passages (dataset order) + question suffix, chunk KVs precomputed."""
         ctxs = item["ctxs"][: self.config.passages]
-        passages = [self.prompt.passage_ids(c["text"], c.get("title") or None) for c in ctxs]
+        passages = [self.prompt.text_passage_ids(c["text"], c.get("title") or None) for c in ctxs]
         if self.config.precompute == "head":
             kvs = [self.blender.precompute(p, self.head_ids, context=self.head_kv) for p in passages]
         else:
@@ -215,18 +214,6 @@ def aggregate(questions: list[dict[str, Any]], modes: list[str]) -> dict[str, di
                      "ttft_ratio_of_medians": statistics.median(ttft) / statistics.median(full_ttft),
                      "recomputed_tokens": statistics.fmean(r["recomputed_tokens"] for r in rows), "n": len(rows)}
     return out
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder + os.replace: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -372,7 +359,7 @@ def _run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int
                  progress: bool) -> int:
     from tqdm import tqdm
 
-    from app.components import load_llm
+    from app.components import Components
 
     # 1. Config, data, model.
     config = CompareConfig(str(dataset), passages, sorted(set(ratios)), precompute or settings.blend.precompute,
@@ -383,11 +370,9 @@ def _run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int
     except (OSError, ValueError) as exc:
         print(f"error: cannot read dataset: {exc}", file=sys.stderr)
         return 2
-    loaded = load_llm(settings)
-    blender = Blender(loaded.model, loaded.tokenizer, loaded.fingerprint, check_layer=config.check_layer,
-                      deviation=config.deviation)
-    harness = Harness(blender, PromptFormat(loaded.tokenizer, settings.model.system_prompt), config)
-    identity, commit = run_identity(loaded, config, harness.prompt), git_commit()
+    parts = Components(settings)
+    harness = Harness(parts.blender, parts.prompt, config)
+    identity, commit = run_identity(parts.llm, config, harness.prompt), git_commit()
     # 2. Resume: keep the questions already answered under the same model, config and prompt.
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -1,60 +1,75 @@
-"""Wiring: build the model, blender, store, KV cache and retriever from Settings, once."""
+"""The one place that builds ragblend's parts from Settings: server, CLI, ingest, compare and bench.
+
+Each part is built on first use and kept, so a command pays only for what it touches
+(`ragblend store stats` opens the store without loading the LLM). `close()` closes what was built.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import cached_property
 
 from app.config import Settings
+from app.ingest import Ingestor
 from app.kv import ChunkKVCache
 from blend import Blender, LoadedModel, PromptFormat, load_model
+from retrieval import Chunker, Embedder, Retriever, open_embedder
 from store import TieredStore, build_store
 
 
-def load_llm(settings: Settings) -> LoadedModel:
-    return load_model(settings.model.name, cache_dir=settings.model_cache_dir, dtype=settings.model.dtype)
-
-
-def open_store(settings: Settings, fingerprint: str) -> TieredStore:
-    return build_store(settings.store, settings.kv_dir, fingerprint)
-
-
-def build_kv_cache(settings: Settings, loaded: LoadedModel, store: TieredStore) -> ChunkKVCache:
-    blender = Blender(loaded.model, loaded.tokenizer, loaded.fingerprint,
-                      check_layer=settings.blend.check_layer, deviation=settings.blend.deviation)
-    prompt = PromptFormat(loaded.tokenizer, settings.model.system_prompt)
-    return ChunkKVCache(blender, prompt, store, precompute=settings.blend.precompute)
-
-
-@dataclass
 class Components:
-    settings: Settings
-    loaded: LoadedModel
-    store: TieredStore
-    kv_cache: ChunkKVCache
-    retriever: object
+    def __init__(self, settings: Settings):
+        self.settings = settings
 
-    @classmethod
-    def open(cls, settings: Settings) -> Components:
-        from retrieval import open_retriever
-
-        loaded = load_llm(settings)
-        store = open_store(settings, loaded.fingerprint)
-        kv_cache = build_kv_cache(settings, loaded, store)
-        return cls(settings, loaded, store, kv_cache, open_retriever(settings))
-
-    @property
-    def blender(self) -> Blender:
-        return self.kv_cache.blender
-
-    @property
-    def prompt(self) -> PromptFormat:
-        return self.kv_cache.prompt
+    @cached_property
+    def llm(self) -> LoadedModel:
+        m = self.settings.model
+        return load_model(m.name, cache_dir=self.settings.model_cache_dir, dtype=m.dtype)
 
     @property
     def tokenizer(self):
-        return self.loaded.tokenizer
+        return self.llm.tokenizer
+
+    @cached_property
+    def blender(self) -> Blender:
+        b = self.settings.blend
+        return Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
+                       deviation=b.deviation)
+
+    @cached_property
+    def prompt(self) -> PromptFormat:
+        return PromptFormat(self.llm.tokenizer, self.settings.model.system_prompt)
+
+    @cached_property
+    def store(self) -> TieredStore:
+        return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint)
+
+    def inspect_store(self) -> TieredStore:
+        """The store opened without a model, for stats only (the caller closes it)."""
+        return build_store(self.settings.store, self.settings.kv_dir, fingerprint=None)
+
+    @cached_property
+    def kv_cache(self) -> ChunkKVCache:
+        return ChunkKVCache(self.blender, self.prompt, self.store, precompute=self.settings.blend.precompute)
+
+    @cached_property
+    def embedder(self) -> Embedder:
+        return open_embedder(self.settings.embedder)
+
+    @cached_property
+    def retriever(self) -> Retriever:
+        r = self.settings.retrieval
+        return Retriever(self.settings.index_dir, self.embedder, kind=r.index, order=r.order, top_k=r.top_k)
+
+    @cached_property
+    def chunker(self) -> Chunker:
+        return Chunker(self.llm.tokenizer, self.settings.chunking)
+
+    @cached_property
+    def ingestor(self) -> Ingestor:
+        return Ingestor(self.retriever, self.chunker, self.kv_cache)
 
     def close(self) -> None:
-        self.store.close()
-        close = getattr(self.retriever, "close", None)
-        if close:
-            close()
+        """Close the store and the metadata database, if they were opened."""
+        for name in ("store", "retriever"):
+            part = self.__dict__.pop(name, None)
+            if part is not None:
+                part.close()

@@ -8,6 +8,9 @@ import yaml
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from retrieval.settings import ChunkingSettings, EmbedderSettings, RetrievalSettings
+from store.settings import StoreSettings
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "default.yaml"
 ENV_PREFIX = "RAGBLEND_"
 ENV_NESTED_DELIMITER = "__"
@@ -20,41 +23,11 @@ class ModelSettings(BaseModel):
     system_prompt: str = "Answer the question with a short phrase, using only the passages."
 
 
-class EmbedderSettings(BaseModel):
-    name: str = "embedded"
-    batch_size: int = Field(32, ge=1)
-
-
-class ChunkingSettings(BaseModel):
-    target_tokens: int = Field(384, ge=8)
-    max_tokens: int = Field(512, ge=8)
-    min_tokens: int = Field(32, ge=1)
-
-
-class RetrievalSettings(BaseModel):
-    top_k: int = Field(4, ge=1)
-    order: Literal["score", "document"] = "score"
-    index: Literal["flat", "hnsw"] = "flat"
-
-
 class BlendSettings(BaseModel):
     ratio: float = Field(0.15, ge=0.0, le=1.0)
     check_layer: int = Field(1, ge=0)
     deviation: Literal["value", "key"] = "value"
     precompute: Literal["head", "zero"] = "head"
-
-
-class StoreSettings(BaseModel):
-    codec: Literal["fp16", "int8"] = "fp16"
-    memory_bytes: int = Field(512 << 20, ge=0)
-    disk_bytes: int = Field(4 << 30, ge=0)
-    redis_url: str | None = None
-    redis_password: str | None = None
-    redis_prefix: str = "ragblend:"
-    redis_ttl_s: int | None = None
-    redis_timeout_s: float = 0.5
-    redis_backoff_s: float = 5.0
-    redis_queue_size: int = 256
 
 
 class ServerSettings(BaseModel):

@@ -57,8 +57,9 @@ class QueryStats:
     recomputed_tokens: int = 0
     recompute_ratio: float = 1.0
     completion_tokens: int = 0
-    store_hits: dict[str, int] = field(default_factory=dict)
-    fallback: str | None = None
+    store_hits: dict[str, int] = field(default_factory=dict)  # chunks per tier they came from; "computed" = miss
+    fallback: str | None = None  # why a blend ran as full prefill
+    queue_ms: float = 0.0  # time waiting for the model worker (set by the server)
 
 
 @dataclass
@@ -75,7 +76,7 @@ class QueryResult:
 class RagEngine:
     def __init__(self, settings: Settings, components: Components | None = None):
         self.settings = settings
-        self.parts = components or Components.open(settings)
+        self.parts = components or Components(settings)
 
     def answer(self, params: QueryParams) -> QueryResult:
         for event in self.stream(params):
@@ -89,33 +90,31 @@ class RagEngine:
         start = time.perf_counter()
         stats = QueryStats(mode=params.mode)
 
-        # 1. Retrieve.
-        top_k = params.top_k or self.settings.retrieval.top_k
-        chunks = parts.retriever.search(params.question, top_k)
+        # 1. Retrieve, and lay the prompt out as token ids: head | passages | suffix (no KV yet).
+        hits = parts.retriever.search(params.question, params.top_k or self.settings.retrieval.top_k)
+        passages = [parts.kv_cache.passage_ids(h.chunk.token_ids, h.title) for h in hits]
+        suffix = parts.prompt.suffix_ids(params.question)
         stats.retrieve_ms = _ms(start)
+        self._check_length(len(parts.kv_cache.head_ids) + sum(map(len, passages)) + len(suffix), params)
 
         # 2. Chunk KVs: the prompt head, then one per passage (store hit or precompute).
         t = time.perf_counter()
-        suffix = parts.prompt.suffix_ids(params.question)
         if params.mode == "full":
-            ids = parts.kv_cache.head_ids + [i for c in chunks for i in parts.kv_cache.passage_ids(c.text, c.title)]
             segments: list[ChunkKV] = []
         else:
-            hits: Counter[str] = Counter()
+            hits_by_tier: Counter[str] = Counter()
             segments = [parts.kv_cache.head()]
-            for chunk in chunks:
-                kv, tier = parts.kv_cache.get_or_compute(chunk.text, chunk.title)
+            for ids in passages:
+                kv, tier = parts.kv_cache.get_or_compute(ids)
                 segments.append(kv)
-                hits[tier] += 1
-            stats.store_hits = dict(hits)
+                hits_by_tier[tier] += 1
+            stats.store_hits = dict(hits_by_tier)
         stats.kv_load_ms = _ms(t)
-        prompt_len = (len(ids) if params.mode == "full" else sum(s.num_tokens for s in segments)) + len(suffix)
-        self._check_length(prompt_len, params)
 
         # 3. Prefill.
         t = time.perf_counter()
         if params.mode == "full":
-            prefill = parts.blender.full_prefill(ids + suffix)
+            prefill = parts.blender.full_prefill(parts.kv_cache.head_ids + [i for ids in passages for i in ids] + suffix)
         else:
             ratio = 0.0 if params.mode == "reuse" else (
                 self.settings.blend.ratio if params.ratio is None else params.ratio)
@@ -135,7 +134,7 @@ class RagEngine:
             text.finish_reason = "cancelled"
         stats.completion_tokens = len(text.tokens)
         stats.total_ms = _ms(start)
-        sources = [Source(c.doc_id, c.chunk_id, c.title, round(float(c.score), 4), c.text) for c in chunks]
+        sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text) for h in hits]
         yield QueryResult(text.text.strip(), sources, stats, text.finish_reason or "length")
 
     @staticmethod
@@ -149,7 +148,7 @@ class RagEngine:
             yield token
 
     def _check_length(self, prompt_len: int, params: QueryParams) -> None:
-        limit = getattr(self.parts.blender.model.config, "max_position_embeddings", None)
+        limit = getattr(self.parts.llm.model.config, "max_position_embeddings", None)
         need = prompt_len + (params.max_tokens or self.settings.limits.default_max_new_tokens)
         if limit and need > limit:
             raise RequestError(f"prompt of {prompt_len} tokens plus max_tokens exceeds the model's "

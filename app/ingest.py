@@ -24,7 +24,7 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,8 +47,9 @@ class IngestError(ValueError):
 class KVCache(Protocol):
     """What ingest needs from app.kv.ChunkKVCache."""
 
-    def key(self, text: str, title: str | None = None) -> str: ...
-    def ensure(self, text: str, title: str | None = None) -> str: ...
+    def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]: ...
+    def key(self, ids: Sequence[int]) -> str: ...
+    def ensure(self, ids: Sequence[int]) -> str: ...
     def delete(self, key: str) -> None: ...
 
 
@@ -113,7 +114,7 @@ class Ingestor:
         old = self.retriever.get_document(doc.doc_id)
         unchanged = old is not None and old.content_hash == content_hash and old.title == doc.title and \
             [(c.text, c.kv_key) for c in self.retriever.document_chunks(doc.doc_id)] == \
-            [(c.text, self.kv_cache.key(c.text, doc.title)) for c in chunks]
+            [(c.text, self.kv_cache.key(self.kv_cache.passage_ids(c.token_ids, doc.title))) for c in chunks]
         return PreparedDocument(doc, chunks, content_hash, old is not None, unchanged)
 
     def commit(self, prepared: PreparedDocument) -> IngestResult:
@@ -127,7 +128,7 @@ class Ingestor:
             # 1. Embed and precompute: nothing is visible to queries yet.
             embeddings = self.retriever.embed_chunks(chunks, doc.title, self.on_embedded)
             for chunk in chunks:
-                written.append(self.kv_cache.ensure(chunk.text, doc.title))
+                written.append(self.kv_cache.ensure(self.kv_cache.passage_ids(chunk.token_ids, doc.title)))
                 self.on_precomputed(1)
             # 2. Commit metadata, then the index (see retrieval.retriever for the crash story).
             stale = self.retriever.add_document(doc.doc_id, chunks, title=doc.title, source=doc.source,
@@ -290,17 +291,13 @@ def run_ingest(settings: Settings, paths: list[Path], delete_ids: list[str]) -> 
 @contextmanager
 def open_ingestor(settings: Settings) -> Iterator[Ingestor]:
     """An Ingestor over the configured model, store and index, closed on exit."""
-    from app.components import build_kv_cache, load_llm, open_store
-    from retrieval import open_retriever
+    from app.components import Components
 
-    loaded = load_llm(settings)
-    with open_store(settings, loaded.fingerprint) as store:
-        retriever = open_retriever(settings)
-        try:
-            yield Ingestor(retriever, Chunker(loaded.tokenizer, settings.chunking),
-                           build_kv_cache(settings, loaded, store))
-        finally:
-            retriever.close()
+    parts = Components(settings)
+    try:
+        yield parts.ingestor
+    finally:
+        parts.close()
 
 
 def _read_inputs(paths: list[Path], summary: _Summary) -> list[SourceDocument]:

@@ -1,7 +1,8 @@
-"""Chunk text → ChunkKV: read from the tiered store, or precomputed (and stored) on a miss."""
+"""Passage token ids → ChunkKV: read from the tiered store, or precomputed (and stored) on a miss."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Literal
 
 from blend import Blender, ChunkKV, PromptFormat, hash_ids
@@ -13,9 +14,9 @@ COMPUTED = "computed"
 
 
 class ChunkKVCache:
-    """Owns the prompt head's KV and every chunk's, keyed by (model, context, passage tokens).
+    """Owns the prompt head's KV and every passage's, keyed by (model, context, passage tokens).
 
-    `precompute="head"` computes each chunk right after the prompt head (closer to a full
+    `precompute="head"` computes each passage right after the prompt head (closer to a full
     prefill, the default by measurement); "zero" computes it alone from position 0.
     """
 
@@ -24,6 +25,7 @@ class ChunkKVCache:
         self.blender, self.prompt, self.store = blender, prompt, store
         self.head_ids = prompt.head_ids
         self.context_ids = self.head_ids if precompute == "head" else []
+        self._context_hash = hash_ids(self.context_ids)
         self._head: ChunkKV | None = None
 
     def head(self) -> ChunkKV:
@@ -32,32 +34,29 @@ class ChunkKVCache:
             self._head, _ = self._load(self.head_ids, [])
         return self._head
 
-    def passage_ids(self, text: str, title: str | None = None) -> list[int]:
-        return self.prompt.passage_ids(text, title)
+    def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
+        return self.prompt.passage_ids(chunk_ids, title)
 
-    def key(self, text: str, title: str | None = None) -> str:
-        return self._key(self.passage_ids(text, title), self.context_ids)
+    def key(self, ids: Sequence[int]) -> str:
+        """The store key of a passage's KV (microseconds: a hash of the ids)."""
+        return kv_key(self.blender.fingerprint, self._context_hash, list(ids))
 
-    def get_or_compute(self, text: str, title: str | None = None) -> tuple[ChunkKV, str]:
-        """The chunk's KV and where it came from: a tier name or "computed"."""
-        return self._load(self.passage_ids(text, title), self.context_ids)
+    def get_or_compute(self, ids: Sequence[int]) -> tuple[ChunkKV, str]:
+        """The passage's KV and where it came from: a tier name or "computed"."""
+        return self._load(list(ids), self.context_ids)
 
-    def ensure(self, text: str, title: str | None = None) -> str:
-        """Make sure the chunk's KV is stored (ingest); returns its key."""
-        ids = self.passage_ids(text, title)
-        key = self._key(ids, self.context_ids)
+    def ensure(self, ids: Sequence[int]) -> str:
+        """Make sure the passage's KV is stored (ingest); returns its key."""
+        key = self.key(ids)
         if not self.store.contains(key):
-            self.store.put(key, self._compute(ids, self.context_ids))
+            self.store.put(key, self._compute(list(ids), self.context_ids))
         return key
 
     def delete(self, key: str) -> None:
         self.store.delete(key)
 
-    def _key(self, ids: list[int], context_ids: list[int]) -> str:
-        return kv_key(self.blender.fingerprint, hash_ids(context_ids), ids)
-
     def _load(self, ids: list[int], context_ids: list[int]) -> tuple[ChunkKV, str]:
-        key = self._key(ids, context_ids)
+        key = kv_key(self.blender.fingerprint, hash_ids(context_ids), ids)
         kv, tier = self.store.get_with_tier(key)
         if kv is not None and kv.token_ids.tolist() == ids:
             return kv, tier

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import time
 
-from app.components import load_llm
+from app.components import Components
 from app.config import load_settings
 
 
 def main() -> None:
     settings = load_settings()
     start = time.perf_counter()
-    loaded = load_llm(settings)
+    loaded = Components(settings).llm
     print(f"model {loaded.name} ready in {time.perf_counter() - start:.1f}s "
           f"(load from cache {loaded.load_s:.2f}s, fingerprint {loaded.fingerprint})")
 

@@ -30,7 +30,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.datastructures import UploadFile
 
 from app.api_models import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Choice,
-                            ChunkChoice, DeletedDocument, Delta, DocumentIn, DocumentList, DocumentOut,
+                            ChunkChoice, DeletedDocument, Delta, DocumentIn, DocumentList,
                             ErrorResponse, IngestedDocument, IngestResponse, LimitError, ModelCard, ModelList,
                             PromptTokensDetails, QueryRequest, QueryResponse, Usage, check_limits, openapi_body)
 from app.config import Settings
@@ -40,7 +40,7 @@ from app.ingest import SUFFIXES, Ingestor, SourceDocument, read_documents
 from app.metrics import Metrics
 from app.middleware import CountRequests, LimitBody, RequireApiKey
 from app.worker import Job, QueueFull, Worker
-from retrieval import Chunker
+from retrieval import DocumentInfo
 
 log = logging.getLogger("ragblend.server")
 
@@ -69,9 +69,7 @@ class Service:
     def _load(self) -> None:
         try:
             engine = self.engine or RagEngine(self.settings)
-            parts = engine.parts
-            self.ingestor = Ingestor(parts.retriever, Chunker(parts.tokenizer, self.settings.chunking),
-                                     parts.kv_cache)
+            self.ingestor = engine.parts.ingestor
             self.engine = engine
             self.worker.start()
             self.ready.set()
@@ -89,7 +87,7 @@ class Service:
 
     @property
     def model_name(self) -> str:
-        return self.engine.parts.loaded.name if self.engine else "loading"
+        return self.engine.parts.llm.name if self.engine else "loading"
 
     def _store_stats(self) -> dict[str, Any] | None:
         return self.engine.parts.store.stats() if self.ready.is_set() else None
@@ -171,9 +169,9 @@ class QueryRun:
         self.job.cancel()
 
     def response(self, result: QueryResult) -> QueryResponse:
-        body = result.to_dict()
-        body["stats"]["queue_ms"] = round(self.job.queue_s * 1000, 2)
-        return QueryResponse.model_validate(body)
+        result.stats.queue_ms = round(self.job.queue_s * 1000, 2)
+        return QueryResponse(answer=result.answer, sources=result.sources, stats=result.stats,
+                             finish_reason=result.finish_reason)
 
 
 def sse(run: QueryRun, events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
@@ -253,7 +251,7 @@ async def chat_completions(body: ChatCompletionRequest, svc: Service = Depends(s
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse(run, chat_chunks(run, head, include_usage))
     result = await run.result()
-    return ChatCompletion(**head, usage=_usage(result), sources=[asdict(s) for s in result.sources],
+    return ChatCompletion(**head, usage=_usage(result), sources=result.sources,
                           choices=[Choice(message=ChatMessageOut(content=result.answer),
                                           finish_reason=_finish_reason(result))])
 
@@ -350,23 +348,23 @@ def _ingest(svc: Service, docs: list[SourceDocument]) -> list[IngestedDocument]:
     """On the worker: chunk all first (bad input fails before anything is written), then commit each."""
     prepared = [svc.ingestor.prepare(doc) for doc in docs]
     results = [svc.ingestor.commit(p) for p in prepared]
-    return [IngestedDocument(**_document(svc, r.doc_id).model_dump(), status=r.status) for r in results]
+    return [IngestedDocument(**asdict(_document(svc, r.doc_id)), status=r.status) for r in results]
 
 
-def _document(svc: Service, doc_id: str) -> DocumentOut:
+def _document(svc: Service, doc_id: str) -> DocumentInfo:
     info = svc.engine.parts.retriever.get_document(doc_id)
     if info is None:
         raise ApiError(404, f"no document {doc_id!r}", "not_found", "doc_id")
-    return DocumentOut(**asdict(info))
+    return info
 
 
 @router.get("/v1/documents", response_model=DocumentList, responses=ERRORS)
 def list_documents(svc: Service = Depends(service)) -> DocumentList:
-    return DocumentList(data=[DocumentOut(**asdict(d)) for d in svc.engine.parts.retriever.list_documents()])
+    return DocumentList(data=svc.engine.parts.retriever.list_documents())
 
 
-@router.get("/v1/documents/{doc_id:path}", response_model=DocumentOut, responses={404: {"model": ErrorResponse}})
-def get_document(doc_id: str, svc: Service = Depends(service)) -> DocumentOut:
+@router.get("/v1/documents/{doc_id:path}", response_model=DocumentInfo, responses={404: {"model": ErrorResponse}})
+def get_document(doc_id: str, svc: Service = Depends(service)) -> DocumentInfo:
     return _document(svc, doc_id)
 
 

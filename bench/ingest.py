@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from retrieval import Chunk, Chunker, VectorIndex  # noqa: E402
-from retrieval.testing import MUSIQUE, ROOT, load_musique, shared_embedder, shared_llm, test_settings  # noqa: E402
+from tests.helpers import MUSIQUE, ROOT, load_musique, shared_embedder, shared_llm, test_settings  # noqa: E402
 
 DIM, TOP_K = 384, 4
 
@@ -60,20 +60,22 @@ def bench_embed(chunks: list[tuple[Chunk, str | None]]) -> dict:
 
 
 def bench_kv(chunks: list[tuple[Chunk, str | None]]) -> dict:
-    from app.components import build_kv_cache, open_store
+    from app.components import Components
 
-    loaded = shared_llm()
     with tempfile.TemporaryDirectory(prefix="ragblend-bench-") as tmp:
         settings = test_settings(Path(tmp))
-        with open_store(settings, loaded.fingerprint) as store:
-            kv_cache = build_kv_cache(settings, loaded, store)
-            kv_cache.head()  # computed once per process, not per chunk
-            tokens, start = 0, time.perf_counter()
-            for i, (chunk, title) in enumerate(chunks, 1):
-                kv_cache.ensure(chunk.text, title)
-                tokens += len(kv_cache.passage_ids(chunk.text, title))
-                log(f"KV precomputed {i}/{len(chunks)}")
-            seconds = time.perf_counter() - start
+        parts = Components(settings)
+        parts.llm = shared_llm()  # loaded once per process
+        kv_cache = parts.kv_cache
+        kv_cache.head()  # computed once per process, not per chunk
+        tokens, start = 0, time.perf_counter()
+        for i, (chunk, title) in enumerate(chunks, 1):
+            ids = kv_cache.passage_ids(chunk.token_ids, title)
+            kv_cache.ensure(ids)
+            tokens += len(ids)
+            log(f"KV precomputed {i}/{len(chunks)}")
+        seconds = time.perf_counter() - start
+        parts.close()
     return {"chunks": len(chunks), "seconds": round(seconds, 2), "chunks_per_s": round(len(chunks) / seconds, 2),
             "tokens_per_s": round(tokens / seconds, 1), "mean_tokens": round(tokens / len(chunks), 1),
             "precompute": settings.blend.precompute, "codec": settings.store.codec}
@@ -115,7 +117,7 @@ def main() -> None:
     import faiss
     import torch
 
-    from retrieval.testing import shared_tokenizer
+    from tests.helpers import shared_tokenizer
 
     result: dict = {"threads": {"torch": torch.get_num_threads(), "faiss": faiss.omp_get_max_threads()}}
     chunks = sample_chunks(max(args.chunks, args.kv_chunks), shared_tokenizer())

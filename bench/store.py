@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from store import CODECS, DiskTier, MemoryTier, RedisTier, TieredStore, bytes_per_token  # noqa: E402
-from store.testing import RedisServer, random_kv  # noqa: E402
+from tests.helpers import random_kv
+from tests.servers import RedisServer  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
 FINGERPRINT = "bench-smollm2-135m-shape"

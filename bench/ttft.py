@@ -19,7 +19,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app.components import build_kv_cache, load_llm, open_store  # noqa: E402
+from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
 
 
@@ -38,22 +38,20 @@ def main() -> None:
     item = json.loads(args.dataset.read_text())[args.question]
     with tempfile.TemporaryDirectory() as tmp:
         settings = load_settings(data_dir=tmp, model={"cache_dir": str(REPO / "data/models")})
-        loaded = load_llm(settings)
-        store = open_store(settings, loaded.fingerprint)
-        kv_cache = build_kv_cache(settings, loaded, store)
-        blender, prompt = kv_cache.blender, kv_cache.prompt
-        passages = [(c["text"], c["title"]) for c in item["ctxs"][: args.passages]]
-        for text, title in passages:  # precompute outside the timed region, as ingest does
-            kv_cache.ensure(text, title)
+        parts = Components(settings)
+        kv_cache, blender, prompt, loaded = parts.kv_cache, parts.blender, parts.prompt, parts.llm
+        passages = [prompt.text_passage_ids(c["text"], c["title"]) for c in item["ctxs"][: args.passages]]
+        for passage in passages:  # precompute outside the timed region, as ingest does
+            kv_cache.ensure(passage)
         suffix = prompt.suffix_ids(item["question"])
-        ids = kv_cache.head_ids + [i for p in passages for i in kv_cache.passage_ids(*p)] + suffix
+        ids = kv_cache.head_ids + [i for p in passages for i in p] + suffix
 
         def ttft(mode: str) -> tuple[float, dict]:
             start = time.perf_counter()
             if mode == "full":
                 prefill = blender.full_prefill(ids)
             else:
-                segments = [kv_cache.head()] + [kv_cache.get_or_compute(*p)[0] for p in passages]
+                segments = [kv_cache.head()] + [kv_cache.get_or_compute(p)[0] for p in passages]
                 ratio = 0.0 if mode == "reuse" else float(mode.split("@")[1])
                 prefill = blender.prefill(segments, suffix, ratio)
             int(prefill.logits.argmax())
@@ -69,7 +67,7 @@ def main() -> None:
                 times[mode].append(seconds)
                 print(f"repeat {r + 1}/{args.repeats} {mode}: {seconds:.3f}s", file=sys.stderr)
         median = {m: statistics.median(t) for m, t in times.items()}
-        store.close()
+        parts.close()
     print(json.dumps({
         "prompt_tokens": len(ids),
         "full_s": round(median["full"], 4),

@@ -5,7 +5,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
+
+from common import atomic_path
 
 log = logging.getLogger("ragblend.blend")
 
@@ -58,12 +59,9 @@ def convert_embedded(cache_dir: Path) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = target.with_name(target.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)  # atomic: a crash mid-conversion never leaves a half folder behind
+    with atomic_path(target) as tmp:  # a crash mid-conversion never leaves a half folder behind
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return target
 
 

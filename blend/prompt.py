@@ -2,15 +2,18 @@
 
 Rendered through the model's own chat template, so any chat model works:
     head    = <system turn> + <user turn opening>           (same for every request: cached once)
-    passage = "{title}\n{text}\n\n"                           (one per chunk: KV precomputed at ingest)
+    passage = "{title}\n" + chunk + "\n\n"                   (one per chunk: KV precomputed at ingest)
     suffix  = instruction + "Question: {question}" + <turn end, assistant opening>   (always fresh)
 The instruction sits after the passages, next to the question: small models follow it far
 better there than in the system turn alone.
-Each piece is tokenized on its own; a full prefill runs the concatenation of the same ids, so
-blended and full prefill read exactly the same tokens.
+Each piece is tokenized on its own; a passage reuses its chunk's stored token ids between the
+tokens of its title line and of the blank line after it, so a query tokenizes only its question.
+A full prefill runs the concatenation of the same ids: blended and full prefill read exactly the
+same tokens.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -48,13 +51,18 @@ class PromptFormat:
     def head_ids(self) -> list[int]:
         return self.encode(self.head_text)
 
-    @staticmethod
-    def passage_text(text: str, title: str | None = None) -> str:
-        body = text.strip()
-        return f"{title.strip()}\n{body}\n\n" if title else f"{body}\n\n"
+    @cached_property
+    def separator_ids(self) -> list[int]:
+        return self.encode("\n\n")
 
-    def passage_ids(self, text: str, title: str | None = None) -> list[int]:
-        return self.encode(self.passage_text(text, title))
+    def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
+        """A passage as the model reads it: its title line, the chunk's own token ids, a blank line."""
+        title_ids = self.encode(f"{title.strip()}\n") if title and title.strip() else []
+        return title_ids + list(chunk_ids) + self.separator_ids
+
+    def text_passage_ids(self, text: str, title: str | None = None) -> list[int]:
+        """`passage_ids` of a raw text (the compare harness's dataset passages)."""
+        return self.passage_ids(self.encode(text.strip()), title)
 
     def suffix_ids(self, question: str) -> list[int]:
         return self.encode(f"{INSTRUCTION}\nQuestion: {question.strip()}{self.tail_text}")

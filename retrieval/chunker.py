@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from app.config import ChunkingSettings
+from retrieval.settings import ChunkingSettings
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -42,12 +42,16 @@ def sha256_text(text: str) -> str:
 
 @dataclass
 class Chunk:
+    """A piece of a document: what the chunker makes, the metadata stores and a search returns."""
+
     doc_id: str
     ordinal: int
     text: str
-    token_ids: list[int]
+    token_ids: list[int]  # the text tokenized alone (no special tokens)
     start: int  # character offsets in the document: text == document[start:end]
     end: int
+    id: int | None = None  # set once stored: the index's vector id
+    kv_key: str | None = None  # set once stored: its KV entry, for cleaning up on replace and delete
     content_hash: str = field(init=False)  # sha256 of text
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from app.config import EmbedderSettings
+from retrieval.settings import EmbedderSettings
 
 log = logging.getLogger("ragblend.retrieval")
 

@@ -6,12 +6,13 @@ False there and the caller rebuilds from its own copy of the vectors (metadata.p
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
 import faiss
 import numpy as np
+
+from common import atomic_path
 
 IndexKind = Literal["flat", "hnsw"]
 HNSW_M = 32  # neighbours per node: recall vs memory
@@ -70,10 +71,8 @@ class VectorIndex:
 
     def save(self, path: Path) -> None:
         """Write to a temp file and rename over `path`: a crash leaves the old file or the new one."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        faiss.write_index(self.index, str(tmp))
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            faiss.write_index(self.index, str(tmp))
 
     @classmethod
     def load(cls, path: Path) -> VectorIndex:

@@ -56,30 +56,13 @@ class DocumentInfo:
     ingested_at: float  # unix seconds
 
 
-@dataclass
-class StoredChunk:
-    id: int
-    doc_id: str
-    ordinal: int
-    text: str
-    token_ids: list[int]
-    content_hash: str
-    kv_key: str | None
-    start: int
-    end: int
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.token_ids)
-
-
 _CHUNK_COLUMNS = "id, doc_id, ordinal, text, token_ids, content_hash, kv_key, start_char, end_char"
 
 
-def _chunk(row: sqlite3.Row) -> StoredChunk:
+def _chunk(row: sqlite3.Row) -> Chunk:
     ids = np.frombuffer(row["token_ids"], dtype="<i4").tolist()
-    return StoredChunk(row["id"], row["doc_id"], row["ordinal"], row["text"], ids, row["content_hash"],
-                       row["kv_key"], row["start_char"], row["end_char"])
+    return Chunk(row["doc_id"], row["ordinal"], row["text"], ids, row["start_char"], row["end_char"], id=row["id"],
+                 kv_key=row["kv_key"])
 
 
 class Metadata:
@@ -169,11 +152,11 @@ class Metadata:
         return self.db.execute("SELECT 1 FROM chunks WHERE kv_key = ? LIMIT 1", (kv_key,)).fetchone() is not None
 
     # Chunks ----------------------------------------------------------------------------------
-    def document_chunks(self, doc_id: str) -> list[StoredChunk]:
+    def document_chunks(self, doc_id: str) -> list[Chunk]:
         rows = self.db.execute(f"SELECT {_CHUNK_COLUMNS} FROM chunks WHERE doc_id = ? ORDER BY ordinal", (doc_id,))
         return [_chunk(row) for row in rows]
 
-    def chunks_with_titles(self, ids: Sequence[int]) -> dict[int, tuple[StoredChunk, str | None]]:
+    def chunks_with_titles(self, ids: Sequence[int]) -> dict[int, tuple[Chunk, str | None]]:
         if not ids:
             return {}
         marks = ",".join("?" * len(ids))

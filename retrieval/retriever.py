@@ -21,7 +21,7 @@ import numpy as np
 from retrieval.chunker import Chunk, sha256_text
 from retrieval.embedder import Embedder
 from retrieval.index import IndexKind, VectorIndex
-from retrieval.metadata import DocumentInfo, Metadata, StoredChunk
+from retrieval.metadata import DocumentInfo, Metadata
 
 log = logging.getLogger("ragblend.retrieval")
 
@@ -35,13 +35,11 @@ class IndexMismatchError(RuntimeError):
 
 
 @dataclass
-class RetrievedChunk:
-    chunk_id: int
-    doc_id: str
+class Hit:
+    """A search result: a stored chunk, its document's title and its similarity to the question."""
+
+    chunk: Chunk
     title: str | None
-    ordinal: int
-    text: str
-    kv_key: str | None
     score: float  # cosine similarity to the question
 
 
@@ -68,17 +66,14 @@ class Retriever:
         return len(self.index)
 
     # Queries ---------------------------------------------------------------------------------
-    def search(self, question: str, top_k: int | None = None, order: Order | None = None) -> list[RetrievedChunk]:
+    def search(self, question: str, top_k: int | None = None, order: Order | None = None) -> list[Hit]:
         """The top_k chunks nearest to `question`, by score or in document order (see `_document_order`)."""
         vector = self.embedder.embed_query(question)
         with self._lock:
             self.refresh()
             scores, ids = self.index.search(vector, top_k or self.top_k)
             rows = self.metadata.chunks_with_titles(ids.tolist())
-        hits = []
-        for score, chunk_id in zip(scores.tolist(), ids.tolist()):
-            chunk, title = rows[chunk_id]
-            hits.append(RetrievedChunk(chunk.id, chunk.doc_id, title, chunk.ordinal, chunk.text, chunk.kv_key, score))
+        hits = [Hit(*rows[chunk_id], score) for score, chunk_id in zip(scores.tolist(), ids.tolist())]
         return _document_order(hits) if (order or self.order) == "document" else hits
 
     def list_documents(self) -> list[DocumentInfo]:
@@ -89,7 +84,7 @@ class Retriever:
         with self._lock:
             return self.metadata.get_document(doc_id)
 
-    def document_chunks(self, doc_id: str) -> list[StoredChunk]:
+    def document_chunks(self, doc_id: str) -> list[Chunk]:
         with self._lock:
             return self.metadata.document_chunks(doc_id)
 
@@ -178,9 +173,9 @@ class Retriever:
             self.metadata.set_meta("embedder", identity)
 
 
-def _document_order(hits: list[RetrievedChunk]) -> list[RetrievedChunk]:
+def _document_order(hits: list[Hit]) -> list[Hit]:
     """Chunks of one document together in reading order; documents by their best chunk's score."""
     best: dict[str, int] = {}
     for rank, hit in enumerate(hits):
-        best.setdefault(hit.doc_id, rank)
-    return sorted(hits, key=lambda h: (best[h.doc_id], h.ordinal))
+        best.setdefault(hit.chunk.doc_id, rank)
+    return sorted(hits, key=lambda h: (best[h.chunk.doc_id], h.chunk.ordinal))

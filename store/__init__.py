@@ -7,6 +7,7 @@ deleted and reported as a miss. The store knows nothing about models beyond a fi
 
 Exports:
     TieredStore, build_store, KVStore   the store, its factory from StoreSettings, its interface
+    StoreSettings                       this package's settings
     MemoryTier, DiskTier, RedisTier     the tiers (get/put/delete/contains/keys/stats on bytes)
     kv_key, validate_key                keys: sha256 hex of (fingerprint, context hash, token ids)
     encode, decode, read_header         the entry format
@@ -19,10 +20,11 @@ from store.keys import kv_key, validate_key
 from store.memory import MemoryTier
 from store.redis_tier import RedisTier
 from store.serialize import CODECS, CorruptEntryError, bytes_per_token, decode, encode, read_header
+from store.settings import StoreSettings
 from store.tiered import KVStore, TieredStore, build_store
 
 __all__ = [
     "CODECS", "CorruptEntryError", "DiskTier", "KVMismatchError", "KVStore", "MemoryTier", "RedisTier",
-    "TieredStore", "build_store", "bytes_per_token", "decode", "encode", "kv_key", "read_header",
+    "StoreSettings", "TieredStore", "build_store", "bytes_per_token", "decode", "encode", "kv_key", "read_header",
     "validate_key",
 ]

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from blend.chunk_kv import ChunkKV, KVMismatchError
 from store.disk import DiskTier
@@ -24,9 +24,7 @@ from store.keys import kv_key, validate_key
 from store.memory import MemoryTier
 from store.redis_tier import RedisTier
 from store.serialize import CODECS, HEAD_BYTES, CorruptEntryError, decode, encode, read_header
-
-if TYPE_CHECKING:
-    from app.config import StoreSettings
+from store.settings import StoreSettings
 
 log = logging.getLogger("ragblend.store")
 
@@ -259,10 +257,10 @@ class TieredStore:
                 "write_queue": self._queue.qsize(), "tiers": tiers}
 
 
-def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str) -> TieredStore:
+def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None) -> TieredStore:
     """The store the app runs: memory, then disk under `kv_dir`, then Redis if a URL is set.
 
-    A tier with a 0-byte cap is left out.
+    A tier with a 0-byte cap is left out. `fingerprint` None opens it for inspection only (stats).
     """
     tiers: list[Tier] = []
     if settings.memory_bytes > 0:

@@ -142,7 +142,7 @@ class StubEngine:
         self.calls = 0
         self.cancelled = threading.Event()
         self.emitted = 0
-        self.parts = SimpleNamespace(loaded=SimpleNamespace(name="stub"), tokenizer=None, kv_cache=None,
+        self.parts = SimpleNamespace(llm=SimpleNamespace(name="stub"), tokenizer=None, kv_cache=None, ingestor=None,
                                      retriever=None, store=SimpleNamespace(stats=lambda: {"tiers": {}}),
                                      close=lambda: None)
 

@@ -8,15 +8,14 @@ import pytest
 from typer.testing import CliRunner
 
 import app.components
-import retrieval
 from app.cli import cli
+from app.components import Components
 from app.ingest import Ingestor, IngestError, SourceDocument, collect_files, read_documents, run_ingest
-from app.config import ChunkingSettings
 from blend import PromptFormat, hash_ids
-from retrieval import Chunker, Retriever
-from retrieval.testing import (MODEL_CACHE, ROOT, DictKVCache, shared_embedder, shared_llm, shared_tokenizer,
-                               test_settings)
-from store import kv_key
+from retrieval import Chunker, ChunkingSettings, Retriever
+from store import build_store, kv_key
+from tests.helpers import (MODEL_CACHE, ROOT, DictKVCache, shared_embedder, shared_llm, shared_tokenizer,
+                           test_settings)
 
 LONG = " ".join(f"Sentence {i} of the long document talks about harbour number {i}." for i in range(12))
 
@@ -144,8 +143,8 @@ def test_unreadable_file(tmp_path, monkeypatch):
 @pytest.fixture
 def env(tmp_path, monkeypatch):
     """Environment for `ragblend` in a fresh data dir; models are loaded once per session."""
-    monkeypatch.setattr(app.components, "load_llm", lambda settings: shared_llm())
-    monkeypatch.setattr(retrieval, "open_embedder", lambda settings: shared_embedder())
+    monkeypatch.setattr(app.components, "load_model", lambda *args, **kwargs: shared_llm())
+    monkeypatch.setattr(app.components, "open_embedder", lambda settings: shared_embedder())
     return {"RAGBLEND_DATA_DIR": str(tmp_path / "data"), "RAGBLEND_MODEL__CACHE_DIR": str(MODEL_CACHE)}
 
 
@@ -156,11 +155,11 @@ def ragblend(env: dict[str, str], *args: str):
 def inspect(env: dict[str, str]) -> tuple[dict[str, list[str]], set[str]]:
     """(doc id -> its chunks' kv keys, the chunk kv keys in the on-disk store), read back from disk."""
     settings = test_settings(Path(env["RAGBLEND_DATA_DIR"]))
-    retriever = retrieval.open_retriever(settings)
+    retriever = Components(settings).retriever
     docs = {d.id: [c.kv_key for c in retriever.document_chunks(d.id)] for d in retriever.list_documents()}
     assert sorted(retriever.index.ids()) == sorted(retriever.metadata.chunk_ids())
     retriever.close()
-    with app.components.open_store(settings, shared_llm().fingerprint) as store:
+    with build_store(settings.store, settings.kv_dir, shared_llm().fingerprint) as store:
         [disk] = [t for t in store.tiers if t.name == "disk"]  # this process's memory tier is empty
         held = set(disk.keys())
     head_ids = PromptFormat(shared_tokenizer(), settings.model.system_prompt).head_ids
@@ -182,9 +181,9 @@ def test_ingest_demo_corpus_then_reingest_change_and_delete(tmp_path, env):
     assert held == {k for keys in docs.values() for k in keys}  # every chunk's KV is precomputed
 
     settings = test_settings(Path(env["RAGBLEND_DATA_DIR"]))
-    retriever = retrieval.open_retriever(settings)
-    assert retriever.search("How tall is Gull Point Lighthouse?", top_k=1)[0].doc_id == "alderwick/lighthouse"
-    assert retriever.search("How long is the Bluefin warranty on engine parts?", top_k=1)[0].doc_id == \
+    retriever = Components(settings).retriever
+    assert retriever.search("How tall is Gull Point Lighthouse?", top_k=1)[0].chunk.doc_id == "alderwick/lighthouse"
+    assert retriever.search("How long is the Bluefin warranty on engine parts?", top_k=1)[0].chunk.doc_id == \
         "bluefin-faq/returns"
     retriever.close()
 
@@ -243,7 +242,7 @@ def test_bad_inputs_are_reported_and_the_rest_is_ingested(tmp_path, env):
 
 
 def test_all_inputs_bad_fails_fast_and_usage_errors_exit_2(tmp_path, env, monkeypatch):
-    monkeypatch.setattr(app.components, "load_llm", lambda settings: pytest.fail("no model should load"))
+    monkeypatch.setattr(app.components, "load_model", lambda *args, **kwargs: pytest.fail("no model should load"))
     result = ragblend(env, str(tmp_path / "nothing-here"))
     assert result.exit_code == 1 and f"error: {tmp_path / 'nothing-here'}: no such file or folder" in result.stderr
     assert ragblend(env).exit_code == 2  # neither PATH nor --delete
@@ -252,16 +251,16 @@ def test_all_inputs_bad_fails_fast_and_usage_errors_exit_2(tmp_path, env, monkey
 def test_a_crash_mid_batch_keeps_what_was_committed(tmp_path, monkeypatch):
     from app.kv import ChunkKVCache
 
-    monkeypatch.setattr(app.components, "load_llm", lambda settings: shared_llm())
-    monkeypatch.setattr(retrieval, "open_embedder", lambda settings: shared_embedder())
+    monkeypatch.setattr(app.components, "load_model", lambda *args, **kwargs: shared_llm())
+    monkeypatch.setattr(app.components, "open_embedder", lambda settings: shared_embedder())
     (tmp_path / "a.txt").write_text("Ferries to the island leave at nine every morning.")
     (tmp_path / "b.txt").write_text("The island has one shop.\n\nIt opens at ten and closes at four.")
     real_ensure = ChunkKVCache.ensure
 
-    def ensure(self, text, title=None):
-        if "four" in text:  # the last of b's three chunks
+    def ensure(self, ids):
+        if "four" in shared_tokenizer().decode(ids):  # the last of b's three chunks
             raise RuntimeError("killed mid-precompute")
-        return real_ensure(self, text, title)
+        return real_ensure(self, ids)
 
     monkeypatch.setattr(ChunkKVCache, "ensure", ensure)
     settings = test_settings(tmp_path / "data", chunking={"target_tokens": 8, "max_tokens": 16, "min_tokens": 2})
@@ -274,16 +273,17 @@ def test_a_crash_mid_batch_keeps_what_was_committed(tmp_path, monkeypatch):
 def test_ingest_text_for_the_api(tmp_path, monkeypatch):
     from app.ingest import open_ingestor
 
-    monkeypatch.setattr(app.components, "load_llm", lambda settings: shared_llm())
-    monkeypatch.setattr(retrieval, "open_embedder", lambda settings: shared_embedder())
+    monkeypatch.setattr(app.components, "load_model", lambda *args, **kwargs: shared_llm())
+    monkeypatch.setattr(app.components, "open_embedder", lambda settings: shared_embedder())
     with open_ingestor(test_settings(tmp_path)) as ingestor:
         result = ingestor.ingest_text("upload-1", "Upload", "The museum opens in April.", source="upload")
         assert (result.doc_id, result.status, result.n_chunks) == ("upload-1", "added", 1)
         [hit] = ingestor.retriever.search("When does the museum open?", top_k=1)
-        assert hit.kv_key == ingestor.kv_cache.key(hit.text, "Upload")
-        assert ingestor.kv_cache.store.contains(hit.kv_key)
+        kv_cache = ingestor.kv_cache
+        assert hit.chunk.kv_key == kv_cache.key(kv_cache.passage_ids(hit.chunk.token_ids, "Upload"))
+        assert kv_cache.store.contains(hit.chunk.kv_key)
         ingestor.delete("upload-1")
-        assert not ingestor.kv_cache.store.contains(hit.kv_key)
+        assert not kv_cache.store.contains(hit.chunk.kv_key)
         with pytest.raises(KeyError):
             ingestor.delete("upload-1")
     assert SourceDocument("x", None, "t", "s").title is None

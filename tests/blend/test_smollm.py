@@ -23,7 +23,7 @@ def prompt(smollm) -> PromptFormat:
 
 def build(blender: Blender, prompt: PromptFormat, item: dict, passages: int):
     head = blender.precompute(prompt.head_ids)
-    chunks = [blender.precompute(prompt.passage_ids(c["text"], c["title"]), prompt.head_ids, context=head)
+    chunks = [blender.precompute(prompt.text_passage_ids(c["text"], c["title"]), prompt.head_ids, context=head)
               for c in item["ctxs"][:passages]]
     suffix = prompt.suffix_ids(item["question"])
     ids = prompt.head_ids + [i for c in chunks for i in c.token_ids.tolist()] + suffix

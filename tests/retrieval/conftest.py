@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from retrieval.testing import shared_embedder, shared_tokenizer, test_settings
+from tests.helpers import shared_embedder, shared_tokenizer, test_settings
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,9 @@ import hashlib
 
 from hypothesis import HealthCheck, given, settings as hyp_settings, strategies as st
 
-from app.config import ChunkingSettings
+from retrieval import ChunkingSettings
 from retrieval import Chunk, Chunker
-from retrieval.testing import ROOT, load_musique
+from tests.helpers import ROOT, load_musique
 
 SMALL = ChunkingSettings(target_tokens=24, max_tokens=32, min_tokens=4)
 

@@ -21,7 +21,7 @@ DOCS = {
 
 @pytest.fixture
 def chunker(tokenizer):
-    from app.config import ChunkingSettings
+    from retrieval import ChunkingSettings
 
     return Chunker(tokenizer, ChunkingSettings(target_tokens=24, max_tokens=32, min_tokens=4))  # a chunk a paragraph
 
@@ -43,11 +43,11 @@ def retriever(tmp_path, embedder, chunker):
 
 def test_search_finds_the_answering_chunk(retriever):
     hits = retriever.search("In which year was the lighthouse built, and how tall is it?", top_k=3)
-    assert [h.doc_id for h in hits[:2]] == ["lighthouse", "lighthouse"]
-    [answer] = [h for h in hits if "31 metres" in h.text]
-    assert (answer.ordinal, answer.title, answer.kv_key) == (0, "Gull Point Lighthouse", "lighthouse-0")
+    assert [h.chunk.doc_id for h in hits[:2]] == ["lighthouse", "lighthouse"]
+    [answer] = [h for h in hits if "31 metres" in h.chunk.text]
+    assert (answer.chunk.ordinal, answer.title, answer.chunk.kv_key) == (0, "Gull Point Lighthouse", "lighthouse-0")
     assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
-    assert retriever.search("At what temperature do I bake the bread?", top_k=1)[0].doc_id == "bread"
+    assert retriever.search("At what temperature do I bake the bread?", top_k=1)[0].chunk.doc_id == "bread"
     assert len(retriever.search("anything", top_k=100)) == len(retriever) == 6
 
 
@@ -55,12 +55,12 @@ def test_document_order_groups_a_document_in_reading_order(retriever):
     question = "How often does the lighthouse lamp flash, and when was it built?"
     by_score = retriever.search(question, top_k=4)
     by_doc = retriever.search(question, top_k=4, order="document")
-    assert sorted(h.chunk_id for h in by_doc) == sorted(h.chunk_id for h in by_score)
-    docs = [h.doc_id for h in by_doc]
-    assert docs[0] == by_score[0].doc_id
+    assert sorted(h.chunk.id for h in by_doc) == sorted(h.chunk.id for h in by_score)
+    docs = [h.chunk.doc_id for h in by_doc]
+    assert docs[0] == by_score[0].chunk.doc_id
     assert docs == sorted(docs, key=docs.index)  # each document's chunks are contiguous
     for doc in set(docs):
-        ordinals = [h.ordinal for h in by_doc if h.doc_id == doc]
+        ordinals = [h.chunk.ordinal for h in by_doc if h.chunk.doc_id == doc]
         assert ordinals == sorted(ordinals)
 
 
@@ -72,7 +72,7 @@ def test_replace_and_delete_keep_metadata_and_index_in_step(tmp_path, retriever,
     assert stale == ["bread-1"] and retriever.is_referenced("bread-0")
     new = retriever.document_chunks("bread")
     assert len(new) == 1 and not set(old_ids) & {c.id for c in new}  # ids are never reused
-    assert retriever.search("rye bread temperature", top_k=1)[0].chunk_id == new[0].id
+    assert retriever.search("rye bread temperature", top_k=1)[0].chunk.id == new[0].id
 
     assert sorted(retriever.delete_document("gears")) == ["gears-0", "gears-1"]
     with pytest.raises(KeyError):
@@ -101,7 +101,7 @@ def test_crash_between_metadata_commit_and_index_write_is_repaired(tmp_path, ret
     reopened = Retriever(tmp_path, retriever.embedder)  # the file still holds the old ids: rebuilt
     assert sorted(d.id for d in reopened.list_documents()) == ["bread", "lighthouse", "tides"]
     assert sorted(reopened.index.ids()) == sorted(reopened.metadata.chunk_ids())
-    assert reopened.search("When are spring tides?", top_k=1)[0].doc_id == "tides"
+    assert reopened.search("When are spring tides?", top_k=1)[0].chunk.doc_id == "tides"
     assert sorted(VectorIndex.load(tmp_path / INDEX_FILE).ids()) == sorted(reopened.metadata.chunk_ids())
     reopened.close()
 
@@ -109,7 +109,7 @@ def test_crash_between_metadata_commit_and_index_write_is_repaired(tmp_path, ret
 def test_torn_index_file_is_rebuilt(tmp_path, retriever):
     (tmp_path / INDEX_FILE).write_bytes(b"\x00" * 100)
     reopened = Retriever(tmp_path, retriever.embedder)
-    assert len(reopened) == 6 and reopened.search("derailleur", top_k=1)[0].doc_id == "gears"
+    assert len(reopened) == 6 and reopened.search("derailleur", top_k=1)[0].chunk.doc_id == "gears"
     reopened.close()
 
 
@@ -118,8 +118,8 @@ def test_another_process_commit_is_seen_before_the_next_search(tmp_path, retriev
     add(writer, chunker, "tides", "Tides", "Spring tides come at new and full moon.")
     writer.delete_document("gears")
     writer.close()
-    assert retriever.search("When are spring tides?", top_k=1)[0].doc_id == "tides"
-    assert "gears" not in {h.doc_id for h in retriever.search("derailleur chain cog", top_k=6)}
+    assert retriever.search("When are spring tides?", top_k=1)[0].chunk.doc_id == "tides"
+    assert "gears" not in {h.chunk.doc_id for h in retriever.search("derailleur chain cog", top_k=6)}
 
 
 def test_hnsw_index_rebuilds_on_delete(tmp_path, embedder, chunker):
@@ -128,7 +128,7 @@ def test_hnsw_index_rebuilds_on_delete(tmp_path, embedder, chunker):
         add(r, chunker, doc_id, title, text)
     r.delete_document("lighthouse")
     assert len(r) == 4 and r.index.kind == "hnsw"
-    assert r.search("How tall is the lighthouse?", top_k=4)[0].doc_id != "lighthouse"
+    assert r.search("How tall is the lighthouse?", top_k=4)[0].chunk.doc_id != "lighthouse"
     r.close()
     flat = Retriever(tmp_path, embedder, kind="flat")  # switching kinds rebuilds from SQLite
     assert flat.index.kind == "flat" and len(flat) == 4

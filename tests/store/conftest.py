@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from store.testing import RedisServer
+from tests.servers import RedisServer
 
 
 @pytest.fixture(scope="session")

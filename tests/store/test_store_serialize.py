@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from store import CODECS, CorruptEntryError, KVMismatchError, bytes_per_token, decode, encode, read_header
 from store.serialize import HEAD_BYTES, MAGIC
-from store.testing import assert_same_kv, random_kv
+from tests.helpers import assert_same_kv, random_kv
 
 
 @pytest.mark.parametrize("codec", CODECS)

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from app.config import StoreSettings
+from store import StoreSettings
 from store import (CODECS, DiskTier, KVMismatchError, MemoryTier, RedisTier, TieredStore, build_store,
                    encode)
-from store.testing import assert_same_kv, random_kv
+from tests.helpers import assert_same_kv, random_kv
 
 FP = "model-a"
 

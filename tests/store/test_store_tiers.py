@@ -8,7 +8,7 @@ import pytest
 
 from store import DiskTier, MemoryTier, RedisTier
 from store.eviction import LRUPolicy
-from store.testing import RedisServer
+from tests.servers import RedisServer
 
 A, B, C, D = (c * 64 for c in "abcd")  # valid keys
 

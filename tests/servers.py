@@ -1,4 +1,4 @@
-"""Helpers for tests and benchmarks: a throwaway local redis-server and random ChunkKVs."""
+"""Real servers for tests and benchmarks, started on free loopback ports: redis-server."""
 from __future__ import annotations
 
 import shutil
@@ -9,10 +9,6 @@ import tempfile
 import time
 
 import redis
-import torch
-
-from blend.chunk_kv import ChunkKV, hash_ids
-from store.keys import kv_key
 
 
 def free_port() -> int:
@@ -84,32 +80,3 @@ class RedisServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self._dir.cleanup()
-
-
-def random_kv(seed: int, shape: tuple[int, int, int, int] = (4, 3, 17, 8), fingerprint: str = "model-a",
-              context: list[int] | None = None, dtype: torch.dtype = torch.float32) -> tuple[str, ChunkKV]:
-    """(key, kv): a random chunk KV of shape [L, H, T, D] under its own key."""
-    g = torch.Generator().manual_seed(seed)
-    L, H, T, D = shape
-    keys = torch.randn(L, H, T, D, generator=g)  # [L, H, T, D]
-    keys[..., 0] *= 20  # an outlier channel, as real keys have
-    values = torch.randn(L, H, T, D, generator=g)  # [L, H, T, D]
-    token_ids = torch.randint(0, 49152, (T,), generator=g)
-    kv = ChunkKV(keys.to(dtype), values.to(dtype), token_ids, position=len(context or []),
-                 context_hash=hash_ids(context or []), fingerprint=fingerprint)
-    return kv_key(fingerprint, kv.context_hash, token_ids), kv
-
-
-def assert_same_kv(got: ChunkKV, want: ChunkKV, codec: str = "fp16") -> None:
-    """`got` is `want` after a round trip through `codec`: fp16 bit-exact, int8 within scale/2."""
-    assert torch.equal(got.token_ids, want.token_ids)
-    assert (got.position, got.context_hash, got.fingerprint) == (want.position, want.context_hash, want.fingerprint)
-    if codec == "fp16":
-        assert got.keys.dtype == torch.float16
-        assert torch.equal(got.keys, want.keys.half()) and torch.equal(got.values, want.values.half())
-        return
-    assert got.keys.dtype == torch.float32
-    for x, y, dim in ((want.keys, got.keys, 2), (want.values, got.values, 3)):  # K per channel, V per token
-        x = x.float()
-        half_step = x.abs().amax(dim=dim, keepdim=True) / 127 / 2
-        assert ((x - y).abs() <= half_step * (1 + 1e-4)).all()

@@ -1,0 +1,113 @@
+"""Helpers for tests and benchmarks: paths, models loaded once per process, a dict KV cache,
+random chunk KVs, the shared MuSiQue data."""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.config import Settings, load_settings
+from blend.chunk_kv import ChunkKV, hash_ids
+from retrieval import EmbedderSettings
+from retrieval.embedder import Embedder, open_embedder
+from store.keys import kv_key
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_CACHE = ROOT / "data" / "models"  # the converted LLM, shared so tests never reconvert
+MUSIQUE = ROOT.parent / "shared" / "data" / "musique_dev.json"  # read in place, never copied
+
+
+def test_settings(data_dir: Path, **overrides: Any) -> Settings:
+    """Settings in `data_dir` that reuse the converted model cache."""
+    return load_settings(data_dir=data_dir, model={"cache_dir": str(MODEL_CACHE)}, **overrides)
+
+
+test_settings.__test__ = False  # not a pytest test
+
+
+@cache
+def shared_tokenizer():
+    """The LLM's tokenizer alone (no weights), as load_model would load it."""
+    from transformers import AutoTokenizer
+
+    from blend.model import convert_embedded
+
+    return AutoTokenizer.from_pretrained(convert_embedded(MODEL_CACHE))
+
+
+@cache
+def shared_embedder() -> Embedder:
+    return open_embedder(EmbedderSettings())
+
+
+@cache
+def shared_llm():
+    from blend.model import load_model
+
+    return load_model("embedded", cache_dir=MODEL_CACHE)
+
+
+class DictKVCache:
+    """Stands in for app.kv.ChunkKVCache in unit tests of ingest bookkeeping: key -> passage text."""
+
+    def __init__(self) -> None:
+        self.tokenizer = shared_tokenizer()
+        self.entries: dict[str, str] = {}
+        self.fail_on: str | None = None  # ensure() raises for a passage whose text contains this
+
+    def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
+        return self.tokenizer.encode(f"{title}\n", add_special_tokens=False) + list(chunk_ids)
+
+    def key(self, ids: Sequence[int]) -> str:
+        return hashlib.sha256(str(list(ids)).encode()).hexdigest()
+
+    def ensure(self, ids: Sequence[int]) -> str:
+        text = self.tokenizer.decode(ids)
+        if self.fail_on is not None and self.fail_on in text:
+            raise RuntimeError(f"precompute failed on {self.fail_on!r}")
+        key = self.key(ids)
+        self.entries[key] = text
+        return key
+
+    def delete(self, key: str) -> None:
+        self.entries.pop(key, None)
+
+
+def load_musique(limit: int | None = None) -> list[dict]:
+    """`{question, answers, ctxs: [{title, text}]}` records of the shared MuSiQue subset."""
+    with MUSIQUE.open() as f:
+        return json.load(f)[:limit]
+
+
+def random_kv(seed: int, shape: tuple[int, int, int, int] = (4, 3, 17, 8), fingerprint: str = "model-a",
+              context: list[int] | None = None, dtype: torch.dtype = torch.float32) -> tuple[str, ChunkKV]:
+    """(key, kv): a random chunk KV of shape [L, H, T, D] under its own key."""
+    g = torch.Generator().manual_seed(seed)
+    L, H, T, D = shape
+    keys = torch.randn(L, H, T, D, generator=g)  # [L, H, T, D]
+    keys[..., 0] *= 20  # an outlier channel, as real keys have
+    values = torch.randn(L, H, T, D, generator=g)  # [L, H, T, D]
+    token_ids = torch.randint(0, 49152, (T,), generator=g)
+    kv = ChunkKV(keys.to(dtype), values.to(dtype), token_ids, position=len(context or []),
+                 context_hash=hash_ids(context or []), fingerprint=fingerprint)
+    return kv_key(fingerprint, kv.context_hash, token_ids), kv
+
+
+def assert_same_kv(got: ChunkKV, want: ChunkKV, codec: str = "fp16") -> None:
+    """`got` is `want` after a round trip through `codec`: fp16 bit-exact, int8 within scale/2."""
+    assert torch.equal(got.token_ids, want.token_ids)
+    assert (got.position, got.context_hash, got.fingerprint) == (want.position, want.context_hash, want.fingerprint)
+    if codec == "fp16":
+        assert got.keys.dtype == torch.float16
+        assert torch.equal(got.keys, want.keys.half()) and torch.equal(got.values, want.values.half())
+        return
+    assert got.keys.dtype == torch.float32
+    for x, y, dim in ((want.keys, got.keys, 2), (want.values, got.values, 3)):  # K per channel, V per token
+        x = x.float()
+        half_step = x.abs().amax(dim=dim, keepdim=True) / 127 / 2
+        assert ((x - y).abs() <= half_step * (1 + 1e-4)).all()

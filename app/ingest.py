@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+import numpy as np
+
 from app.config import Settings
-from retrieval import Chunk, Chunker, Retriever
+from retrieval import Chunk, Chunker, DocumentInfo, Retriever
 from retrieval.chunker import sha256_text
 
 log = logging.getLogger("ragblend.ingest")
@@ -42,6 +44,10 @@ _HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
 
 class IngestError(ValueError):
     """A document that cannot be ingested; the message names the file (and line)."""
+
+
+class IngestCancelled(Exception):
+    """The ingest stopped between two chunks because its caller gave up (nothing was committed)."""
 
 
 class KVCache(Protocol):
@@ -117,34 +123,51 @@ class Ingestor:
             [(c.text, self.kv_cache.key(self.kv_cache.passage_ids(c.token_ids, doc.title))) for c in chunks]
         return PreparedDocument(doc, chunks, content_hash, old is not None, unchanged)
 
-    def commit(self, prepared: PreparedDocument) -> IngestResult:
+    def commit(self, prepared: PreparedDocument, cancelled: Callable[[], bool] = lambda: False) -> IngestResult:
         """Embed and precompute, then write metadata + index; the previous version survives any failure."""
+        return self.commit_all([prepared], cancelled)[0]
+
+    def commit_all(self, prepared: Sequence[PreparedDocument],
+                   cancelled: Callable[[], bool] = lambda: False) -> list[IngestResult]:
+        """Commit several documents in one transaction: all of them, or none (IngestCancelled when
+        `cancelled()` turns true between two chunks)."""
         start = time.perf_counter()
-        doc, chunks = prepared.doc, prepared.chunks
-        if prepared.unchanged:
-            return IngestResult(doc.doc_id, "unchanged", len(chunks), 0.0)
+        changed = [p for p in prepared if not p.unchanged]
         written: list[str] = []
         try:
             # 1. Embed and precompute: nothing is visible to queries yet.
-            embeddings = self.retriever.embed_chunks(chunks, doc.title, self.on_embedded)
-            for chunk in chunks:
-                written.append(self.kv_cache.ensure(self.kv_cache.passage_ids(chunk.token_ids, doc.title)))
-                self.on_precomputed(1)
+            entries = [self._embed_and_precompute(p, written, cancelled) for p in changed]
             # 2. Commit metadata, then the index (see retrieval.retriever for the crash story).
-            stale = self.retriever.add_document(doc.doc_id, chunks, title=doc.title, source=doc.source,
-                                                content_hash=prepared.content_hash, embeddings=embeddings,
-                                                kv_keys=written)
+            stale = self.retriever.add_documents(entries) if entries else []
         except BaseException:
             self._forget(written)
             raise
-        # 3. KV entries only the replaced version used.
+        # 3. KV entries only the replaced versions used.
         for key in stale:
             self.kv_cache.delete(key)
         seconds = time.perf_counter() - start
-        status = "updated" if prepared.existed else "added"
-        log.info("document ingested", extra={"doc_id": doc.doc_id, "status": status, "chunks": len(chunks),
-                                             "seconds": round(seconds, 3)})
-        return IngestResult(doc.doc_id, status, len(chunks), seconds)
+        results = []
+        for p in prepared:
+            status = "unchanged" if p.unchanged else "updated" if p.existed else "added"
+            results.append(IngestResult(p.doc.doc_id, status, len(p.chunks), 0.0 if p.unchanged else seconds))
+            if not p.unchanged:
+                log.info("document ingested", extra={"doc_id": p.doc.doc_id, "status": status,
+                                                     "chunks": len(p.chunks), "seconds": round(seconds, 3)})
+        return results
+
+    def _embed_and_precompute(self, prepared: PreparedDocument, written: list[str],
+                              cancelled: Callable[[], bool]) -> tuple[DocumentInfo, list[Chunk], np.ndarray]:
+        """The document as the retriever stores it; every chunk's KV key is appended to `written`."""
+        doc, chunks = prepared.doc, prepared.chunks
+        embeddings = self.retriever.embed_chunks(chunks, doc.title, self.on_embedded)
+        for chunk in chunks:
+            if cancelled():
+                raise IngestCancelled(f"{doc.source}: ingest cancelled")
+            chunk.kv_key = self.kv_cache.ensure(self.kv_cache.passage_ids(chunk.token_ids, doc.title))
+            written.append(chunk.kv_key)
+            self.on_precomputed(1)
+        info = DocumentInfo(doc.doc_id, doc.title, doc.source, prepared.content_hash, len(chunks), time.time())
+        return info, chunks, embeddings
 
     def _forget(self, keys: list[str]) -> None:
         """Delete KV entries written for a failed document, unless a committed chunk uses them."""

@@ -345,9 +345,9 @@ async def _uploaded_documents(request: Request) -> list[SourceDocument]:
 
 
 def _ingest(svc: Service, docs: list[SourceDocument]) -> list[IngestedDocument]:
-    """On the worker: chunk all first (bad input fails before anything is written), then commit each."""
+    """On the worker: chunk all first (bad input fails before anything is written), then commit all or none."""
     prepared = [svc.ingestor.prepare(doc) for doc in docs]
-    results = [svc.ingestor.commit(p) for p in prepared]
+    results = svc.ingestor.commit_all(prepared)
     return [IngestedDocument(**asdict(_document(svc, r.doc_id)), status=r.status) for r in results]
 
 

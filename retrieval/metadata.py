@@ -112,26 +112,32 @@ class Metadata:
     def list_documents(self) -> list[DocumentInfo]:
         return [DocumentInfo(**dict(row)) for row in self.db.execute("SELECT * FROM documents ORDER BY id")]
 
-    def replace_document(self, doc: DocumentInfo, chunks: Sequence[Chunk], embeddings: np.ndarray,
-                         kv_keys: Sequence[str | None]) -> tuple[list[int], list[int], list[str]]:
-        """Insert or replace `doc` and its chunks in one transaction.
+    def replace_documents(self, docs: Sequence[tuple[DocumentInfo, Sequence[Chunk], np.ndarray]]
+                          ) -> tuple[list[int], list[int], list[str]]:
+        """Insert or replace each (document, its chunks, their embeddings), all in one transaction.
 
         Returns (new chunk ids, removed chunk ids, kv keys that no chunk references any more).
         """
+        new_ids, old_ids, old_keys = [], [], set()
         with self._transaction():
-            old_ids, old_keys = self._delete(doc.id)
-            self.db.execute("INSERT INTO documents VALUES (?, ?, ?, ?, ?, ?)",
-                       (doc.id, doc.title, doc.source, doc.content_hash, doc.n_chunks, doc.ingested_at))
-            new_ids = []
-            for chunk, vector, key in zip(chunks, embeddings, kv_keys, strict=True):
-                cursor = self.db.execute(
-                    "INSERT INTO chunks (doc_id, ordinal, text, token_ids, n_tokens, content_hash, kv_key,"
-                    " start_char, end_char, embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (doc.id, chunk.ordinal, chunk.text, np.asarray(chunk.token_ids, dtype="<i4").tobytes(),
-                     chunk.n_tokens, chunk.content_hash, key, chunk.start, chunk.end,
-                     np.asarray(vector, dtype="<f4").tobytes()))
-                new_ids.append(cursor.lastrowid)
-            return new_ids, old_ids, [k for k in old_keys if not self.is_referenced(k)]
+            for doc, chunks, embeddings in docs:
+                removed, keys = self._delete(doc.id)
+                old_ids += removed
+                old_keys.update(keys)
+                self.db.execute("INSERT INTO documents VALUES (?, ?, ?, ?, ?, ?)",
+                                (doc.id, doc.title, doc.source, doc.content_hash, doc.n_chunks, doc.ingested_at))
+                new_ids += [self._insert_chunk(doc.id, chunk, vector)
+                            for chunk, vector in zip(chunks, embeddings, strict=True)]
+            return new_ids, old_ids, sorted(k for k in old_keys if not self.is_referenced(k))
+
+    def _insert_chunk(self, doc_id: str, chunk: Chunk, vector: np.ndarray) -> int:
+        cursor = self.db.execute(
+            "INSERT INTO chunks (doc_id, ordinal, text, token_ids, n_tokens, content_hash, kv_key,"
+            " start_char, end_char, embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (doc_id, chunk.ordinal, chunk.text, np.asarray(chunk.token_ids, dtype="<i4").tobytes(),
+             chunk.n_tokens, chunk.content_hash, chunk.kv_key, chunk.start, chunk.end,
+             np.asarray(vector, dtype="<f4").tobytes()))
+        return cursor.lastrowid
 
     def delete_document(self, doc_id: str) -> tuple[list[int], list[str]]:
         """Delete `doc_id` (KeyError if unknown); returns (removed chunk ids, now-unreferenced kv keys)."""

@@ -99,21 +99,31 @@ class Retriever:
 
     def add_document(self, doc_id: str, chunks: Sequence[Chunk], *, title: str | None = None,
                      source: str | None = None, content_hash: str | None = None,
-                     embeddings: np.ndarray | None = None, kv_keys: Sequence[str | None] | None = None,
-                     ingested_at: float | None = None) -> list[str]:
+                     embeddings: np.ndarray | None = None, ingested_at: float | None = None) -> list[str]:
         """Add `doc_id`, replacing any previous version; returns the kv keys no chunk uses any more.
 
-        Embeds the chunks unless `embeddings` are given; `content_hash` defaults to one of the chunk texts.
+        Embeds the chunks unless `embeddings` are given; `content_hash` defaults to one of the chunk texts;
+        each chunk's `kv_key` is stored with it.
         """
         if embeddings is None:
             embeddings = self.embed_chunks(chunks, title)
         doc = DocumentInfo(doc_id, title, source, content_hash or sha256_text("\n\n".join(c.text for c in chunks)),
                            len(chunks), ingested_at or time.time())
+        return self.add_documents([(doc, chunks, embeddings)])
+
+    def add_documents(self, docs: Sequence[tuple[DocumentInfo, Sequence[Chunk], np.ndarray]]) -> list[str]:
+        """Add or replace several (document, chunks, embeddings) at once: all of them, or none.
+
+        Returns the kv keys no chunk uses any more.
+        """
+        ids = [doc.id for doc, _, _ in docs]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate document ids in one commit: {sorted(i for i in ids if ids.count(i) > 1)}")
         with self._lock:
             self.refresh()
-            new_ids, old_ids, stale_keys = self.metadata.replace_document(
-                doc, chunks, embeddings, kv_keys or [None] * len(chunks))
-            self._update_index(np.array(old_ids, np.int64), np.array(new_ids, np.int64), embeddings)
+            new_ids, old_ids, stale_keys = self.metadata.replace_documents(docs)
+            vectors = np.concatenate([e for _, _, e in docs]) if docs else np.zeros((0, self.embedder.dim))
+            self._update_index(np.array(old_ids, np.int64), np.array(new_ids, np.int64), vectors)
         return stale_keys
 
     def delete_document(self, doc_id: str) -> list[str]:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 import app.components
 from app.cli import cli
 from app.components import Components
-from app.ingest import Ingestor, IngestError, SourceDocument, collect_files, read_documents, run_ingest
+from app.ingest import IngestCancelled, Ingestor, IngestError, SourceDocument, collect_files, read_documents, run_ingest
 from blend import PromptFormat, hash_ids
 from retrieval import Chunker, ChunkingSettings, Retriever
 from store import build_store, kv_key
@@ -137,6 +137,35 @@ def test_unreadable_file(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "read_bytes", denied)
     assert read_documents(path, "secret") == ([], [f"{path}: cannot read: Permission denied"])
 
+
+
+def test_a_batch_commits_all_documents_or_none(parts):
+    ingestor, retriever, kv = parts
+    ingestor.ingest_text("kept", "Kept", "This document was there before the batch.")
+    before, entries = retriever.list_documents(), dict(kv.entries)
+    batch = [SourceDocument("first", "First", "The first document of the batch is fine.", "upload"),
+             SourceDocument("second", "Second", "The second one holds a BROKEN passage.", "upload")]
+    kv.fail_on = "BROKEN"
+    with pytest.raises(RuntimeError):
+        ingestor.commit_all([ingestor.prepare(d) for d in batch])
+    assert retriever.list_documents() == before and retriever.get_document("first") is None
+    assert kv.entries == entries  # the first document's KV, written before the failure, is gone again
+
+    kv.fail_on = None
+    results = ingestor.commit_all([ingestor.prepare(d) for d in batch])
+    assert [(r.doc_id, r.status) for r in results] == [("first", "added"), ("second", "added")]
+    assert sorted(d.id for d in retriever.list_documents()) == ["first", "kept", "second"]
+    assert sorted(retriever.index.ids()) == sorted(retriever.metadata.chunk_ids())
+
+
+def test_a_cancelled_ingest_commits_nothing(parts):
+    ingestor, retriever, kv = parts
+    chunks_done = []
+    ingestor.on_precomputed = chunks_done.append
+    with pytest.raises(IngestCancelled):
+        ingestor.commit(ingestor.prepare(SourceDocument("long", "Long", LONG, "upload")),
+                        cancelled=lambda: len(chunks_done) >= 1)
+    assert len(chunks_done) == 1 and retriever.get_document("long") is None and kv.entries == {}
 
 # The real command: SmolLM2 KV precompute into the tiered store, MiniLM, FAISS, SQLite ------------
 

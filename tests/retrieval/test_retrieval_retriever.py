@@ -28,8 +28,9 @@ def chunker(tokenizer):
 
 def add(retriever: Retriever, chunker: Chunker, doc_id: str, title: str, text: str, keys=None) -> list[str]:
     chunks = chunker.chunk(doc_id, text)
-    return retriever.add_document(doc_id, chunks, title=title, source=f"{doc_id}.md",
-                                  kv_keys=keys or [f"{doc_id}-{c.ordinal}" for c in chunks])
+    for chunk, key in zip(chunks, keys or [f"{doc_id}-{c.ordinal}" for c in chunks]):
+        chunk.kv_key = key
+    return retriever.add_document(doc_id, chunks, title=title, source=f"{doc_id}.md")
 
 
 @pytest.fixture

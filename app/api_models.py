@@ -15,6 +15,8 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from app.config import LimitsSettings
 from app.engine import Mode, QueryStats, Source
+from app.validation import (MAX_ID_CHARS, MAX_TITLE_CHARS, NO_CONTROL_CHARS, not_blank, valid_doc_id,
+                            valid_title, valid_unicode)
 from retrieval import DocumentInfo
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
@@ -28,13 +30,26 @@ class LimitError(ValueError):
         self.param = param
 
 
-def _not_blank(value: str) -> str:
-    if not value.strip():
-        raise ValueError("must not be empty or whitespace")
-    return value
+# Every string a client sends is valid Unicode (app/validation.py has the rules); ids and titles carry
+# their rules in the schema too, so the OpenAPI spec documents them.
+Text = Annotated[str, AfterValidator(valid_unicode)]
+NonBlank = Annotated[str, AfterValidator(not_blank), AfterValidator(valid_unicode)]
+DocId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=NO_CONTROL_CHARS,
+                             description="One line, no control characters."), AfterValidator(valid_doc_id)]
+Title = Annotated[str, Field(max_length=MAX_TITLE_CHARS, pattern=NO_CONTROL_CHARS,
+                             description="One line, no control characters."), AfterValidator(valid_title)]
 
 
-NonBlank = Annotated[str, AfterValidator(_not_blank)]
+class StrictBody(BaseModel):
+    """A request body: strict types (no true for 1, no "yes" for true); unknown fields refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class OpenAIBody(BaseModel):
+    """An OpenAI-shaped request: strict types, but unknown fields ignored (clients send many)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -42,8 +57,8 @@ NonBlank = Annotated[str, AfterValidator(_not_blank)]
 class ErrorDetail(BaseModel):
     message: str
     type: str
-    code: str | None = None
-    param: str | None = None
+    code: str = Field(description="Machine-readable reason, e.g. invalid_value, queue_full.")
+    param: str | None = Field(None, description="The request field at fault, when one is.")
 
 
 class ErrorResponse(BaseModel):
@@ -52,9 +67,7 @@ class ErrorResponse(BaseModel):
 
 # ---- /v1/query ---------------------------------------------------------------------------------
 
-class QueryRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class QueryRequest(StrictBody):
     question: NonBlank = Field(min_length=1)
     top_k: int | None = Field(None, ge=1, description="Passages to retrieve (default: retrieval.top_k).")
     mode: Mode = Field("blend", description="blend: cached chunk KV + selective recompute; full: plain "
@@ -75,18 +88,14 @@ class QueryResponse(BaseModel):
 
 # ---- /v1/chat/completions (OpenAI) -------------------------------------------------------------
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: str
-    text: str | None = None
+class TextPart(OpenAIBody):
+    type: Text
+    text: Text | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
@@ -94,27 +103,23 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class StreamOptions(OpenAIBody):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
+class ChatCompletionRequest(OpenAIBody):
+    model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    stop: str | list[str] | None = Field(None, validate_default=True)
+    stop: Text | list[Text] | None = Field(None, validate_default=True)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
-    user: str | None = None
+    user: Text | None = None
     # ragblend extras
     top_k: int | None = Field(None, ge=1)
     mode: Mode = "blend"
@@ -209,13 +214,15 @@ class ModelList(BaseModel):
 
 # ---- /v1/documents -----------------------------------------------------------------------------
 
-class DocumentIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DocumentMeta(StrictBody):
+    """What a multipart upload may say about its file's document (the JSON upload says the same)."""
 
-    id: NonBlank | None = Field(None, min_length=1, max_length=256, pattern=r"^[^\x00-\x1f\x7f]+$",
-                                description="No control characters. Default: derived from the text, so "
-                                            "re-posting it is a no-op.")
-    title: str | None = Field(None, max_length=1024)
+    id: DocId | None = Field(None, description="Default: derived from the text (JSON) or the file name, "
+                                               "so re-posting it is a no-op.")
+    title: Title | None = None
+
+
+class DocumentIn(DocumentMeta):
     text: NonBlank = Field(min_length=1)
 
 

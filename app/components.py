@@ -65,7 +65,8 @@ class Components:
 
     @cached_property
     def ingestor(self) -> Ingestor:
-        return Ingestor(self.retriever, self.chunker, self.kv_cache)
+        return Ingestor(self.retriever, self.chunker, self.kv_cache,
+                        max_chars=self.settings.limits.max_document_chars)
 
     def close(self) -> None:
         """Close the store and the metadata database, if they were opened."""

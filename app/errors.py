@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 
 from app.api_models import LimitError
 from app.engine import RequestError
-from app.ingest import IngestError
+from app.ingest import DocumentTooLarge, IngestError
 from app.worker import QueueTimeout, WorkerStopped
 
 log = logging.getLogger("ragblend.server")
@@ -22,7 +22,10 @@ log = logging.getLogger("ragblend.server")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
                422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
-HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type"}
+# The `code` of errors raised without one: every error body has a non-null code.
+HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+              413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_value", 429: "rate_limited",
+              500: "internal_error", 503: "unavailable"}
 
 
 class ApiError(Exception):
@@ -31,7 +34,8 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.code, self.param, self.headers = status, message, code, param, headers
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+        self.code = code or HTTP_CODES.get(status, "error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
@@ -55,6 +59,8 @@ def as_api_error(exc: Exception) -> ApiError:
             return _validation_error(exc.errors())
         case LimitError():
             return ApiError(422, str(exc), "invalid_value", exc.param)
+        case DocumentTooLarge():
+            return ApiError(413, str(exc), "document_too_large")
         case IngestError():
             return ApiError(422, str(exc), "invalid_document")
         case RequestError():
@@ -63,10 +69,13 @@ def as_api_error(exc: Exception) -> ApiError:
             return ApiError(503, "timed out waiting in the queue; retry later", "queue_timeout")
         case WorkerStopped():
             return ApiError(503, "the server is shutting down", "shutting_down")
-        case HTTPException() if isinstance(exc.__cause__, ValueError):  # FastAPI could not decode the body
-            return ApiError(422, f"body: invalid JSON ({exc.__cause__})", "invalid_value", "body")
+        case HTTPException() if exc.status_code == 400:  # the body could not be parsed (JSON or multipart)
+            reason = exc.__cause__ or exc.detail
+            if isinstance(reason, RecursionError):
+                reason = "nested too deeply"
+            return ApiError(422, f"body: cannot be parsed ({reason})", "invalid_body", "body")
         case HTTPException():
-            return ApiError(exc.status_code, str(exc.detail), HTTP_CODES.get(exc.status_code), headers=exc.headers)
+            return ApiError(exc.status_code, str(exc.detail), headers=exc.headers)
     log.error("unhandled error", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}", "internal_error")
 
@@ -83,7 +92,9 @@ def _validation_error(errors: list[dict[str, Any]]) -> ApiError:
         return f"{field(error)}: {error.get('msg')}"
 
     message = "; ".join(describe(e) for e in errors[:5]) or "invalid request"
-    return ApiError(422, message, "invalid_value", field(errors[0]) if errors else None)
+    unparseable = bool(errors) and errors[0].get("type") == "json_invalid"
+    return ApiError(422, message, "invalid_body" if unparseable else "invalid_value",
+                    field(errors[0]) if errors else None)
 
 
 async def handle_error(request: Request, exc: Exception) -> JSONResponse:

@@ -33,6 +33,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 from app.config import Settings
+from app.validation import valid_doc_id, valid_title, valid_unicode
 from retrieval import Chunk, Chunker, DocumentInfo, Retriever
 from retrieval.chunker import sha256_text
 
@@ -44,6 +45,10 @@ _HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
 
 class IngestError(ValueError):
     """A document that cannot be ingested; the message names the file (and line)."""
+
+
+class DocumentTooLarge(IngestError):
+    """A document over `limits.max_document_chars` (HTTP 413)."""
 
 
 class IngestCancelled(Exception):
@@ -95,6 +100,7 @@ class Ingestor:
     retriever: Retriever
     chunker: Chunker
     kv_cache: KVCache
+    max_chars: int | None = None  # per document; longer ones raise DocumentTooLarge before any work
     on_embedded: Callable[[int], object] = _noop  # progress: called with a number of chunks
     on_precomputed: Callable[[int], object] = _noop
 
@@ -111,8 +117,10 @@ class Ingestor:
         """Chunk the document and decide whether anything changed (cheap: tokenization only)."""
         title = doc.title.strip() if doc.title else None
         doc = SourceDocument(doc.doc_id.strip(), title or None, normalize_text(doc.text), doc.source)
-        if not doc.doc_id:
-            raise IngestError(f"{doc.source}: empty document id")
+        _check_document(doc)
+        if self.max_chars is not None and len(doc.text) > self.max_chars:
+            raise DocumentTooLarge(f"{doc.source}: {len(doc.text):,} characters, over the limit of "
+                                   f"{self.max_chars:,} (limits.max_document_chars)")
         chunks = self.chunker.chunk(doc.doc_id, doc.text)
         if not chunks:
             raise IngestError(f"{doc.source}: empty document")
@@ -177,6 +185,17 @@ class Ingestor:
                     self.kv_cache.delete(key)
                 except Exception:  # the original error matters more; an orphan entry is harmless
                     log.warning("could not delete KV entry", extra={"key": key}, exc_info=True)
+
+
+def _check_document(doc: SourceDocument) -> None:
+    """The rules of app/validation.py, whichever door the document came in by (CLI files, API)."""
+    checks = [("document id", valid_doc_id, doc.doc_id), ("title", valid_title, doc.title),
+              ("text", valid_unicode, doc.text)]
+    for what, check, value in checks:
+        try:
+            value is None or check(value)
+        except ValueError as exc:
+            raise IngestError(f"{doc.source}: {what} {value!r:.60}: {exc}") from None
 
 
 # Reading files ---------------------------------------------------------------------------------
@@ -262,8 +281,14 @@ def _read_jsonl(path: Path, file_id: str, text: str) -> tuple[list[SourceDocumen
         if title is not None and not isinstance(title, str):
             errors.append(f'{where}: "title" must be a string')
             continue
-        docs.append(SourceDocument(f"{file_id}:{number}" if doc_id is None else str(doc_id),
-                                   path.stem if title is None else title, obj["text"], where))
+        doc = SourceDocument(f"{file_id}:{number}" if doc_id is None else str(doc_id),
+                             path.stem if title is None else title, obj["text"], where)
+        try:
+            _check_document(doc)
+        except IngestError as exc:
+            errors.append(str(exc))
+            continue
+        docs.append(doc)
     return docs, errors
 
 

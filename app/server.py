@@ -30,7 +30,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.datastructures import UploadFile
 
 from app.api_models import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Choice,
-                            ChunkChoice, DeletedDocument, Delta, DocumentIn, DocumentList,
+                            ChunkChoice, DeletedDocument, Delta, DocumentIn, DocumentList, DocumentMeta,
                             ErrorResponse, IngestedDocument, IngestResponse, LimitError, ModelCard, ModelList,
                             PromptTokensDetails, QueryRequest, QueryResponse, Usage, check_limits, openapi_body)
 from app.config import Settings
@@ -308,8 +308,14 @@ async def add_document(request: Request, svc: Service = Depends(service)) -> Ing
 
 
 def _json_document(body: bytes) -> SourceDocument:
+    """The JSON upload, parsed and validated as FastAPI does for the other routes."""
     try:
-        doc = DocumentIn.model_validate_json(body)
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(422, f"body: invalid JSON ({'nested too deeply' if isinstance(exc, RecursionError) else exc})",
+                       "invalid_body", "body") from None
+    try:
+        doc = DocumentIn.model_validate(data)
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
     doc_id = doc.id or "doc-" + hashlib.sha256(doc.text.encode()).hexdigest()[:16]
@@ -317,11 +323,18 @@ def _json_document(body: bytes) -> SourceDocument:
 
 
 async def _uploaded_documents(request: Request) -> list[SourceDocument]:
-    """The documents in an uploaded file, read by the same code as `ragblend ingest`."""
+    """The documents in an uploaded file, read by the same code as `ragblend ingest`; the form's id and
+    title pass the same checks as a JSON upload's."""
     form = await request.form()
-    upload, doc_id, title = form.get("file"), form.get("id"), form.get("title")
+    upload = form.get("file")
     if not isinstance(upload, UploadFile):
         raise LimitError("file", "a multipart file field named 'file' is required")
+    fields = {name: form.get(name) for name in ("id", "title") if form.get(name) is not None}
+    try:
+        meta = DocumentMeta.model_validate(fields)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    doc_id, title = meta.id, meta.title
     name = Path(upload.filename or "").name
     if Path(name).suffix.lower() not in SUFFIXES:
         raise LimitError("file", f"unsupported file {name!r}: use {', '.join(SUFFIXES)}")

@@ -16,6 +16,7 @@ with no space at all (a URL, a hash) is cut between characters as a last resort.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -113,19 +114,27 @@ class Chunker:
         return self._hard_split(text, start, end, before)
 
     def _hard_split(self, text: str, start: int, end: int, before: int) -> list[_Piece]:
-        """Cut a space-free run between characters, each part at most target_tokens."""
-        pieces = []
-        while start < end:
-            offsets = self.tokenizer(text[start:end], add_special_tokens=False,
-                                     return_offsets_mapping=True)["offset_mapping"]
-            if len(offsets) <= self.target_tokens:
-                cut = end
-            else:  # end of the last whole token that fits, then back off until re-tokenizing fits
-                cut = start + max(1, offsets[self.target_tokens - 1][1])
-                while cut - start > 1 and len(self.encode(text[start:cut])) > self.target_tokens:
-                    cut -= 1
-            pieces.append(_Piece(start, cut, len(self.encode(text[start:cut])), before if not pieces else CHAR))
-            start = cut
+        """Cut a space-free run between characters, each part at most target_tokens.
+
+        The run is tokenized once and cut after every target_tokens tokens; each part is then
+        re-tokenized alone (BPE may read a part's edges differently) and shortened by a character
+        at a time in the rare case that it grew past the target. Linear in the run's length.
+        """
+        offsets = self.tokenizer(text[start:end], add_special_tokens=False,
+                                 return_offsets_mapping=True)["offset_mapping"]
+        token_ends = [start + e for _, e in offsets]  # non-decreasing character ends
+        pieces: list[_Piece] = []
+        first = start
+        while first < end:
+            done = bisect.bisect_right(token_ends, first)  # tokens wholly before `first`
+            cut = end if done + self.target_tokens >= len(token_ends) else \
+                max(first + 1, token_ends[done + self.target_tokens - 1])
+            n = len(self.encode(text[first:cut]))
+            while n > self.target_tokens and cut - first > 1:
+                cut -= 1
+                n = len(self.encode(text[first:cut]))
+            pieces.append(_Piece(first, cut, n, before if not pieces else CHAR))
+            first = cut
         return pieces
 
     # 2. Packing: fill chunks up to target_tokens, cutting at the strongest boundary that still

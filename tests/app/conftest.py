@@ -80,6 +80,21 @@ def make_app(server_settings: Settings, server_engine) -> Callable[..., FastAPI]
 
 
 @pytest.fixture(scope="session")
+def engine_with(server_settings: Settings, server_engine) -> Callable[..., Any]:
+    """A RagEngine over the session's data dir with settings sections overridden (e.g. limits=...) whose
+    parts come from that settings, sharing the session's loaded LLM and embedder."""
+    from app.components import Components
+    from app.engine import RagEngine
+
+    def make(**sections: dict[str, Any]):
+        settings = make_settings(server_settings.data_dir, **sections)
+        parts = Components(settings)
+        parts.llm, parts.embedder = server_engine.parts.llm, server_engine.parts.embedder
+        return settings, RagEngine(settings, parts)
+    return make
+
+
+@pytest.fixture(scope="session")
 def corpus(make_app) -> SimpleNamespace:
     """CORPUS ingested through POST /v1/documents, once per session: .docs, .questions, .ingested
     (each document's ingest response)."""

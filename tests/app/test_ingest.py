@@ -103,8 +103,10 @@ def test_empty_documents_and_ids_are_refused(parts):
     ingestor = parts[0]
     with pytest.raises(IngestError, match="empty document"):
         ingestor.ingest_text("x", "T", " \n\t ")
-    with pytest.raises(IngestError, match="empty document id"):
+    with pytest.raises(IngestError, match="document id '': must not be empty"):
         ingestor.ingest_text("  ", "T", "text")
+    with pytest.raises(IngestError, match="title .*control characters"):
+        ingestor.ingest_text("x", "\x1b[31mred", "text")
 
 
 def test_document_ids_and_titles(tmp_path):
@@ -268,6 +270,16 @@ def test_bad_inputs_are_reported_and_the_rest_is_ingested(tmp_path, env):
     assert "2 added, 0 updated, 0 unchanged, 0 deleted, 8 failed" in result.stdout
     docs, _ = inspect(env)
     assert sorted(docs) == ["good", "ok"]
+
+
+def test_a_document_over_the_size_limit_is_one_error_line(tmp_path, env):
+    (tmp_path / "big.txt").write_text("a" * 101)
+    (tmp_path / "small.txt").write_text("A short note about the harbour.")
+    result = ragblend({**env, "RAGBLEND_LIMITS__MAX_DOCUMENT_CHARS": "100"}, str(tmp_path / "big.txt"),
+                      str(tmp_path / "small.txt"))
+    assert result.exit_code == 1 and "1 added" in result.stdout and "1 failed" in result.stdout
+    [line] = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    assert "big.txt: 101 characters, over the limit of 100" in line
 
 
 def test_all_inputs_bad_fails_fast_and_usage_errors_exit_2(tmp_path, env, monkeypatch):

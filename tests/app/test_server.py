@@ -182,6 +182,13 @@ BAD_INPUTS = [
     ("/v1/documents", {"text": " \n "}, "text"),
     ("/v1/documents", {"id": "", "text": "t"}, "id"),
     ("/v1/documents", {"text": "t", "extra": 1}, "extra"),
+    ("/v1/documents", {"id": "a\x00b", "text": "t"}, "id"),
+    ("/v1/documents", {"title": "\x1b[31mred", "text": "t"}, "title"),
+    ("/v1/query", {"question": "q", "max_tokens": True}, "max_tokens"),  # strict types: no bool for an int
+    ("/v1/query", {"question": "q", "stream": "yes"}, "stream"),         # ... and no string for a bool
+    ("/v1/query", {"question": "q", "top_k": 2.0}, "top_k"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "stream": "yes"}, "stream"),
 ]
 
 
@@ -189,6 +196,65 @@ BAD_INPUTS = [
 def test_bad_input_is_422_naming_the_field(client, path, body, param):
     error = assert_error(client.post(path, json=body), 422, param)
     assert error["type"] == "invalid_request_error"
+
+
+SURROGATE = [  # JSON may escape a lone surrogate; no tokenizer can read one
+    ("/v1/query", b'{"question": "light\\ud800house"}', "question"),
+    ("/v1/query", b'{"question": "light\\ud800house", "stream": true}', "question"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "light\\ud800house"}]}', "messages.0.content"),
+    ("/v1/chat/completions", b'{"stream": true, "messages": [{"role": "user", "content": "light\\ud800house"}]}',
+     "messages.0.content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+     "messages.0.content"),
+    ("/v1/documents", b'{"text": "light\\ud800house"}', "text"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", SURROGATE, ids=[f"{p}:{i}" for i, (p, _, _) in enumerate(SURROGATE)])
+def test_invalid_unicode_is_422_on_every_endpoint(client, path, body, param):
+    error = assert_error(client.post(path, content=body, headers={"content-type": "application/json"}), 422)
+    assert error["param"].startswith(param) and "unicode" in error["message"].lower(), error
+
+
+def test_multipart_ids_and_titles_pass_the_json_checks(client):
+    before = client.get("/v1/documents").json()["data"]
+    upload = {"file": ("note.txt", b"The ferry leaves at nine.")}
+    assert_error(client.post("/v1/documents", files=upload, data={"id": "a\x00b"}), 422, "id")
+    assert_error(client.post("/v1/documents", files=upload, data={"title": "\x1b[2Jwiped"}), 422, "title")
+    assert_error(client.post("/v1/documents", files=upload, data={"id": "x" * 257}), 422, "id")
+    lines = b'{"id": "bad\\nid", "text": "t"}\n'  # ids inside a JSONL file too
+    assert "control characters" in assert_error(client.post("/v1/documents", files={"file": ("d.jsonl", lines)}),
+                                                 422, "file")["message"]
+    assert client.get("/v1/documents").json()["data"] == before
+
+
+def test_unparseable_bodies_use_the_error_shape(client):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for path in ("/v1/query", "/v1/documents"):
+        error = assert_error(client.post(path, content=deep, headers={"content-type": "application/json"}), 422)
+        assert error["code"] and error["param"] == "body"
+    no_boundary = client.post("/v1/documents", content=b"--x\r\n", headers={"content-type": "multipart/form-data"})
+    assert assert_error(no_boundary, 422)["code"] == "invalid_body"
+
+
+def test_a_document_over_the_size_limit_is_413_and_changes_nothing(engine_with, corpus):
+    from app.server import create_app
+
+    settings, engine = engine_with(limits={"max_document_chars": 1000})
+    with TestClient(create_app(settings, engine)) as client:
+        before = client.get("/v1/documents").json()["data"]
+        error = assert_error(client.post("/v1/documents", json={"id": "big", "text": "a" * 1001}), 413)
+        assert error["code"] == "document_too_large" and "1,000" in error["message"]
+        upload = client.post("/v1/documents", files={"file": ("big.txt", b"a" * 1001)})
+        assert assert_error(upload, 413)["code"] == "document_too_large"
+        assert client.get("/v1/documents").json()["data"] == before
+    engine.parts.close()
+
+
+def test_every_error_has_a_code(client):
+    for response in (client.get("/v1/nothing"), client.put("/v1/query", json={}),
+                     client.post("/v1/query", json={"question": "q", "top_k": 99})):
+        assert response.json()["error"]["code"], response.text
 
 
 @pytest.mark.parametrize("path", ["/v1/query", "/v1/chat/completions", "/v1/documents"])

@@ -5,8 +5,7 @@ import hashlib
 
 from hypothesis import HealthCheck, given, settings as hyp_settings, strategies as st
 
-from retrieval import ChunkingSettings
-from retrieval import Chunk, Chunker
+from retrieval import Chunk, Chunker, ChunkingSettings
 from tests.helpers import ROOT, load_musique
 
 SMALL = ChunkingSettings(target_tokens=24, max_tokens=32, min_tokens=4)
@@ -83,6 +82,30 @@ def test_cuts_space_free_runs_and_merges_tiny_tails(tokenizer):
 
     words = " ".join(["word"] * 41)  # just over the target: the tail of 1-2 words is merged back
     assert [c.n_tokens for c in chunker.chunk("doc", words)] == [41]
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the characters it is asked to read."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.chars = tokenizer, 0
+
+    def __call__(self, text, **kwargs):
+        self.chars += len(text)
+        return self.tokenizer(text, **kwargs)
+
+
+def test_chunking_reads_a_space_free_text_a_bounded_number_of_times(tokenizer):
+    # Cutting a run of text with no space used to re-tokenize the rest of the run for every cut:
+    # quadratic work (a 320k-character upload took 24 s, 2 MB hours). Now each character is read a
+    # small, fixed number of times whatever the length.
+    for length in (20_000, 80_000):
+        counting = CountingTokenizer(tokenizer)
+        chunker = Chunker(counting, ChunkingSettings())  # type: ignore[arg-type]
+        text = "a" * length
+        chunks = chunker.chunk("doc", text)
+        check_contract(Chunker(tokenizer, ChunkingSettings()), text, chunks)
+        assert counting.chars <= 8 * length, (length, counting.chars / length)
 
 
 def test_empty_and_whitespace(tokenizer):

@@ -114,7 +114,8 @@ class RagEngine:
         # 3. Prefill.
         t = time.perf_counter()
         if params.mode == "full":
-            prefill = parts.blender.full_prefill(parts.kv_cache.head_ids + [i for ids in passages for i in ids] + suffix)
+            prompt_ids = parts.kv_cache.head_ids + [i for ids in passages for i in ids] + suffix
+            prefill = parts.blender.full_prefill(prompt_ids)
         else:
             ratio = 0.0 if params.mode == "reuse" else (
                 self.settings.blend.ratio if params.ratio is None else params.ratio)

@@ -10,12 +10,11 @@ from typer.testing import CliRunner
 import app.components
 from app.cli import cli
 from app.components import Components
-from app.ingest import IngestCancelled, Ingestor, IngestError, SourceDocument, collect_files, read_documents, run_ingest
+from app.ingest import IngestCancelled, IngestError, Ingestor, SourceDocument, collect_files, read_documents, run_ingest
 from blend import PromptFormat, hash_ids
 from retrieval import Chunker, ChunkingSettings, Retriever
 from store import build_store, kv_key
-from tests.helpers import (MODEL_CACHE, ROOT, DictKVCache, shared_embedder, shared_llm, shared_tokenizer,
-                           test_settings)
+from tests.helpers import MODEL_CACHE, ROOT, DictKVCache, shared_embedder, shared_llm, shared_tokenizer, test_settings
 
 LONG = " ".join(f"Sentence {i} of the long document talks about harbour number {i}." for i in range(12))
 
@@ -278,7 +277,7 @@ def test_a_document_over_the_size_limit_is_one_error_line(tmp_path, env):
     result = ragblend({**env, "RAGBLEND_LIMITS__MAX_DOCUMENT_CHARS": "100"}, str(tmp_path / "big.txt"),
                       str(tmp_path / "small.txt"))
     assert result.exit_code == 1 and "1 added" in result.stdout and "1 failed" in result.stdout
-    [line] = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert "big.txt: 101 characters, over the limit of 100" in line
 
 

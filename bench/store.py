@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -76,7 +77,7 @@ def tier_times(tier, codec: str, key: str, kv, repeats: int) -> dict[str, float]
         entry = store.open(key)
         times["open_s"].append(time.perf_counter() - start)
         for i in range(entry.num_layers):
-            times["layer_s"].append(timed(lambda i=i: entry.layer(i)))
+            times["layer_s"].append(timed(partial(entry.layer, i)))
         times["all_layers_s"].append(time.perf_counter() - start)
         entry.close()
     store.close()

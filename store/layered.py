@@ -99,8 +99,8 @@ class LayeredEntry:
             keys, values = decode_layer(self._head, i, section, verify_checksum=not self._tier.trusted,
                                         pin_memory=self.pin_memory)
         except CorruptEntryError as exc:
-            self._fail(f"layer {i} is damaged: {exc}")
-            self._store._drop(self._tier, self.key, exc)
+            if self._fail(f"layer {i} is damaged: {exc}"):  # two threads on a bad entry: dropped once
+                self._store._drop(self._tier, self.key, exc)
             raise LayerReadError(f"entry {self.key[:12]} in {self.tier}: layer {i} is damaged ({exc}); "
                                  "the entry was dropped", corrupt=True) from exc
         except LayerReadError as exc:
@@ -120,10 +120,12 @@ class LayeredEntry:
         values = torch.stack([v for _, v in layers]) if layers else torch.empty((0, H, T, D), dtype=self.dtype)
         return ChunkKV(keys, values, self.token_ids, self.position, self.context_hash, self.fingerprint)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str) -> bool:
+        """Mark the entry failed; True for the first failure."""
         with self._lock:
-            self._failed = self._failed or reason
+            first, self._failed = self._failed is None, self._failed or reason
             self._sections = None
+            return first
 
     def close(self) -> None:
         """Release the tier's handle; promote the entry if every layer was read. Idempotent."""

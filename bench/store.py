@@ -1,11 +1,19 @@
-"""Store benchmark: bytes per token per codec, and the time to load one 512-token chunk's KV from
-each tier against the time to recompute it (a prefill of a SmolLM2-135M-shaped model).
+"""Store benchmark: bytes per token per codec, the time to load one 512-token chunk's KV from
+each tier against the time to recompute it (a prefill of a SmolLM2-135M-shaped model), and
+per-layer reads: one layer against the whole chunk, per tier.
 
-    python bench/store.py [--tokens 512] [--repeats 5]
+    python bench/store.py [--tokens 512] [--repeats 5] [--threads N]
 
 Prints JSON on stdout, progress on stderr. Starts its own redis-server on a free port. The KV
 is random (the store does not care); the model is randomly initialised (same compute as the real
 one). Disk reads come from the page cache, as they would for a hot chunk.
+
+Per tier and codec: `get_s` (TieredStore.get: read, check, decode the whole chunk), and under
+`layers`: `open_s` (TieredStore.open: the head alone), `layer_s` (entry.layer(i) for one layer
+of an open entry), `all_layers_s` (open + every layer in turn: what a pipelined loader spends
+in all), and `layer_to_get` = layer_s / get_s. Every repeat times each of these once, interleaved,
+so the ratios compare like with like; each figure is the median over repeats (layer_s: over
+repeats x all layers).
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,12 +44,7 @@ def log(msg: str) -> None:
 
 
 def median_s(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed(fn) for _ in range(repeats))
 
 
 def recompute_s(tokens: int, repeats: int) -> float:
@@ -61,22 +65,40 @@ def recompute_s(tokens: int, repeats: int) -> float:
         return median_s(lambda: model(ids, use_cache=True, logits_to_keep=1), repeats)
 
 
-def tier_get_s(tier, codec: str, key: str, kv, repeats: int) -> float:
-    """Median time of TieredStore.get (tier read + checks + decode) with `tier` as the only tier."""
+def tier_times(tier, codec: str, key: str, kv, repeats: int) -> dict[str, float]:
+    """Whole-chunk get, open, one layer and all layers from `tier` as the only tier, interleaved."""
     store = TieredStore([tier], codec=codec, fingerprint=FINGERPRINT)
     store.put(key, kv)
     store.flush()
     assert store.get(key) is not None, f"{tier.name}: entry did not come back"
-    seconds = median_s(lambda: store.get(key), repeats)
+    times: dict[str, list[float]] = {"get_s": [], "open_s": [], "layer_s": [], "all_layers_s": []}
+    for _ in range(repeats):
+        times["get_s"].append(timed(lambda: store.get(key)))
+        start = time.perf_counter()
+        entry = store.open(key)
+        times["open_s"].append(time.perf_counter() - start)
+        for i in range(entry.num_layers):
+            times["layer_s"].append(timed(partial(entry.layer, i)))
+        times["all_layers_s"].append(time.perf_counter() - start)
+        entry.close()
     store.close()
-    return seconds
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     shape = (LAYERS, KV_HEADS, args.tokens, HEAD_DIM)
     key, kv = random_kv(0, shape=shape, fingerprint=FINGERPRINT)  # float32, as the model computes it
@@ -93,10 +115,15 @@ def main() -> None:
                      "redis": RedisTier(redis_server.url, timeout_s=5.0)}
             by_codec[codec] = {}
             for name, tier in tiers.items():
-                get_s = tier_get_s(tier, codec, key, kv, args.repeats)
-                by_codec[codec][name] = {"get_s": round(get_s, 6),
-                                         "ratio_to_recompute": round(get_s / recompute, 5)}
-                log(f"{codec:>4} {name:>6}: get {get_s * 1e3:7.2f} ms ({recompute / get_s:5.1f}x faster than recompute)")
+                t = tier_times(tier, codec, key, kv, args.repeats)
+                by_codec[codec][name] = {
+                    "get_s": round(t["get_s"], 6), "ratio_to_recompute": round(t["get_s"] / recompute, 5),
+                    "layers": {"open_s": round(t["open_s"], 6), "layer_s": round(t["layer_s"], 6),
+                               "all_layers_s": round(t["all_layers_s"], 6),
+                               "layer_to_get": round(t["layer_s"] / t["get_s"], 4)}}
+                log(f"{codec:>4} {name:>6}: get {t['get_s'] * 1e3:7.2f} ms ({recompute / t['get_s']:5.1f}x faster "
+                    f"than recompute); open {t['open_s'] * 1e3:6.3f} ms, one layer {t['layer_s'] * 1e3:6.3f} ms, "
+                    f"all layers {t['all_layers_s'] * 1e3:7.2f} ms")
 
     print(json.dumps({
         "chunk": {"layers": LAYERS, "kv_heads": KV_HEADS, "tokens": args.tokens, "head_dim": HEAD_DIM},

@@ -1,27 +1,142 @@
-"""Local-disk tier: one file per entry, LRU under a byte cap, atomic writes, survives restarts.
+"""Local-disk tier on diskcache: LRU under a byte cap, safe with several processes on one directory.
 
-Files live at `root/<first 2 hex chars>/<key>.kv`. A write goes to a temp file in the same
-directory and is renamed into place, so readers see the old entry or the new one, never half of
-one. Recency is tracked in memory and mirrored in file mtimes (a hit refreshes it), so a restart
-rebuilds the LRU order from the directory. One process per directory. The tier does not parse
-entries: the store decodes them, and deletes any that fail their checks.
+diskcache keeps an SQLite index (`cache.db`, WAL) next to one file per entry. Every process that
+opens the directory shares that index, so recency, the byte total, the entry count and the
+eviction count are the same for all of them (`ragblend ingest` while the server runs): SQLite's
+write lock serializes puts, evictions and recency updates across processes.
+
+- Atomic: an entry's file is written in full under a fresh random name before the index points
+  at it, and never changed after; a replaced or evicted file is unlinked after the index commits.
+  A reader that found an entry reads all of it (an open handle survives the unlink).
+- Survives restarts: the index is on disk. Files a crash left behind (written, never indexed)
+  are swept when a tier opens, once they are old enough not to be another process's write in
+  progress; so are the `??/<key>.kv` files of the format-1 tier this one replaced.
+- Exact cap: diskcache's own cull drops ten entries at a time and counts the SQLite file against
+  the cap; `_LRUCache._cull` evicts least recently used entries until the entries' bytes fit.
+- Values are bytes only: `_BytesDisk` refuses diskcache's pickle modes both ways.
+
+The tier does not parse entries: the store decodes them, and deletes any that fail their checks.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import tempfile
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from store.eviction import LRUPolicy
+import diskcache
+
 from store.keys import is_key, validate_key
 
 log = logging.getLogger("ragblend.store")
-SUFFIX = ".kv"
+ORPHAN_AGE_S = 600.0  # an unindexed file younger than this may be another process's put in progress
+_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+
+
+class _Unreadable(Exception):
+    """An indexed value that cannot be read: its file vanished, or it is not plain bytes in a file.
+
+    Not an OSError, which diskcache would swallow as a miss and leave the row in the index. It
+    is raised inside get()'s write transaction, where no other diskcache process can be halfway
+    through removing the entry, so the row is safe to delete.
+    """
+
+
+class _BytesDisk(diskcache.Disk):
+    """diskcache's serializer, restricted to str keys and bytes values stored as files: no pickle."""
+
+    def put(self, key: Any) -> tuple[Any, bool]:
+        if type(key) is not str:
+            raise TypeError("disk tier keys are str")
+        return super().put(key)
+
+    def get(self, key: Any, raw: bool) -> Any:
+        if not raw:
+            raise _Unreadable("pickled key in the disk tier's index")
+        return super().get(key, raw)
+
+    def store(self, value: Any, read: bool, key: Any = diskcache.core.UNKNOWN) -> tuple:
+        if type(value) is not bytes:
+            raise TypeError("disk tier values are bytes")
+        return super().store(value, read, key)  # min_file_size=0: always a file, MODE_BINARY
+
+    def fetch(self, mode: int, filename: str, value: Any, read: bool) -> Any:
+        if mode != diskcache.core.MODE_BINARY:
+            raise _Unreadable(f"value of mode {mode}; only files of bytes are read")
+        try:
+            return super().fetch(mode, filename, value, read)
+        except FileNotFoundError:
+            raise _Unreadable(f"file {filename} is missing") from None
+
+
+class _LRUCache(diskcache.Cache):
+    """diskcache.Cache with an exact LRU cull and a shared eviction count.
+
+    The SQL below reads diskcache 5.6's schema (pinned in requirements.txt): the Cache table's
+    size, access_time and filename columns and the Settings row "size".
+    """
+
+    def _init_ragblend(self) -> None:
+        with self.transact():
+            self._sql("CREATE TABLE IF NOT EXISTS Ragblend (key TEXT PRIMARY KEY, value INTEGER NOT NULL)")
+            self._sql("INSERT OR IGNORE INTO Ragblend VALUES ('evictions', 0)")
+
+    def _cull(self, now: float, sql: Any, cleanup: Any, limit: int | None = None) -> None:
+        """Runs inside set()'s transaction: evict least recently used entries until the bytes fit."""
+        ((total,),) = sql("SELECT value FROM Settings WHERE key = 'size'").fetchall()
+        evicted = 0
+        while total > self.size_limit:
+            rows = sql("SELECT rowid, size, filename FROM Cache ORDER BY access_time LIMIT 16").fetchall()
+            if not rows:
+                break
+            for rowid, size, filename in rows:
+                if total <= self.size_limit:
+                    break
+                sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
+                cleanup(filename)  # unlinked after the commit
+                total -= size
+                evicted += 1
+        if evicted:
+            sql("UPDATE Ragblend SET value = value + ? WHERE key = 'evictions'", (evicted,))
+
+    def fit(self) -> None:
+        """Evict until the cap holds (after opening with a lower cap than the entries fill)."""
+        with self._transact() as (sql, cleanup):
+            self._cull(time.time(), sql, cleanup)
+
+    def counts(self) -> tuple[int, int, int]:
+        """(entries, bytes, evictions), as every process on the directory sees them."""
+        ((entries, nbytes, evictions),) = self._sql(
+            "SELECT (SELECT value FROM Settings WHERE key = 'count'),"
+            " (SELECT value FROM Settings WHERE key = 'size'),"
+            " (SELECT value FROM Ragblend WHERE key = 'evictions')").fetchall()
+        return entries, nbytes, evictions
+
+    def peek_file(self, key: str) -> str | None:
+        """Path of `key`'s file, without touching its recency or the hit counts."""
+        rows = self._sql("SELECT filename FROM Cache WHERE key = ? AND raw = 1 AND mode = ?",
+                         (key, diskcache.core.MODE_BINARY)).fetchall()
+        return os.path.join(self.directory, rows[0][0]) if rows else None
+
+    def indexed_files(self) -> set[str]:
+        return {row[0] for row in self._sql("SELECT filename FROM Cache WHERE filename IS NOT NULL")}
+
+
+class FileReader:
+    """Byte ranges of one disk entry through the handle diskcache opened; thread-safe (pread)."""
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def read(self, offset: int, length: int) -> bytes:
+        return os.pread(self._handle.fileno(), length, offset)
+
+    def close(self) -> None:
+        self._handle.close()
 
 
 class DiskTier:
@@ -29,127 +144,134 @@ class DiskTier:
     remote = False
     trusted = False
 
-    def __init__(self, root: str | Path, capacity_bytes: int, fsync: bool = False) -> None:
+    def __init__(self, root: str | Path, capacity_bytes: int, timeout_s: float = 10.0) -> None:
+        """`timeout_s`: how long a call waits for another process's write lock before it counts
+        an error and reports a miss (puts and recency updates are sub-millisecond transactions)."""
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity_bytes}")
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._fsync = fsync
-        self._lru = LRUPolicy(capacity_bytes)
+        self.capacity = capacity_bytes
+        self._cache = _LRUCache(str(self.root), timeout=timeout_s, disk=_BytesDisk, size_limit=capacity_bytes,
+                                eviction_policy="least-recently-used", disk_min_file_size=0,
+                                statistics=False)
+        self._cache._init_ragblend()
+        self._cache.fit()
         self._lock = threading.Lock()
-        self._evictions = self._errors = 0
+        self._errors = 0
         self._failing = False
-        self._load_index()
+        self._sweep()
 
-    def _path(self, key: str) -> Path:
-        validate_key(key)
-        return self.root / key[:2] / f"{key}{SUFFIX}"
+    def _sweep(self) -> None:
+        """Delete files no index row points at: a crashed put's, and format-1 entries and temps."""
+        legacy = [p for p in self.root.glob("??/*") if p.suffix in (".kv", ".tmp") and p.is_file()]
+        indexed = self._cache.indexed_files()
+        cutoff = time.time() - ORPHAN_AGE_S
+        orphans = [p for p in self.root.glob("??/??/*.val")
+                   if str(p.relative_to(self.root)) not in indexed and p.stat().st_mtime < cutoff]
+        for path in legacy + orphans:
+            path.unlink(missing_ok=True)
+        if legacy or orphans:
+            log.info("disk tier: removed %d format-1 files and %d orphaned files from %s",
+                     len(legacy), len(orphans), self.root)
 
-    def _load_index(self) -> None:
-        """Rebuild the LRU from the files, oldest mtime first; drop temp files a crash left."""
-        found = []
-        for path in self.root.glob("??/*"):
-            if path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)
-                continue
-            key = path.name.removesuffix(SUFFIX)
-            if path.name.endswith(SUFFIX) and is_key(key) and path.parent.name == key[:2]:
-                st = path.stat()
-                found.append((st.st_mtime_ns, key, st.st_size))
-        for _, key, size in sorted(found):
-            self._admit(key, size)
-
-    def _admit(self, key: str, size: int) -> None:
-        """Account for `key` as most recent and delete the files evicted for it (hold the lock)."""
-        for old in self._lru.add(key, size):
-            self._path(old).unlink(missing_ok=True)
-            self._evictions += 1
-
-    def _error(self, action: str, key: str, exc: OSError) -> None:
-        self._errors += 1
+    def _error(self, action: str, key: str, exc: Exception) -> None:
+        with self._lock:
+            self._errors += 1
+            failing, self._failing = self._failing, True
         # Warn once per failure streak (e.g. a full disk), not once per request.
-        log.log(logging.DEBUG if self._failing else logging.WARNING,
-                "disk tier: %s %s failed: %s", action, key[:12], exc)
-        self._failing = True
+        log.log(logging.DEBUG if failing else logging.WARNING, "disk tier: %s %s failed: %s",
+                action, key[:12], exc)
 
-    def get(self, key: str) -> bytes | None:
-        path = self._path(key)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
+    def _ok(self) -> None:
+        if self._failing:
             with self._lock:
-                self._lru.remove(key)
+                self._failing = False
+
+    def _fetch(self, key: str, read: bool) -> Any:
+        """diskcache's get; a hit refreshes the entry's recency for every process."""
+        validate_key(key)
+        try:
+            value = self._cache.get(key, read=read)
+        except _Unreadable as exc:
+            self._error("read", key, exc)
+            self.delete(key)  # the index must not count an entry nobody can read
             return None
-        except OSError as exc:
+        except _ERRORS as exc:
             self._error("read", key, exc)
             return None
-        with self._lock:
-            self._lru.touch(key)
-        with contextlib.suppress(OSError):
-            os.utime(path)  # persist recency for the next restart
-        return data
+        self._ok()
+        return value
+
+    def get(self, key: str) -> bytes | None:
+        return self._fetch(key, read=False)
+
+    def reader(self, key: str) -> FileReader | None:
+        """Open an entry for byte-range reads (refreshes its recency once)."""
+        handle = self._fetch(key, read=True)
+        return None if handle is None else FileReader(handle)
 
     def head(self, key: str, nbytes: int) -> bytes | None:
         """The first `nbytes` of an entry, without touching its recency."""
+        validate_key(key)
         try:
-            with open(self._path(key), "rb") as f:
+            path = self._cache.peek_file(key)
+            if path is None:
+                return None
+            with open(path, "rb") as f:
                 return f.read(nbytes)
-        except FileNotFoundError:
+        except FileNotFoundError:  # evicted between the lookup and the open
+            return None
+        except _ERRORS as exc:
+            self._error("read", key, exc)
             return None
 
     def put(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        if not self._lru.fits(len(data)):
+        validate_key(key)
+        if len(data) > self.capacity:
             return
         try:
-            path.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    if self._fsync:
-                        f.flush()
-                        os.fsync(f.fileno())
-                with self._lock:  # rename and accounting together, so an eviction can't interleave
-                    os.replace(tmp, path)
-                    self._admit(key, len(data))
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
-            if self._fsync:
-                _fsync_dir(path.parent)
-        except OSError as exc:
+            self._cache.set(key, bytes(data))
+        except _ERRORS as exc:
             self._error("write", key, exc)
             return
-        self._failing = False
+        self._ok()
 
     def delete(self, key: str) -> bool:
-        path = self._path(key)
-        with self._lock:
-            self._lru.remove(key)
-            try:
-                path.unlink()
-                return True
-            except FileNotFoundError:
-                return False
+        validate_key(key)
+        try:
+            return self._cache.delete(key)
+        except _ERRORS as exc:
+            self._error("delete", key, exc)
+            return False
 
     def contains(self, key: str) -> bool:
-        return self._path(key).is_file()
+        validate_key(key)
+        try:
+            return key in self._cache
+        except _ERRORS as exc:
+            self._error("read", key, exc)
+            return False
 
     def keys(self) -> Iterator[str]:
-        with self._lock:
-            return iter(self._lru.keys())
+        try:
+            keys = [k for k in self._cache.iterkeys() if is_key(k)]
+        except (_Unreadable, *_ERRORS) as exc:
+            self._error("list", "-", exc)
+            keys = []
+        return iter(keys)
 
     def close(self) -> None:
-        pass
+        self._cache.close()
 
     def stats(self) -> dict[str, Any]:
+        """Entries, bytes and evictions are the directory's (shared by every process on it);
+        errors are this process's."""
+        try:
+            entries, nbytes, evictions = self._cache.counts()
+        except _ERRORS as exc:
+            self._error("stats", "-", exc)
+            entries = nbytes = evictions = None
         with self._lock:
-            return {"entries": len(self._lru), "bytes": self._lru.nbytes, "capacity": self._lru.capacity,
-                    "evictions": self._evictions, "errors": self._errors}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            errors = self._errors
+        return {"entries": entries, "bytes": nbytes, "capacity": self.capacity, "evictions": evictions,
+                "errors": errors}

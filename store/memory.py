@@ -9,6 +9,19 @@ from store.eviction import LRUPolicy
 from store.keys import validate_key
 
 
+class MemoryReader:
+    """Byte ranges of one entry: slices of its immutable bytes, no copy."""
+
+    def __init__(self, data: bytes) -> None:
+        self._view = memoryview(data)
+
+    def read(self, offset: int, length: int) -> memoryview:
+        return self._view[offset:offset + length]
+
+    def close(self) -> None:
+        pass
+
+
 class MemoryTier:
     name = "memory"
     remote = False
@@ -34,6 +47,11 @@ class MemoryTier:
         with self._lock:
             data = self._data.get(key)
         return None if data is None else data[:nbytes]
+
+    def reader(self, key: str) -> MemoryReader | None:
+        """Open an entry for byte-range reads (refreshes its recency once)."""
+        data = self.get(key)
+        return None if data is None else MemoryReader(data)
 
     def put(self, key: str, data: bytes) -> None:
         validate_key(key)

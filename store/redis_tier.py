@@ -19,10 +19,30 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from store.keys import is_key, validate_key
+from store.serialize import OPEN_BYTES
 
 log = logging.getLogger("ragblend.store")
 T = TypeVar("T")
 _GLOB_SPECIAL = "\\*?[]"
+
+
+PREFETCH_BYTES = OPEN_BYTES  # read when an entry is opened: the store's first read of its head
+
+
+class RedisReader:
+    """Byte ranges of one Redis entry by GETRANGE. A range that comes back short means the key
+    went away (deleted, expired, evicted) or Redis is unreachable; the caller checks lengths."""
+
+    def __init__(self, tier: RedisTier, name: str, first: bytes) -> None:
+        self._tier, self._name, self._first = tier, name, first
+
+    def read(self, offset: int, length: int) -> bytes:
+        if offset + length <= len(self._first) or len(self._first) < PREFETCH_BYTES:
+            return self._first[offset:offset + length]  # a short first read was the whole value
+        return self._tier._getrange(self._name, offset, length)
+
+    def close(self) -> None:
+        pass
 
 
 class RedisTier:
@@ -92,6 +112,17 @@ class RedisTier:
 
     def head(self, key: str, nbytes: int) -> bytes | None:
         return self._call(None, self._client.getrange, self._name(key), 0, nbytes - 1) or None
+
+    def reader(self, key: str) -> RedisReader | None:
+        """Open an entry for byte-range reads: one GETRANGE of its first bytes, kept for the
+        header, then one GETRANGE per range (the entry stays one key, so a put stays atomic and an
+        eviction takes all of it or nothing). None if the key is absent or Redis is unreachable."""
+        name = self._name(key)
+        first = self._call(b"", self._client.getrange, name, 0, PREFETCH_BYTES - 1)
+        return RedisReader(self, name, first) if first else None
+
+    def _getrange(self, name: str, offset: int, length: int) -> bytes:
+        return self._call(b"", self._client.getrange, name, offset, offset + length - 1) if length > 0 else b""
 
     def put(self, key: str, data: bytes) -> None:
         self._call(None, self._client.set, self._name(key), data, ex=self.ttl_s or None)

@@ -3,9 +3,12 @@
     get:  try each tier in order; the first entry that decodes and passes its checks wins and
           is copied into the faster tiers. An entry that fails (damaged, another model's, not
           the KV its key names) is deleted from that tier, counted as `corrupt`, and the lookup
-          goes on as if it were a miss.
+          goes on as if it were a miss. Entries of another format version are dropped the same
+          way but counted as `stale` (an upgrade, not damage).
+    open: the same lookup reading only the head; layers are then read one by one (LayeredEntry).
     put:  encode once; write memory and disk now, Redis from a background thread through a
           bounded queue (full queue: the write is dropped and counted; a request never waits).
+    delete: wins over any background write of that key queued before it.
 """
 from __future__ import annotations
 
@@ -21,9 +24,11 @@ from typing import Any, Protocol
 from blend.chunk_kv import ChunkKV, KVMismatchError
 from store.disk import DiskTier
 from store.keys import kv_key, validate_key
+from store.layered import LayeredEntry, RangeReader
 from store.memory import MemoryTier
 from store.redis_tier import RedisTier
-from store.serialize import CODECS, HEAD_BYTES, CorruptEntryError, decode, encode, read_header
+from store.serialize import (CODECS, HEAD_BYTES, OPEN_BYTES, CorruptEntryError, OldFormatError, decode, encode,
+                             head_nbytes, parse_head, read_header)
 from store.settings import StoreSettings
 
 log = logging.getLogger("ragblend.store")
@@ -38,6 +43,7 @@ class Tier(Protocol):
     trusted: bool
 
     def get(self, key: str) -> bytes | None: ...
+    def reader(self, key: str) -> RangeReader | None: ...  # byte-range reads of one entry
     def head(self, key: str, nbytes: int) -> bytes | None: ...  # an entry's first bytes
     def put(self, key: str, data: bytes) -> None: ...
     def delete(self, key: str) -> bool: ...
@@ -51,6 +57,7 @@ class KVStore(Protocol):
     """What the rest of ragblend needs from a KV store."""
 
     def get(self, key: str) -> ChunkKV | None: ...
+    def open(self, key: str, *, pin_memory: bool = False) -> LayeredEntry | None: ...
     def put(self, key: str, kv: ChunkKV) -> None: ...
     def delete(self, key: str) -> bool: ...
     def contains(self, key: str) -> bool: ...
@@ -58,19 +65,29 @@ class KVStore(Protocol):
     def close(self) -> None: ...
 
 
+class StoreClosedError(RuntimeError):
+    """The store was used after close()."""
+
+
 @dataclass
 class _TierCounts:
     hits: int = 0
     misses: int = 0
     corrupt: int = 0
+    stale: int = 0
     load_s_total: float = 0.0
     load_s_last: float | None = None
+    layer_reads: int = 0
+    layer_bytes: int = 0
+    layer_s_total: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         mean = self.load_s_total / self.hits * 1e3 if self.hits else None
         last = None if self.load_s_last is None else self.load_s_last * 1e3
-        return {"hits": self.hits, "misses": self.misses, "corrupt": self.corrupt,
-                "load_ms_mean": mean, "load_ms_last": last}
+        layer_mean = self.layer_s_total / self.layer_reads * 1e3 if self.layer_reads else None
+        return {"hits": self.hits, "misses": self.misses, "corrupt": self.corrupt, "stale": self.stale,
+                "load_ms_mean": mean, "load_ms_last": last, "layer_reads": self.layer_reads,
+                "layer_bytes": self.layer_bytes, "layer_ms_mean": layer_mean}
 
 
 class TieredStore:
@@ -79,6 +96,7 @@ class TieredStore:
     `fingerprint` set: entries of any other model are refused on put and dropped on get.
     Every entry must sit under its own key, `kv_key(kv.fingerprint, kv.context_hash,
     kv.token_ids)`: put raises KVMismatchError otherwise, and get drops entries that don't.
+    Thread-safe. After close(), every call but close/flush/stats raises StoreClosedError.
     """
 
     def __init__(self, tiers: Sequence[Tier], codec: str = "fp16", fingerprint: str | None = None,
@@ -89,15 +107,24 @@ class TieredStore:
             raise ValueError(f"tier names must be unique: {[t.name for t in tiers]}")
         self.tiers = list(tiers)
         self.codec, self.fingerprint = codec, fingerprint
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # counters, the closed flag, the write sequence and tombstones
+        self._close_lock = threading.Lock()
         self._counts = {t.name: _TierCounts() for t in self.tiers}
-        self._totals = dict.fromkeys(("gets", "hits", "misses", "puts", "corrupt", "dropped_writes"), 0)
-        self._queue: queue.Queue[tuple[Tier, str, bytes] | None] = queue.Queue(maxsize=queue_size)
+        self._totals = dict.fromkeys(("gets", "hits", "misses", "puts", "corrupt", "stale", "dropped_writes"), 0)
+        # Background writes are (seq, tier, key, data); a delete leaves a tombstone holding the last
+        # seq issued before it, and the writer skips (or undoes) any write of that key up to it.
+        self._queue: queue.Queue[tuple[int, Tier, str, bytes] | None] = queue.Queue(maxsize=queue_size)
+        self._seq = self._done_seq = 0  # last write queued, last write attempted
+        self._tombstones: dict[str, int] = {}
         self._closed = False
         self._writer: threading.Thread | None = None
         if any(t.remote for t in self.tiers):
             self._writer = threading.Thread(target=self._write_loop, name="ragblend-store-writer", daemon=True)
             self._writer.start()
+
+    def _check_open(self) -> None:
+        if self._closed:  # a plain read: once True it stays True
+            raise StoreClosedError("the KV store is closed")
 
     # --- reads ----------------------------------------------------------------------------------
 
@@ -107,6 +134,7 @@ class TieredStore:
     def get_with_tier(self, key: str) -> tuple[ChunkKV | None, str | None]:
         """The entry and the name of the tier it was found in (None, None on a miss)."""
         validate_key(key)
+        self._check_open()
         self._bump("gets")
         for i, tier in enumerate(self.tiers):
             start = time.perf_counter()
@@ -115,7 +143,7 @@ class TieredStore:
             self._count(tier, None if kv is None else time.perf_counter() - start)
             if kv is not None:
                 log.debug("store: hit %s in %s", key[:12], tier.name)
-                self._write(key, data, self.tiers[:i])  # promote
+                self._promote(key, data, i)
                 self._bump("hits")
                 return kv, tier.name
         self._bump("misses")
@@ -128,21 +156,78 @@ class TieredStore:
                 raise KVMismatchError("entry is not the KV its key names")
             return kv
         except (CorruptEntryError, KVMismatchError) as exc:
-            log.warning("store: dropping bad entry %s from %s: %s", key[:12], tier.name, exc)
-            tier.delete(key)
-            with self._lock:
-                self._counts[tier.name].corrupt += 1
-                self._totals["corrupt"] += 1
+            self._drop(tier, key, exc)
             return None
+
+    def open(self, key: str, *, pin_memory: bool = False) -> LayeredEntry | None:
+        """The entry under `key` opened for per-layer reads, or None on a miss.
+
+        Reads and checks only the head (header, token ids, model, key) from the first tier that
+        holds a good one; `entry.layer(i)` reads the rest. `pin_memory`: layers come back in
+        page-locked memory when CUDA is available (ignored otherwise). Close the entry when done.
+        """
+        validate_key(key)
+        self._check_open()
+        self._bump("gets")
+        for i, tier in enumerate(self.tiers):
+            start = time.perf_counter()
+            reader = tier.reader(key)
+            opened = None if reader is None else self._open_head(tier, key, reader)
+            self._count(tier, None if opened is None else time.perf_counter() - start)
+            if opened is not None:
+                self._bump("hits")
+                head, head_bytes = opened
+                return LayeredEntry(self, tier, i, key, head, head_bytes, reader, pin_memory=pin_memory)
+            if reader is not None:
+                reader.close()
+        self._bump("misses")
+        return None
+
+    def _open_head(self, tier: Tier, key: str, reader: RangeReader) -> tuple | None:
+        """(EntryHead, the head's bytes) of an opened entry, or None (dropped if bad)."""
+        try:
+            data, want = b"", OPEN_BYTES
+            while len(data) < want:  # a second read only for a head longer than the first
+                data = bytes(reader.read(0, want))
+                if len(data) < want:
+                    break  # the whole entry is shorter: parse_head says what is missing
+                want = max(want, head_nbytes(data))
+            head = parse_head(data, self.fingerprint, verify_checksum=not tier.trusted)
+            if kv_key(head.header["fingerprint"], head.header["context_hash"], head.token_ids) != key:
+                raise KVMismatchError("entry is not the KV its key names")
+            return head, data[:head.head_nbytes]
+        except OSError as exc:
+            log.debug("store: reading %s from %s failed: %s", key[:12], tier.name, exc)
+            return None
+        except (CorruptEntryError, KVMismatchError) as exc:
+            self._drop(tier, key, exc)
+            return None
+
+    def _drop(self, tier: Tier, key: str, exc: Exception) -> None:
+        """Delete a bad entry from `tier` and count it (another format version: quietly)."""
+        stale = isinstance(exc, OldFormatError)
+        log.log(logging.DEBUG if stale else logging.WARNING, "store: dropping %s entry %s from %s: %s",
+                "old" if stale else "bad", key[:12], tier.name, exc)
+        tier.delete(key)
+        with self._lock:
+            counts = self._counts[tier.name]
+            if stale:
+                counts.stale += 1
+                self._totals["stale"] += 1
+            else:
+                counts.corrupt += 1
+                self._totals["corrupt"] += 1
 
     def contains(self, key: str) -> bool:
         validate_key(key)
+        self._check_open()
         return any(t.contains(key) for t in self.tiers)
 
     # --- writes ---------------------------------------------------------------------------------
 
     def put(self, key: str, kv: ChunkKV) -> None:
         validate_key(key)
+        self._check_open()
         if self.fingerprint is not None and kv.fingerprint != self.fingerprint:
             raise KVMismatchError(f"KV of model {kv.fingerprint!r} offered to the store of {self.fingerprint!r}")
         if kv_key(kv.fingerprint, kv.context_hash, kv.token_ids) != key:
@@ -150,27 +235,54 @@ class TieredStore:
         self._write(key, encode(kv, self.codec), self.tiers)
         self._bump("puts")
 
+    def _promote(self, key: str, data: bytes, found_at: int) -> None:
+        """Copy an entry found in tier `found_at` into the faster tiers (not after close)."""
+        if found_at > 0 and not self._closed:
+            self._write(key, data, self.tiers[:found_at])
+
     def _write(self, key: str, data: bytes, tiers: Sequence[Tier]) -> None:
         for tier in tiers:
             if not tier.remote:
                 tier.put(key, data)
                 continue
-            try:
-                if self._closed:
-                    raise queue.Full
-                self._queue.put_nowait((tier, key, data))
-            except queue.Full:
-                self._bump("dropped_writes")
-                log.debug("store: write queue full, %s not sent to %s", key[:12], tier.name)
+            with self._lock:  # closed-check, seq and enqueue together: nothing lands after close's sentinel
+                queued = self._enqueue(tier, key, data)
+                if not queued:
+                    self._totals["dropped_writes"] += 1
+            if not queued:
+                log.debug("store: write queue full or store closed, %s not sent to %s", key[:12], tier.name)
+
+    def _enqueue(self, tier: Tier, key: str, data: bytes) -> bool:
+        """Queue a background write, numbered; False if the queue is full or the store closed.
+        Hold the lock."""
+        if self._closed:
+            return False
+        try:
+            self._queue.put_nowait((self._seq + 1, tier, key, data))
+        except queue.Full:
+            return False
+        self._seq += 1
+        return True
+
+    def _deleted_since(self, key: str, seq: int) -> bool:
+        with self._lock:
+            return self._tombstones.get(key, 0) >= seq
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            tier, key, data = item
+            seq, tier, key, data = item
             try:
-                tier.put(key, data)
+                if not self._deleted_since(key, seq):
+                    tier.put(key, data)
+                    if self._deleted_since(key, seq):  # a delete ran while the write was in flight
+                        tier.delete(key)
             except Exception:  # keep the writer alive whatever a tier does
                 log.exception("store: background write to %s failed", tier.name)
             finally:
+                with self._lock:  # every write up to seq is done: older tombstones are spent
+                    self._done_seq = seq
+                    if self._tombstones:
+                        self._tombstones = {k: s for k, s in self._tombstones.items() if s > seq}
                 self._queue.task_done()
         self._queue.task_done()
 
@@ -180,8 +292,13 @@ class TieredStore:
             self._queue.join()
 
     def delete(self, key: str) -> bool:
-        """Delete from every tier (a queued background write of `key` may still land later)."""
+        """Delete from every tier; a background write of `key` queued before this never lands."""
         validate_key(key)
+        self._check_open()
+        if self._writer is not None:
+            with self._lock:
+                if self._seq > self._done_seq:  # writes are queued or in flight
+                    self._tombstones[key] = self._seq
         return any([t.delete(key) for t in self.tiers])  # a list, so every tier is asked
 
     # --- upkeep ---------------------------------------------------------------------------------
@@ -192,6 +309,7 @@ class TieredStore:
         Reads headers only. Caps are enforced on every put and when a disk tier opens. Redis is
         left alone: replicas share it and may run another model; its TTL ages entries out.
         """
+        self._check_open()
         report = {}
         for tier in (t for t in self.tiers if not t.remote):
             scanned = dropped = 0
@@ -213,15 +331,18 @@ class TieredStore:
         return report
 
     def close(self) -> None:
-        """Flush the background writer, stop it, close the tiers. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._writer is not None:
-            self._queue.put(None)  # after everything queued so far
-            self._writer.join()
-        for tier in self.tiers:
-            tier.close()
+        """Flush the background writer, stop it, close the tiers. Idempotent; a second caller
+        waits for the first to finish. Calls already past their closed-check complete."""
+        with self._close_lock:
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True  # from here on nothing is enqueued: the sentinel is last
+            if self._writer is not None:
+                self._queue.put(None)  # may wait for room; the writer drains without our locks
+                self._writer.join()
+            for tier in self.tiers:
+                tier.close()
 
     def __enter__(self) -> TieredStore:
         return self
@@ -236,7 +357,8 @@ class TieredStore:
             self._totals[name] += 1
 
     def _count(self, tier: Tier, load_s: float | None) -> None:
-        """A hit that took `load_s` seconds (tier get + decode), or a miss (None)."""
+        """A hit that took `load_s` seconds (tier read + decode, or head read + check for open),
+        or a miss (None)."""
         with self._lock:
             c = self._counts[tier.name]
             if load_s is None:
@@ -246,9 +368,18 @@ class TieredStore:
             c.load_s_total += load_s
             c.load_s_last = load_s
 
+    def _count_layer(self, tier: Tier, nbytes: int, seconds: float) -> None:
+        """One layer read through a LayeredEntry (read + check + decode): bandwidth for a loader."""
+        with self._lock:
+            c = self._counts[tier.name]
+            c.layer_reads += 1
+            c.layer_bytes += nbytes
+            c.layer_s_total += seconds
+
     def stats(self) -> dict[str, Any]:
-        """Totals, plus per tier: hits, misses, corrupt, load_ms_mean/last and the tier's own
-        entries, bytes, evictions, errors (None where a tier can't know, e.g. Redis sizes)."""
+        """Totals, plus per tier: hits, misses, corrupt, stale, load_ms_mean/last, layer_reads,
+        layer_bytes, layer_ms_mean and the tier's own entries, bytes, evictions, errors (None
+        where a tier can't know, e.g. Redis sizes). Lookups by get and by open both count."""
         with self._lock:
             totals = dict(self._totals)
             counts = {name: c.as_dict() for name, c in self._counts.items()}

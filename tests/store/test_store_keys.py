@@ -40,9 +40,11 @@ def test_bad_keys_are_rejected(bad):
 
 def test_tiers_refuse_bad_keys_before_touching_anything(tmp_path):
     disk = DiskTier(tmp_path / "kv", 1 << 20)
+    before = sorted(tmp_path.rglob("*"))  # the tier's index: cache.db and its WAL
     for tier in (MemoryTier(1 << 20), disk):
         for call in (lambda t: t.put("../escape", b"x"), lambda t: t.get("../escape"),
-                     lambda t: t.delete("../escape"), lambda t: t.contains("A" * 64)):
+                     lambda t: t.delete("../escape"), lambda t: t.contains("A" * 64),
+                     lambda t: t.reader("../escape"), lambda t: t.head("../escape", 8)):
             with pytest.raises(ValueError):
                 call(tier)
-    assert list(tmp_path.rglob("*")) == [tmp_path / "kv"]
+    assert sorted(tmp_path.rglob("*")) == before and disk.stats()["entries"] == 0

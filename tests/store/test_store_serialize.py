@@ -1,4 +1,4 @@
-"""Entry format: exact fp16, bounded int8, and no wrong tensor out of damaged bytes."""
+"""Entry format: exact fp16, bounded int8, layers readable alone, and no wrong tensor out of damaged bytes."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import CODECS, CorruptEntryError, KVMismatchError, bytes_per_token, decode, encode, read_header
-from store.serialize import HEAD_BYTES, MAGIC
+from store import (CODECS, CorruptEntryError, KVMismatchError, OldFormatError, bytes_per_token, decode, encode,
+                   read_header)
+from store.serialize import HEAD_BYTES, MAGIC, decode_layer, head_nbytes, parse_head
 from tests.helpers import assert_same_kv, random_kv
 
 
@@ -63,7 +64,7 @@ def test_bytes_per_token():
     _, kv = random_kv(4)
     for codec in CODECS:
         header_bytes = len(encode(kv, codec)) - bytes_per_token(codec, (4, 3, 17, 8)) * 17
-        assert 0 < header_bytes < 600
+        assert 0 < header_bytes < 400 + 4 * 100  # fixed fields + one (offset, length, sha256) per layer
 
 
 def test_decoded_tensors_are_the_callers_to_change():
@@ -84,11 +85,11 @@ def _header_end(data: bytes) -> int:
 
 
 @pytest.mark.parametrize("codec", CODECS)
-def test_any_flipped_byte_is_caught(codec):
-    _, kv = random_kv(7)
+def test_every_flipped_byte_is_caught(codec):
+    # Odd sizes, so the header and every layer section carry padding: that is checked too.
+    _, kv = random_kv(7, shape=(3, 1, 3, 3))
     data = encode(kv, codec)
-    end = _header_end(data)
-    for pos in (0, 5, 9, end // 2, end - 2, end, end + 100, len(data) // 2, len(data) - 1):
+    for pos in range(len(data)):
         bad = bytearray(data)
         bad[pos] ^= 0x01
         with pytest.raises((CorruptEntryError, KVMismatchError)):
@@ -120,12 +121,29 @@ def test_header_fields_are_covered_by_the_checksum():
         decode(_rewrite_header(data, position=kv.position + 1))
 
 
-@pytest.mark.parametrize("changes", [{"v": 2}, {"codec": "fp8"}, {"shape": [4, 3, 17]},
-                                     {"shape": [4, 3, -17, 8]}, {"position": "0"}, {"sha256": None}])
+@pytest.mark.parametrize("changes", [{"v": "2"}, {"codec": "fp8"}, {"shape": [4, 3, 17]},
+                                     {"shape": [4, 3, -17, 8]}, {"position": "0"}, {"sha256": None},
+                                     {"layers": []}, {"layers": [[0, 1, "x"]] * 4}, {"shape": [5, 3, 17, 8]}])
 def test_bad_headers_are_corrupt(changes):
     _, kv = random_kv(10)
-    with pytest.raises(CorruptEntryError):
+    with pytest.raises(CorruptEntryError) as caught:
         decode(_rewrite_header(encode(kv), **changes))
+    assert not isinstance(caught.value, OldFormatError)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_other_format_versions_are_old_format(version):
+    # A format-1 entry, as the previous build wrote it: header, then token ids, keys, values.
+    _, kv = random_kv(12)
+    header = {"v": version, "codec": "fp16", "dtype": "float32", "shape": [4, 3, 17, 8],
+              "fingerprint": "model-a", "context_hash": kv.context_hash, "position": 0, "token_hash": "",
+              "sha256": ""}
+    raw = json.dumps(header).encode()
+    entry = MAGIC + len(raw).to_bytes(4, "little") + raw + kv.token_ids.numpy().tobytes() + bytes(kv.nbytes // 2)
+    with pytest.raises(OldFormatError, match=f"version {version}"):
+        decode(entry)
+    with pytest.raises(OldFormatError):
+        parse_head(entry)
 
 
 def test_read_header_needs_only_the_head():
@@ -135,3 +153,66 @@ def test_read_header_needs_only_the_head():
     assert (header["fingerprint"], header["position"]) == ("model-a", 1)
     with pytest.raises(CorruptEntryError):
         read_header(b"not a kv entry at all")
+
+
+# --- one layer at a time ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_every_layer_decodes_alone_exactly_as_the_whole_entry(codec):
+    _, kv = random_kv(13, shape=(9, 2, 11, 8), context=[5])
+    data = encode(kv, codec)
+    whole = decode(data)
+    head = parse_head(data[:head_nbytes(data)], "model-a")
+    assert head.shape == (9, 2, 11, 8) and head.codec == codec and torch.equal(head.token_ids, kv.token_ids)
+    assert head.nbytes == len(data)
+    for i in reversed(range(9)):  # any order
+        offset, length = head.layer_range(i)
+        keys, values = decode_layer(head, i, data[offset:offset + length])
+        assert keys.shape == values.shape == (2, 11, 8)
+        assert torch.equal(keys, whole.keys[i]) and torch.equal(values, whole.values[i])
+    assert_same_kv(whole, kv, codec)
+    with pytest.raises(IndexError):
+        head.layer_range(9)
+
+
+def test_the_head_is_found_from_the_first_bytes_alone():
+    _, kv = random_kv(14, shape=(30, 3, 300, 8))
+    data = encode(kv)
+    need = head_nbytes(data[:8])  # the prefix tells where the header ends
+    assert need == _header_end(data)
+    need = head_nbytes(data[:need])  # the header tells where the token ids end
+    assert need == _header_end(data) + 8 * 300 == head_nbytes(data)
+    head = parse_head(data[:need])
+    assert head.head_nbytes == need and head.layer_range(0)[0] == need
+    with pytest.raises(CorruptEntryError):
+        parse_head(data[:need - 1])  # the token ids are covered by the header digest
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_flipped_byte_in_one_layer_fails_that_layer_only(codec):
+    _, kv = random_kv(15, shape=(9, 2, 11, 8))
+    data = bytearray(encode(kv, codec))
+    head = parse_head(bytes(data))
+    offset, length = head.layer_range(7)
+    data[offset + length // 3] ^= 0x10
+    for i in range(9):
+        start, n = head.layer_range(i)
+        if i == 7:
+            with pytest.raises(CorruptEntryError, match="layer 7"):
+                decode_layer(head, i, bytes(data[start:start + n]))
+        else:
+            decode_layer(head, i, bytes(data[start:start + n]))
+    with pytest.raises(CorruptEntryError, match="layer 7"):
+        decode(bytes(data))
+    with pytest.raises(CorruptEntryError):
+        decode_layer(head, 3, bytes(data[head.layer_range(3)[0]:][:10]))  # a short section
+
+
+def test_decoded_layers_are_fresh_tensors():
+    _, kv = random_kv(16)
+    data = encode(kv)
+    head = parse_head(data)
+    offset, length = head.layer_range(1)
+    keys, _ = decode_layer(head, 1, memoryview(data)[offset:offset + length])
+    keys.zero_()  # writable, and not a view of the entry's bytes
+    assert_same_kv(decode(data), kv)

@@ -1,6 +1,8 @@
-"""TieredStore: lookups through the chain, bad entries as misses, Redis outages, replicas, threads."""
+"""TieredStore: lookups through the chain, bad entries as misses, Redis outages, replicas, threads,
+close and delete against the background writer."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -8,9 +10,8 @@ import time
 
 import pytest
 
-from store import StoreSettings
-from store import (CODECS, DiskTier, KVMismatchError, MemoryTier, RedisTier, TieredStore, build_store,
-                   encode)
+from store import (CODECS, DiskTier, KVMismatchError, MemoryTier, RedisTier, StoreClosedError, StoreSettings,
+                   TieredStore, build_store, encode)
 from tests.helpers import assert_same_kv, random_kv
 
 FP = "model-a"
@@ -76,7 +77,7 @@ def test_memory_and_disk_caps_evict_by_bytes(tmp_path):
 def test_damaged_disk_file_is_a_miss_and_is_removed(tmp_path, damage):
     key, kv = random_kv(2)
     make_store(tmp_path, memory=False).put(key, kv)
-    path = next((tmp_path / "r1").rglob("*.kv"))
+    path = next((tmp_path / "r1").rglob("*.val"))
     data = bytearray(path.read_bytes())
     if damage == "flip":
         data[len(data) // 2] ^= 0x40
@@ -92,7 +93,7 @@ def test_damaged_disk_entry_falls_through_to_a_good_redis_copy(tmp_path, redis_u
     key, kv = random_kv(3)
     with make_store(tmp_path, redis_url) as store:
         store.put(key, kv)
-    path = next((tmp_path / "r1").rglob("*.kv"))
+    path = next((tmp_path / "r1").rglob("*.val"))
     path.write_bytes(path.read_bytes()[:-1])
     store = make_store(tmp_path, redis_url, memory=False)
     assert_same_kv(store.get(key), kv)  # served from Redis, then rewritten to disk
@@ -210,8 +211,13 @@ def test_concurrent_gets_and_puts_never_see_partial_entries(tmp_path, redis_url)
         try:
             for _ in range(80):
                 key = rng.choice(keys)
-                if rng.random() < 0.4:
+                if (draw := rng.random()) < 0.4:
                     store.put(key, entries[key])
+                elif draw < 0.6:
+                    with store.open(key) or contextlib.nullcontext() as entry:
+                        if entry is not None:
+                            assert_same_kv(entry.read_all(), entries[key])
+                            seen.append(key)
                 else:
                     got = store.get(key)
                     if got is not None:
@@ -228,7 +234,9 @@ def test_concurrent_gets_and_puts_never_see_partial_entries(tmp_path, redis_url)
     store.close()
     assert not errors, errors[0]
     assert seen and store.stats()["corrupt"] == 0
-    assert not list((tmp_path / "r1").rglob("*.tmp"))
+    files = list((tmp_path / "r1").rglob("*.val"))
+    assert len(files) == store.tiers[1].stats()["entries"]  # nothing written but not indexed
+    assert sum(f.stat().st_size for f in files) == store.tiers[1].stats()["bytes"] <= 4 * entry_bytes
     after = make_store(tmp_path, redis_url, name="r1")  # what is left on disk and in Redis is whole
     for key, kv in entries.items():
         if (got := after.get(key)) is not None:
@@ -293,3 +301,101 @@ def test_build_store_from_settings(tmp_path, redis_url):
     assert [t.name for t in no_memory.tiers] == ["disk"]
     with pytest.raises(KVMismatchError):
         no_memory.put(*random_kv(31, fingerprint="model-b"))
+
+
+# --- close, flush and delete against the background writer ---------------------------------------
+
+class GatedRedis(RedisTier):
+    """A real Redis tier whose background puts wait at a gate, before or after the SET lands."""
+
+    def __init__(self, url: str, when: str) -> None:
+        super().__init__(url, timeout_s=2.0)
+        self.when, self.gate, self.entered = when, threading.Event(), threading.Event()
+
+    def put(self, key: str, data: bytes) -> None:
+        self.entered.set()
+        if self.when == "before":
+            self.gate.wait(10)
+        super().put(key, data)
+        if self.when == "after":
+            self.gate.wait(10)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_delete_wins_over_writes_queued_before_it(tmp_path, redis_url, redis_server, when):
+    remote = GatedRedis(redis_url, when)
+    store = TieredStore([MemoryTier(1 << 20), remote], fingerprint=FP)
+    key, kv = random_kv(40)
+    other_key, other_kv = random_kv(41)
+    store.put(key, kv)  # the writer takes this one and waits at the gate, SET done or not
+    assert remote.entered.wait(5)
+    store.put(key, kv)  # queued behind it
+    store.put(other_key, other_kv)
+    assert store.delete(key)  # from memory now; Redis has no copy yet, or one about to be undone
+    remote.gate.set()
+    store.flush()
+    with redis_server.client() as raw:
+        assert not raw.exists("ragblend:" + key)
+        assert raw.exists("ragblend:" + other_key)  # other keys' writes still land
+    assert store.get(key) is None
+
+    store.put(key, kv)  # a write after the delete lands as usual
+    store.flush()
+    with redis_server.client() as raw:
+        assert raw.exists("ragblend:" + key)
+    assert store._tombstones == {}  # spent once the writes they guard are done
+    store.close()
+
+
+def test_close_races_puts_without_losing_or_stranding_writes(tmp_path, redis_url, redis_server):
+    store = TieredStore([MemoryTier(1 << 24), RedisTier(redis_url, timeout_s=2.0)], fingerprint=FP,
+                        queue_size=8)
+    entries = [random_kv(i, shape=(2, 1, 4, 4)) for i in range(400)]
+    accepted, refused = [], []
+
+    def putter(part: list) -> None:
+        for key, kv in part:
+            try:
+                store.put(key, kv)
+                accepted.append(key)
+            except StoreClosedError:
+                refused.append(key)
+
+    threads = [threading.Thread(target=putter, args=(entries[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.02)
+    closers = [threading.Thread(target=store.close) for _ in range(2)]  # two at once: both return
+    for t in closers:
+        t.start()
+    for t in threads + closers:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads + closers)
+    flusher = threading.Thread(target=store.flush)  # after close: returns, nothing left stranded
+    flusher.start()
+    flusher.join(5)
+    assert not flusher.is_alive()
+    assert len(accepted) + len(refused) == 400 and accepted
+    with redis_server.client() as raw:
+        landed = sum(raw.exists("ragblend:" + k) for k in accepted)
+    assert landed == len(accepted) - store.stats()["dropped_writes"]  # each write landed or was counted
+    for call in (lambda: store.put(*entries[0]), lambda: store.get(entries[0][0]),
+                 lambda: store.open(entries[0][0]), lambda: store.delete(entries[0][0])):
+        with pytest.raises(StoreClosedError):
+            call()
+
+
+def test_entries_of_format_1_are_quiet_misses(tmp_path, caplog):
+    store = make_store(tmp_path, memory=False)
+    key, kv = random_kv(42)
+    store.put(key, kv)
+    path = next((tmp_path / "r1").rglob("*.val"))
+    data = path.read_bytes()
+    end = 8 + int.from_bytes(data[4:8], "little")
+    header = data[8:end].replace(b'"v":2', b'"v":1')
+    path.write_bytes(data[:8] + header + data[end:])
+    caplog.set_level(logging.DEBUG, logger="ragblend.store")
+    assert store.get(key) is None and not store.contains(key)
+    stats = store.stats()
+    assert (stats["stale"], stats["corrupt"], stats["tiers"]["disk"]["stale"]) == (1, 0, 1)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -1,9 +1,10 @@
-"""Tiers on their own: LRU by bytes, disk restarts, Redis prefix/TTL/password."""
+"""Tiers on their own: LRU by bytes, disk restarts and leftovers, byte ranges, Redis prefix/TTL/password."""
 from __future__ import annotations
 
 import os
 import time
 
+import diskcache
 import pytest
 
 from store import DiskTier, MemoryTier, RedisTier
@@ -44,41 +45,114 @@ def test_local_tier_is_lru_by_bytes(local_tier):
     assert local_tier.stats()["bytes"] == 100
 
 
-def test_disk_eviction_removes_files_and_leaves_no_temp_files(tmp_path):
+def _files(root) -> list:
+    return sorted(p for p in root.rglob("*.val"))
+
+
+def test_disk_eviction_removes_files(tmp_path):
     tier = DiskTier(tmp_path, 250)
-    for key in (A, B, C):
-        tier.put(key, b"x" * 100)
-    files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
-    assert files == [f"{B}.kv", f"{C}.kv"]
-    assert (tmp_path / "bb" / f"{B}.kv").read_bytes() == b"x" * 100  # fanned out by 2 hex chars
+    for key, fill in ((A, b"a"), (B, b"b"), (C, b"c")):
+        tier.put(key, fill * 100)
+    assert sorted(p.read_bytes() for p in _files(tmp_path)) == [b"b" * 100, b"c" * 100]
+    tier.put(C, b"C" * 120)  # replacing an entry swaps its file and its size
+    assert sorted(p.read_bytes() for p in _files(tmp_path)) == [b"C" * 120, b"b" * 100]
+    assert tier.stats()["bytes"] == 220
 
 
-def test_disk_restart_rebuilds_index_and_recency(tmp_path):
+def test_disk_restart_keeps_index_and_recency(tmp_path):
     tier = DiskTier(tmp_path, 1000)
-    now = time.time()
     for i, key in enumerate((A, B, C)):
         tier.put(key, bytes([i]) * (100 + i))
-        os.utime(tier._path(key), (now - 100 + i, now - 100 + i))  # A oldest, C newest
-    tier.get(A)  # a hit refreshes A's mtime: now B is the oldest
-    (tmp_path / "aa" / ".leftover.tmp").write_bytes(b"half a write")  # from a crash
-    (tmp_path / "notes.txt").write_text("not an entry")
+        time.sleep(0.002)  # distinct access times
+    tier.get(A)  # a hit refreshes A: now B is the least recent
+    tier.close()
 
     again = DiskTier(tmp_path, 1000)
     assert sorted(again.keys()) == [A, B, C]
     assert again.stats()["bytes"] == 100 + 101 + 102
-    assert not (tmp_path / "aa" / ".leftover.tmp").exists()
+    again.close()
 
     smaller = DiskTier(tmp_path, 250)  # a lower cap on start evicts the least recent: B
     assert sorted(smaller.keys()) == [A, C] and smaller.stats()["bytes"] == 202
-    assert not smaller._path(B).exists()
+    assert smaller.stats()["evictions"] == 1 and len(_files(tmp_path)) == 2
     assert smaller.get(A) == bytes([0]) * 100
 
 
-def test_disk_file_vanishing_is_a_miss(tmp_path):
+def test_disk_open_sweeps_crash_leftovers_and_format_1_files(tmp_path):
     tier = DiskTier(tmp_path, 1000)
     tier.put(A, b"a" * 10)
-    tier._path(A).unlink()
-    assert tier.get(A) is None and tier.stats()["entries"] == 0
+    [kept] = _files(tmp_path)
+    old_orphan = kept.with_name("0" * 24 + ".val")  # a put that crashed before the index saw it
+    old_orphan.write_bytes(b"half a write")
+    an_hour_ago = time.time() - 3600
+    os.utime(old_orphan, (an_hour_ago, an_hour_ago))
+    new_orphan = kept.with_name("1" * 24 + ".val")  # may be another process's put in progress
+    new_orphan.write_bytes(b"being written")
+    (tmp_path / "bb").mkdir()
+    (tmp_path / "bb" / f"{B}.kv").write_bytes(b"RBKV format 1")  # the tier this one replaced
+    (tmp_path / "bb" / ".x.tmp").write_bytes(b"its temp file")
+    (tmp_path / "notes.txt").write_text("not ours")
+
+    DiskTier(tmp_path, 1000)
+    assert not old_orphan.exists() and new_orphan.exists() and kept.exists()
+    assert not (tmp_path / "bb" / f"{B}.kv").exists() and not (tmp_path / "bb" / ".x.tmp").exists()
+    assert (tmp_path / "notes.txt").exists()
+
+
+def test_disk_file_vanishing_is_a_miss_and_leaves_the_index(tmp_path, caplog):
+    tier = DiskTier(tmp_path, 1000)
+    tier.put(A, b"a" * 10)
+    tier.put(B, b"b" * 10)
+    _files(tmp_path)[0].unlink()
+    _files(tmp_path)[0].unlink()
+    assert tier.get(A) is None and tier.reader(B) is None
+    assert tier.stats()["entries"] == 0 and tier.stats()["bytes"] == 0 and not tier.contains(A)
+    assert tier.stats()["errors"] == 2
+    assert sum(r.levelname == "WARNING" for r in caplog.records) == 1  # once per failure streak
+
+
+def test_disk_reader_reads_byte_ranges(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    data = bytes(range(256)) * 100
+    tier.put(A, data)
+    reader = tier.reader(A)
+    assert reader.read(0, 8) == data[:8] and reader.read(1000, 300) == data[1000:1300]
+    assert reader.read(len(data) - 4, 100) == data[-4:]  # short at the end
+    tier.delete(A)  # an open reader keeps reading what it opened
+    assert reader.read(5000, 10) == data[5000:5010]
+    reader.close()
+    assert tier.reader(A) is None and tier.head(A, 4) is None
+
+
+def test_disk_head_does_not_touch_recency(tmp_path):
+    tier = DiskTier(tmp_path, 250)
+    tier.put(A, b"a" * 100)
+    time.sleep(0.002)
+    tier.put(B, b"b" * 100)
+    assert tier.head(A, 3) == b"aaa"  # unlike get, head leaves A the least recent
+    tier.put(C, b"c" * 100)
+    assert sorted(tier.keys()) == [B, C]
+
+
+UNPICKLED = []
+
+
+class _Boom:
+    def __reduce__(self):
+        return UNPICKLED.append, ("unpickled!",)
+
+
+def test_disk_values_are_bytes_only(tmp_path):
+    tier = DiskTier(tmp_path, 1 << 20)
+    with pytest.raises(TypeError):
+        tier._cache.set(A, {"a": 1})  # diskcache would pickle it
+    other = diskcache.Cache(str(tmp_path))  # someone else's writer on our directory
+    other.set(A, _Boom())  # pickled
+    other.set(B, 12345)  # inline in SQLite
+    other.set(C, b"x" * 100_000)  # bytes in a file: the one kind the tier reads
+    assert tier.get(A) is None and tier.reader(B) is None and not UNPICKLED
+    assert not tier.contains(A) and not tier.contains(B)  # unreadable entries are dropped
+    assert tier.get(C) == b"x" * 100_000
 
 
 def test_redis_tier_round_trip_prefix_ttl(redis_url, redis_server):
@@ -94,6 +168,27 @@ def test_redis_tier_round_trip_prefix_ttl(redis_url, redis_server):
     assert list(tier.keys()) == [A]  # only valid keys under our prefix
     assert tier.delete(A) and not tier.delete(A) and tier.get(A) is None
     tier.close()
+
+
+def test_redis_reader_reads_byte_ranges(redis_url, redis_server):
+    tier = RedisTier(redis_url)
+    data = bytes(range(256)) * 300  # longer than the first read the reader keeps
+    tier.put(A, data)
+    tier.put(B, b"short")
+    assert tier.reader(C) is None
+    reader = tier.reader(A)
+    assert reader.read(0, 8) == data[:8] and reader.read(70000, 500) == data[70000:70500]
+    assert reader.read(len(data) - 4, 100) == data[-4:]
+    assert tier.reader(B).read(2, 100) == b"ort"
+    tier.delete(A)
+    assert reader.read(70000, 500) == b""  # gone: the caller sees a short read
+    with redis_server.client() as raw:
+        raw.set("ragblend:" + A, data)
+    redis_server.pause()
+    try:
+        assert RedisTier(redis_url, timeout_s=0.2).reader(A) is None  # unreachable: a miss
+    finally:
+        redis_server.resume()
 
 
 def test_redis_tier_password():

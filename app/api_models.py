@@ -77,6 +77,8 @@ class QueryRequest(StrictBody):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False)
     stream: bool = False
+    ignore_eos: bool = Field(False, description="Generate max_tokens tokens whatever the model says "
+                                                "(for benchmarks, as vLLM's ignore_eos).")
 
 
 class QueryResponse(BaseModel):
@@ -134,7 +136,7 @@ class ChatCompletionRequest(OpenAIBody):
         return [s for s in stops if s]  # an empty stop string would end every answer at once
 
     def question(self) -> str:
-        """Retrieval and the answer use the last user message; earlier turns are not replayed."""
+        """The last user message with text (app.conversation lays out the rest of the conversation)."""
         for message in reversed(self.messages):
             if message.role == "user" and message.text().strip():
                 return message.text()
@@ -176,6 +178,8 @@ class ChatCompletion(BaseModel):
     usage: Usage
     system_fingerprint: str | None = None
     sources: list[Source] = Field(default_factory=list, description="ragblend extra: the retrieved passages.")
+    dropped_messages: int = Field(0, description="ragblend extra: the oldest earlier messages left out of the "
+                                                 "prompt because the conversation did not fit the context.")
 
 
 class Delta(BaseModel):
@@ -198,6 +202,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    dropped_messages: int | None = Field(None, description="ragblend extra, on the finish chunk: see ChatCompletion.")
 
 
 class ModelCard(BaseModel):

@@ -36,6 +36,10 @@ class ServerSettings(BaseModel):
     api_key: str | None = None
     queue_size: int = Field(16, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
+    max_batch: int = Field(8, ge=1)  # requests decoded together (slots on the model thread)
+    prefill_slice_ms: float = Field(100.0, gt=0)  # prefill work between two decode steps (at least one layer)
+    stuck_after_s: float = Field(120.0, gt=0)  # /health is 503 once the model thread is on one piece this long
+    shutdown_grace_s: float = Field(5.0, ge=0)  # running queries may finish within this at shutdown
 
 
 class LimitsSettings(BaseModel):

@@ -1,19 +1,34 @@
 """RagEngine: question → retrieve top-k → chunk KV (store or precompute) → blended prefill → decode.
 
-One engine owns the model, which is not thread-safe: callers serialize requests (the server
-runs them on one worker thread). `stream()` yields text deltas and finally a QueryResult;
-`answer()` collects them.
+The engine owns the model, which is not thread-safe. `program(params)` is one request as a generator
+that the scheduler (app.scheduler) drives on the model thread, several at a time: it yields text
+deltas and finally a QueryResult for the client, and directives in between — retrieval and store
+reads offloaded to another thread, one slice per prefill layer or precomputed piece, one DecodeStep
+per token (batched with the other requests'). `stream()` drives one program alone (the CLI, tests)
+and `answer()` collects it.
+
+The prompt: head | conversation | passages | question (blend.prompt). A chat request's earlier turns
+form the conversation, an exact prefix whose KV is stored per exchange: after answering, the engine
+stores the KV of the exchange it just had (in the background), so the next turn reads its whole
+conversation from the store and computes only its passages' repair and the new question.
+When the conversation does not fit the context, its oldest exchanges are dropped first.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Literal
+from typing import Any, Callable, Generator, Iterator, Literal
+
+import torch
 
 from app.components import Components
 from app.config import Settings
+from app.scheduler import Background, DecodeStep, Offload, run_alone
 from blend import ChunkKV, Prefill, SamplingParams, TextStream
+from blend.decode import sample_next
+from blend.prompt import exchange_starts
+from retrieval.retriever import Hit
 
 Mode = Literal["blend", "full", "reuse"]
 
@@ -33,6 +48,13 @@ class QueryParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    # A chat: the client's system message, the earlier turns as (role, text), role "user" or "assistant",
+    # oldest first, and the text to retrieve with (default: the question).
+    system: str | None = None
+    turns: tuple[tuple[str, str], ...] = ()
+    retrieval_query: str | None = None
+    remember: bool = False  # store this exchange's KV for the next turn (chat)
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
 
 
 @dataclass
@@ -53,13 +75,16 @@ class QueryStats:
     kv_load_ms: float = 0.0
     prefill_ms: float = 0.0
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV was read from the store (not computed for this request)
     recomputed_tokens: int = 0
     recompute_ratio: float = 1.0
     completion_tokens: int = 0
-    store_hits: dict[str, int] = field(default_factory=dict)  # chunks per tier they came from; "computed" = miss
+    store_hits: dict[str, int] = field(default_factory=dict)  # passages per tier they came from; "computed" = miss
     fallback: str | None = None  # why a blend ran as full prefill
-    queue_ms: float = 0.0  # time waiting for the model worker (set by the server)
+    queue_ms: float = 0.0  # time waiting for a slot on the model thread (set by the server)
+    conversation_tokens: int = 0  # earlier turns in the prompt
+    conversation_cached_tokens: int = 0  # of those, read from the store
+    dropped_messages: int = 0  # earlier messages left out: the conversation did not fit the context
 
 
 @dataclass
@@ -71,6 +96,26 @@ class QueryResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class _Piece:
+    """One cached piece of the prompt: its tokens, the tokens it is computed after, its KV once known."""
+
+    kind: Literal["head", "conversation", "passage"]
+    ids: list[int]
+    context_ids: list[int]
+    kv: ChunkKV | None = None
+    tier: str | None = None  # where the KV came from; None until read, "computed" if computed here
+
+
+@dataclass
+class _Plan:
+    hits: list[Hit]
+    pieces: list[_Piece]
+    suffix: list[int]
+    turns: tuple[tuple[str, str], ...]  # the turns kept in the prompt
+    dropped: int
 
 
 class RagEngine:
@@ -86,82 +131,149 @@ class RagEngine:
 
     def stream(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
                ) -> Iterator[str | QueryResult]:
-        limits, parts = self.settings.limits, self.parts
-        start = time.perf_counter()
+        """Text deltas, then the QueryResult: one request run alone, on this thread."""
+        return run_alone(self.program(params, cancelled), self.parts.blender.decode_step)
+
+    def program(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
+                ) -> Generator[Any, Any, None]:
+        """One request for the scheduler (see the module docstring for what it yields)."""
+        parts, start = self.parts, time.perf_counter()
         stats = QueryStats(mode=params.mode)
+        max_tokens = params.max_tokens or self.settings.limits.default_max_new_tokens
 
-        # 1. Retrieve, and lay the prompt out as token ids: head | passages | suffix (no KV yet).
-        hits = parts.retriever.search(params.question, params.top_k or self.settings.retrieval.top_k)
-        passages = [parts.kv_cache.passage_ids(h.chunk.token_ids, h.title) for h in hits]
-        suffix = parts.prompt.suffix_ids(params.question)
-        stats.retrieve_ms = _ms(start)
-        self._check_length(len(parts.kv_cache.head_ids) + sum(map(len, passages)) + len(suffix), params)
+        # 1. Off the model thread: retrieve, lay the prompt out as token pieces, read their KV from the store.
+        plan: _Plan = yield Offload(lambda: self._plan(params, max_tokens, stats))
+        passages = [p for p in plan.pieces if p.kind == "passage"]
+        stats.store_hits = dict(Counter(p.tier or "computed" for p in passages)) if params.mode != "full" else {}
 
-        # 2. Chunk KVs: the prompt head, then one per passage (store hit or precompute).
+        # 2. On it: compute the pieces the store lacked, one slice each.
+        t = time.perf_counter()
+        if params.mode != "full":
+            for i, piece in enumerate(plan.pieces):
+                if piece.kv is None:
+                    before = [p.kv for p in plan.pieces[:i]] if piece.kind == "conversation" else []
+                    piece.kv, piece.tier = parts.kv_cache.compute(piece.ids, piece.context_ids, before), "computed"
+                    yield
+        stats.kv_load_ms += _ms(t)
+
+        # 3. Prefill, a layer per slice.
         t = time.perf_counter()
         if params.mode == "full":
-            segments: list[ChunkKV] = []
-        else:
-            hits_by_tier: Counter[str] = Counter()
-            segments = [parts.kv_cache.head()]
-            for ids in passages:
-                kv, tier = parts.kv_cache.get_or_compute(ids)
-                segments.append(kv)
-                hits_by_tier[tier] += 1
-            stats.store_hits = dict(hits_by_tier)
-        stats.kv_load_ms = _ms(t)
-
-        # 3. Prefill.
-        t = time.perf_counter()
-        if params.mode == "full":
-            prompt_ids = parts.kv_cache.head_ids + [i for ids in passages for i in ids] + suffix
-            prefill = parts.blender.full_prefill(prompt_ids)
+            prompt_ids = [i for p in plan.pieces for i in p.ids] + plan.suffix
+            prefill = yield from parts.blender.prefill_steps([], prompt_ids, 1.0, reserve=max_tokens)
         else:
             ratio = 0.0 if params.mode == "reuse" else (
                 self.settings.blend.ratio if params.ratio is None else params.ratio)
-            prefill = parts.blender.prefill(segments, suffix, ratio)
+            prefill = yield from parts.blender.prefill_steps([p.kv for p in plan.pieces], plan.suffix, ratio,
+                                                             reserve=max_tokens)
         stats.prefill_ms = _ms(t)
-        _fill_prefill_stats(stats, prefill, params.mode)
+        _fill_prefill_stats(stats, prefill, params.mode, plan)
 
-        # 4. Decode, streaming text; the first token's arrival is the TTFT.
-        sampling = SamplingParams(max_new_tokens=params.max_tokens or limits.default_max_new_tokens,
-                                  temperature=params.temperature, top_p=params.top_p, stop=params.stop,
-                                  seed=params.seed)
-        text = TextStream(parts.tokenizer, stop=params.stop, eos_ids=parts.blender.eos_ids)
-        tokens = parts.blender.decode(prefill, sampling)
-        for delta in text.feed(self._first_token_timed(tokens, stats, start, cancelled)):
+        # 4. Decode: one token per step, the scheduler batching this request's steps with the others'.
+        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
+                                  stop=params.stop, seed=params.seed)
+        eos = frozenset() if params.ignore_eos else parts.blender.eos_ids
+        text = TextStream(parts.tokenizer, stop=params.stop, eos_ids=eos)
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        logits, position = prefill.logits, prefill.num_tokens
+        for step in range(max_tokens):
+            token = sample_next(logits, sampling, generator)
+            if step == 0:
+                stats.ttft_ms = _ms(start)
+            if delta := text.push(token):
+                yield delta
+            if text.finish_reason is not None:
+                break
+            if cancelled():
+                text.finish_reason = "cancelled"
+                break
+            if step + 1 < max_tokens:
+                logits = yield DecodeStep(prefill.cache, token, position)
+                position += 1
+        if delta := text.flush():
             yield delta
-        if cancelled():
-            text.finish_reason = "cancelled"
         stats.completion_tokens = len(text.tokens)
         stats.total_ms = _ms(start)
-        sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text) for h in hits]
-        yield QueryResult(text.text.strip(), sources, stats, text.finish_reason or "length")
+        answer, finish = text.text.strip(), text.finish_reason or "length"
+        if params.remember and params.mode != "full" and finish != "cancelled":
+            yield Background(lambda: self._remember(params, plan, answer), "store the conversation's KV")
+        sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text)
+                   for h in plan.hits]
+        yield QueryResult(answer, sources, stats, finish)
 
-    @staticmethod
-    def _first_token_timed(tokens: Iterator[int], stats: QueryStats, start: float,
-                           cancelled: Callable[[], bool]) -> Iterator[int]:
-        for i, token in enumerate(tokens):
-            if i == 0:
-                stats.ttft_ms = _ms(start)
-            if cancelled():
-                return
-            yield token
+    # ---- the plan, off the model thread ------------------------------------------------------------
 
-    def _check_length(self, prompt_len: int, params: QueryParams) -> None:
-        limit = getattr(self.parts.llm.model.config, "max_position_embeddings", None)
-        need = prompt_len + (params.max_tokens or self.settings.limits.default_max_new_tokens)
-        if limit and need > limit:
+    def _plan(self, params: QueryParams, max_tokens: int, stats: QueryStats) -> _Plan:
+        parts, t = self.parts, time.perf_counter()
+        hits = parts.retriever.search(params.retrieval_query or params.question,
+                                      params.top_k or self.settings.retrieval.top_k)
+        head = parts.prompt.head_ids_for(params.system)
+        passages = [parts.kv_cache.passage_ids(h.chunk.token_ids, h.title) for h in hits]
+        suffix = parts.prompt.suffix_ids(params.question)
+        stats.retrieve_ms = _ms(t)
+        fixed = len(head) + sum(map(len, passages)) + len(suffix) + max_tokens
+        self._check_length(fixed - max_tokens, max_tokens)
+        turns, conversation = self._fit(params, fixed)
+
+        t = time.perf_counter()
+        pieces, before = [_Piece("head", head, [])], list(head)
+        for ids in conversation:
+            pieces.append(_Piece("conversation", ids, before))
+            before = before + ids
+        pieces += [_Piece("passage", ids, parts.kv_cache.context_ids) for ids in passages]
+        if params.mode != "full":
+            for piece in pieces:
+                piece.kv, piece.tier = parts.kv_cache.lookup(piece.ids, piece.context_ids)
+        stats.kv_load_ms = _ms(t)
+        return _Plan(hits, pieces, suffix, turns, len(params.turns) - len(turns))
+
+    def _fit(self, params: QueryParams, fixed: int) -> tuple[tuple[tuple[str, str], ...], list[list[int]]]:
+        """The newest turns whose conversation fits the context next to everything else, as token pieces."""
+        limit = self._context_limit()
+        turns = params.turns
+        for start in exchange_starts(turns) + [len(turns)] if turns else [0]:
+            conversation = self.parts.prompt.conversation_ids(turns[start:], params.system)
+            if not limit or fixed + sum(map(len, conversation)) <= limit:
+                return turns[start:], conversation
+        return (), []
+
+    def _check_length(self, prompt_len: int, max_tokens: int) -> None:
+        limit = self._context_limit()
+        if limit and prompt_len + max_tokens > limit:
             raise RequestError(f"prompt of {prompt_len} tokens plus max_tokens exceeds the model's "
                                f"{limit}-token context; lower top_k or max_tokens")
 
+    def _context_limit(self) -> int | None:
+        return getattr(self.parts.llm.model.config, "max_position_embeddings", None)
 
-def _fill_prefill_stats(stats: QueryStats, prefill: Prefill, mode: str) -> None:
+    # ---- after the answer: the next turn's conversation KV -----------------------------------------
+
+    def _remember(self, params: QueryParams, plan: _Plan, answer: str) -> None:
+        """Store the KV of the exchange just answered, laid out as the next turn will lay it out: after
+        the head and this turn's conversation, whose KV is at hand. Runs on the model thread."""
+        turns = plan.turns + (("user", params.question), ("assistant", answer))
+        pieces = self.parts.prompt.conversation_ids(turns, params.system)
+        known = [p for p in plan.pieces if p.kind in ("head", "conversation")]
+        if [p.ids for p in known[1:]] != pieces[:-1]:
+            return  # the template re-rendered earlier turns differently (a transcript): nothing to extend
+        context_ids = [i for p in known for i in p.ids]
+        if self.parts.kv_cache.lookup(pieces[-1], context_ids)[0] is None:
+            self.parts.kv_cache.compute(pieces[-1], context_ids, [p.kv for p in known])
+
+
+def _fill_prefill_stats(stats: QueryStats, prefill: Prefill, mode: str, plan: _Plan) -> None:
     s = prefill.stats
-    stats.prompt_tokens, stats.cached_tokens = s.prompt_tokens, s.cached_tokens
+    stats.prompt_tokens = s.prompt_tokens
     stats.recomputed_tokens = s.recomputed_tokens
     stats.recompute_ratio = 1.0 if mode == "full" else s.ratio
     stats.fallback = s.fallback
+    conversation = [p for p in plan.pieces if p.kind == "conversation"]
+    stats.conversation_tokens = sum(len(p.ids) for p in conversation)
+    stats.dropped_messages = plan.dropped
+    if mode != "full" and s.fallback is None:  # only KV read from the store counts as cached
+        stored = [p for p in plan.pieces if p.tier != "computed"]
+        stats.cached_tokens = sum(len(p.ids) for p in stored)
+        stats.conversation_cached_tokens = sum(len(p.ids) for p in stored if p.kind == "conversation")
 
 
 def _ms(since: float) -> float:

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException
 
 from app.api_models import LimitError
 from app.engine import RequestError
-from app.ingest import DocumentTooLarge, IngestError
+from app.ingest import DocumentTooLarge, IngestCancelled, IngestError
 from app.worker import QueueTimeout, WorkerStopped
 
 log = logging.getLogger("ragblend.server")
@@ -69,6 +69,8 @@ def as_api_error(exc: Exception) -> ApiError:
             return ApiError(503, "timed out waiting in the queue; retry later", "queue_timeout")
         case WorkerStopped():
             return ApiError(503, "the server is shutting down", "shutting_down")
+        case IngestCancelled():  # the client left, or the server is stopping: nothing was committed
+            return ApiError(503, f"{exc}; nothing was committed", "cancelled")
         case HTTPException() if exc.status_code == 400:  # the body could not be parsed (JSON or multipart)
             reason = exc.__cause__ or exc.detail
             if isinstance(reason, RecursionError):
@@ -103,4 +105,4 @@ async def handle_error(request: Request, exc: Exception) -> JSONResponse:
 
 # What create_app registers `handle_error` for (Exception last: the 500 of last resort).
 HANDLED = (ApiError, RequestValidationError, HTTPException, LimitError, IngestError, RequestError, QueueTimeout,
-           WorkerStopped, Exception)
+           WorkerStopped, IngestCancelled, Exception)

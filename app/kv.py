@@ -1,9 +1,18 @@
-"""Passage token ids → ChunkKV: read from the tiered store, or precomputed (and stored) on a miss."""
+"""Prompt pieces → ChunkKV: read from the tiered store, or precomputed (and stored) on a miss.
+
+Every piece is keyed by (model, the tokens before it that it was computed after, its own tokens):
+passages are computed after the prompt head (or alone); the head at position 0; a conversation
+piece after the head and the earlier conversation pieces — so a conversation's KV is an exact
+prefix found again at the next turn, by this replica or any other sharing the store.
+`lookup` only reads the store (safe off the model thread); `compute` runs the model.
+"""
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 from typing import Literal
+
+import torch
 
 from blend import Blender, ChunkKV, PromptFormat, hash_ids
 from store import TieredStore, kv_key
@@ -55,6 +64,30 @@ class ChunkKVCache:
     def delete(self, key: str) -> None:
         self.store.delete(key)
 
+    # ---- any prompt piece: looked up off the model thread, computed on it ----------------------
+
+    def lookup(self, ids: Sequence[int], context_ids: Sequence[int]) -> tuple[ChunkKV | None, str | None]:
+        """The stored KV of `ids` computed after `context_ids`, and its tier; (None, None) on a miss."""
+        ids = list(ids)
+        if not context_ids and ids == self.head_ids and self._head is not None:
+            return self._head, "memory"
+        kv, tier = self.store.get_with_tier(kv_key(self.blender.fingerprint, hash_ids(list(context_ids)), ids))
+        if kv is not None and kv.token_ids.tolist() == ids:
+            return kv, tier
+        return None, None
+
+    def compute(self, ids: Sequence[int], context_ids: Sequence[int], before: Sequence[ChunkKV] = ()) -> ChunkKV:
+        """Precompute and store the KV of `ids` after `context_ids`. `before`: the KVs laid out in front of
+        it that hold exactly `context_ids` (the head and earlier conversation pieces), so only `ids` run."""
+        ids, context_ids = list(ids), list(context_ids)
+        if context_ids == self.context_ids and not before:  # a passage
+            kv = self._compute(ids, context_ids)
+        else:
+            context = _joined(before, self.blender.dtype) if before else None
+            kv = self.blender.precompute(ids, context_ids, context=context)
+        self.store.put(kv_key(self.blender.fingerprint, hash_ids(context_ids), ids), kv)
+        return kv
+
     def _load(self, ids: list[int], context_ids: list[int]) -> tuple[ChunkKV, str]:
         key = kv_key(self.blender.fingerprint, hash_ids(context_ids), ids)
         kv, tier = self.store.get_with_tier(key)
@@ -67,3 +100,11 @@ class ChunkKVCache:
     def _compute(self, ids: list[int], context_ids: list[int]) -> ChunkKV:
         context = self.head() if context_ids and context_ids == self.head_ids else None
         return self.blender.precompute(ids, context_ids, context=context)
+
+
+def _joined(parts: Sequence[ChunkKV], dtype: torch.dtype) -> ChunkKV:
+    """Consecutive exact pieces (head, conversation...) as one ChunkKV, to serve as a precompute context."""
+    first = parts[0]
+    return ChunkKV(torch.cat([p.keys.to(dtype) for p in parts], dim=2),      # [L, H, sum T, D]
+                   torch.cat([p.values.to(dtype) for p in parts], dim=2),
+                   torch.cat([p.token_ids for p in parts]), first.position, first.context_hash, first.fingerprint)

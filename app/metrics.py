@@ -46,7 +46,7 @@ class Metrics:
                               ["mode"], buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("ragblend:e2e_request_latency_seconds", "End-to-end query latency, queue included.",
                              ["mode"], buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("ragblend:request_queue_time_seconds", "Time a job waited for the worker.",
+        self.queue_time = Histogram("ragblend:request_queue_time_seconds", "Time a job waited for its thread.",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("ragblend:prompt_tokens", "Prompt tokens of answered queries.", registry=r)
         self.cached_tokens = Counter("ragblend:prompt_tokens_cached",
@@ -56,9 +56,9 @@ class Metrics:
         self.generation_tokens = Counter("ragblend:generation_tokens", "Generated tokens.", registry=r)
         self.chunks = Counter("ragblend:kv_chunks", 'Chunk KVs by where they came from ("computed": a miss).',
                               ["source"], registry=r)
-        Gauge("ragblend:num_requests_waiting", "Jobs waiting for the worker.",
+        Gauge("ragblend:num_requests_waiting", "Queries waiting for a slot, uploads for the ingest lane.",
               registry=r).set_function(queue_depth)
-        Gauge("ragblend:num_requests_running", "Jobs the worker is running (0 or 1).",
+        Gauge("ragblend:num_requests_running", "Queries in a slot on the model thread, plus a running upload.",
               registry=r).set_function(running)
         r.register(_StoreCollector(store_stats))
 

@@ -17,6 +17,8 @@ from app.metrics import Metrics
 
 log = logging.getLogger("ragblend.server")
 
+HEALTH_PATHS = ("/health", "/health/live", "/health/ready")
+
 
 class CountRequests:
     """Counts every response by route template and status, and logs it (at INFO)."""
@@ -45,13 +47,13 @@ class CountRequests:
 
 
 class RequireApiKey:
-    """`Authorization: Bearer <key>` on every path but /health, when a key is configured."""
+    """`Authorization: Bearer <key>` on every path but the health checks, when a key is configured."""
 
     def __init__(self, app: ASGIApp, api_key: str | None):
         self.app, self.key = app, (api_key or "").encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.key and scope["path"] != "/health":
+        if scope["type"] == "http" and self.key and scope["path"] not in HEALTH_PATHS:
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
                 error = ApiError(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key",

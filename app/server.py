@@ -1,15 +1,26 @@
 """The HTTP API: ragblend's own query and document endpoints, and OpenAI-compatible chat completions.
 
-One engine owns the model and one worker thread runs every model call (app.worker), so requests
-queue instead of racing: a full queue answers 429, a request that waits past
-`server.request_timeout_s` answers 503, and a streaming client that disconnects stops its
-generation. The engine loads in a background thread, so /health answers (503) while it loads.
+One engine owns the model; one scheduler thread runs all model work (app.scheduler): up to
+`server.max_batch` requests at a time, decoded together, their prefills interleaved layer by layer.
+Uploads and deletes run one at a time on the ingest lane (app.worker), which chunks and embeds off
+the model thread and hands it only each chunk's KV precompute. Requests queue instead of racing: a
+full queue answers 429, a request that waits past `server.request_timeout_s` answers 503, and a
+client that disconnects (streaming or not) stops its work. The engine loads in a background thread.
+
+Health: /health reports the model thread (alive, what it runs and for how long, queue depth, active
+slots) and the ingest lane, and is 503 while loading, after a failed load, while shutting down, or
+when the model thread has been on one piece of work longer than `server.stuck_after_s`;
+/health/live (503 only when the model thread is dead or stuck) and /health/ready (= /health's code)
+for orchestrators. Shutdown (SIGTERM): stop accepting, cancel uploads (rolled back: nothing half
+written), give running queries `server.shutdown_grace_s` to finish, then close the store and the
+database — only once no thread is still using them.
 
 Every error body is OpenAI-shaped: {"error": {"message", "type", "code", "param"}}.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -18,7 +29,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
@@ -34,34 +45,41 @@ from app.api_models import (ChatCompletion, ChatCompletionChunk, ChatCompletionR
                             ErrorResponse, IngestedDocument, IngestResponse, LimitError, ModelCard, ModelList,
                             PromptTokensDetails, QueryRequest, QueryResponse, Usage, check_limits, openapi_body)
 from app.config import Settings
+from app.conversation import Conversation
 from app.engine import QueryParams, QueryResult, RagEngine
 from app.errors import HANDLED, ApiError, as_api_error, handle_error
-from app.ingest import SUFFIXES, Ingestor, SourceDocument, read_documents
+from app.ingest import SUFFIXES, IngestCancelled, Ingestor, SourceDocument, read_documents
 from app.metrics import Metrics
 from app.middleware import CountRequests, LimitBody, RequireApiKey
-from app.worker import Job, QueueFull, Worker
+from app.scheduler import Scheduler
+from app.worker import Job, QueueFull, Worker, WorkerStopped
 from retrieval import DocumentInfo
 
 log = logging.getLogger("ragblend.server")
 
 
-# ---- the service: engine, ingestor, worker, metrics --------------------------------------------
+# ---- the service: engine, scheduler, ingest lane, metrics --------------------------------------
 
 class Service:
-    """Owns the engine (loaded in a background thread) and the worker that runs all its calls."""
+    """Owns the engine (loaded in a background thread), the scheduler that runs all its model work and
+    the ingest lane."""
 
     def __init__(self, settings: Settings, engine: RagEngine | None = None):
         self.settings, self.engine = settings, engine
         self.owns_engine = engine is None
         self.ingestor: Ingestor | None = None
-        self.worker = Worker(settings.server.queue_size)
-        self.metrics = Metrics(lambda: self.worker.waiting, lambda: self.worker.running, self._store_stats)
+        self.scheduler: Scheduler | None = None
+        self.lane = Worker(settings.server.queue_size, name="ragblend-ingest")
+        self.metrics = Metrics(lambda: self.waiting, lambda: self.running, self._store_stats)
         self.ready = threading.Event()
         self.load_error: str | None = None
+        self.stopping: float | None = None  # when shutdown began (monotonic)
         self.created = int(time.time())
 
     def start(self) -> None:
-        self.worker = Worker(self.settings.server.queue_size)  # a fresh thread: an app may be restarted
+        self.lane = Worker(self.settings.server.queue_size, name="ragblend-ingest")  # an app may be restarted
+        self.scheduler, self.stopping = None, None
+        self.lane.start()
         if self.engine is not None:  # given a loaded engine (tests, benchmarks): ready at once
             return self._load()
         threading.Thread(target=self._load, name="ragblend-loader", daemon=True).start()
@@ -69,41 +87,111 @@ class Service:
     def _load(self) -> None:
         try:
             engine = self.engine or RagEngine(self.settings)
-            self.ingestor = engine.parts.ingestor
-            self.engine = engine
-            self.worker.start()
-            self.ready.set()
-            log.info("engine ready", extra={"model": self.model_name})
+            _warm_up(engine)
+            s = self.settings.server
+            scheduler = Scheduler(engine.parts.blender.decode_step, max_batch=s.max_batch, queue_size=s.queue_size,
+                                  slice_s=s.prefill_slice_ms / 1000)
+            self.ingestor, self.engine, self.scheduler = engine.parts.ingestor, engine, scheduler
+            scheduler.start()
+            if self.stopping is None:
+                self.ready.set()
+            log.info("engine ready", extra={"model": self.model_name, "max_batch": s.max_batch})
         except Exception as exc:  # /health reports it; the process stays up to say why
             log.exception("engine failed to load")
             self.load_error = f"{type(exc).__name__}: {exc}"
 
-    def stop(self) -> None:
+    def begin_shutdown(self) -> None:
+        """Stop accepting work and cancel uploads at once; running queries may finish (see `stop`)."""
+        if self.stopping is None:
+            self.stopping = time.monotonic()
+            log.info("shutting down")
         self.ready.clear()
-        self.worker.stop()
+        self.lane.begin_stop()
+        if self.scheduler is not None:
+            self.scheduler.begin_stop()
+
+    def stop(self) -> None:
+        """Shut down within `server.shutdown_grace_s` (plus one chunk's precompute), then close the store
+        and the database unless a thread still uses them."""
+        self.begin_shutdown()
+        grace = self.settings.server.shutdown_grace_s
+        left = max(0.0, self.stopping + grace - time.monotonic())
+        clean = self.lane.stop(timeout=grace)
+        if self.scheduler is not None:
+            clean = self.scheduler.stop(grace_s=left, timeout_s=grace) and clean
         if self.owns_engine and self.engine is not None:
-            self.engine.parts.close()
+            if clean:
+                self.engine.parts.close()
+            else:  # closing under a running thread could lose a write; the process is ending anyway
+                log.warning("work still running at shutdown: store and database left to the process exit")
             self.engine = None
+        log.info("stopped", extra={"clean": clean})
 
     @property
     def model_name(self) -> str:
         return self.engine.parts.llm.name if self.engine else "loading"
 
+    @property
+    def waiting(self) -> int:
+        return self.lane.waiting + (self.scheduler.waiting if self.scheduler else 0)
+
+    @property
+    def running(self) -> int:
+        return self.lane.running + (self.scheduler.active if self.scheduler else 0)
+
     def _store_stats(self) -> dict[str, Any] | None:
         return self.engine.parts.store.stats() if self.ready.is_set() else None
+
+    def health(self) -> dict[str, Any]:
+        """The body of /health: status ok | loading | error | stuck | stopping, and the threads' state."""
+        report: dict[str, Any] = {"status": "ok", "model": self.model_name}
+        scheduler, problem = self.scheduler, None
+        if self.load_error:
+            report["status"], problem = "error", f"engine failed to load: {self.load_error}"
+        elif self.stopping is not None:
+            report["status"], problem = "stopping", "the server is shutting down"
+        elif scheduler is None:
+            report["status"], problem = "loading", "the model is loading"
+        elif not scheduler.snapshot()["alive"]:
+            report["status"], problem = "error", "the model thread has died"
+        elif scheduler.busy_s() > self.settings.server.stuck_after_s:
+            report["status"] = "stuck"
+            problem = (f"the model thread has been on one piece of work for {scheduler.busy_s():.0f} s "
+                       f"(server.stuck_after_s: {self.settings.server.stuck_after_s:g})")
+        if scheduler is not None:
+            report["model_thread"] = scheduler.snapshot()
+        report["ingest"] = self.lane.snapshot()
+        blender = getattr(self.engine.parts, "blender", None) if self.engine else None
+        if reason := getattr(blender, "unsupported", None):
+            report["blend_disabled"] = reason  # the model gate: every prefill runs in full
+        if problem:
+            report["error"] = ApiError(503, problem, report["status"]).body()["error"]
+        return report
 
     def query_params(self, question: str, *, top_k: int | None, max_tokens: int | None, **rest: Any) -> QueryParams:
         """Engine parameters, with this server's defaults for what the request left out."""
         return QueryParams(question, top_k=top_k or self.settings.retrieval.top_k,
                            max_tokens=max_tokens or self.settings.limits.default_max_new_tokens, **rest)
 
-    async def submit(self, work: Callable[[Callable[[], bool]], Any]) -> Job:
-        """Queue `work` for the worker and wait until it starts (429 when full, 503 after the timeout)."""
+    async def submit_query(self, params: QueryParams) -> Job:
+        """Queue a query for a slot on the model thread and wait until it has one."""
+        return await self._started(lambda: self.scheduler.submit(
+            lambda cancelled: self.engine.program(params, cancelled), label=params.question[:60]),
+            self.scheduler.retry_after)
+
+    async def on_lane(self, request: Request, fn: Callable[[Callable[[], bool]], Any], label: str) -> Any:
+        """Run `fn(cancelled)` on the ingest lane and return its result; cancelled if the client leaves."""
+        job = await self._started(lambda: self.lane.submit(lambda cancelled: [fn(cancelled)], label),
+                                  self.lane.retry_after)
+        return await until_done(request, job, job.result())
+
+    async def _started(self, submit: Callable[[], Job], retry_after: Callable[[], int]) -> Job:
+        """Queue a job and wait until it starts (429 when full, 503 after the timeout or when stopping)."""
         try:
-            job = self.worker.submit(work)
+            job = submit()
         except QueueFull:
             raise ApiError(429, "too many requests waiting; retry later", "queue_full",
-                           headers={"Retry-After": str(self.worker.retry_after())}) from None
+                           headers={"Retry-After": str(retry_after())}) from None
         try:
             await job.wait_started(self.settings.server.request_timeout_s)
         except asyncio.CancelledError:
@@ -112,15 +200,37 @@ class Service:
         self.metrics.observe_queue(job.queue_s)
         return job
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn()` on the worker and return its result."""
-        job = await self.submit(lambda cancelled: [fn()])
-        return await job.result()
+
+def _warm_up(engine: RagEngine) -> None:
+    """First calls before any concurrency: the prompt head's KV, and one embedding (the embedder's
+    tokenizer sets its padding/truncation state on first use; later calls from two threads only read it)."""
+    parts = engine.parts
+    for warm in (lambda: parts.kv_cache.head(), lambda: parts.embedder.embed(["warm up"])):
+        try:
+            warm()
+        except AttributeError:  # a stand-in engine without these parts
+            pass
+
+
+async def until_done(request: Request, job: Job, awaitable: Any) -> Any:
+    """Await `awaitable`; if the client disconnects meanwhile, cancel `job` (it stops at its next check)."""
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+        job.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await awaitable
+    finally:
+        watcher.cancel()
 
 
 def service(request: Request) -> Service:
-    """The ready service, or 503 while the engine loads."""
+    """The ready service, or 503 while the engine loads or the server stops."""
     svc: Service = request.app.state.service
+    if svc.stopping is not None:
+        raise WorkerStopped
     if not svc.ready.is_set():
         message = f"engine failed to load: {svc.load_error}" if svc.load_error else "the model is loading"
         raise ApiError(503, message, "loading", headers={"Retry-After": "5"})
@@ -130,18 +240,19 @@ def service(request: Request) -> Service:
 # ---- queries: shared by /v1/query and /v1/chat/completions -------------------------------------
 
 class QueryRun:
-    """One query on the worker. `start` waits for its first event, so that errors raised before any
-    text (a prompt over the context, say) are still plain HTTP errors rather than broken streams."""
+    """One query in a slot on the model thread. `start` waits for its first event, so that errors raised
+    before any text (a prompt over the context, say) are still plain HTTP errors rather than broken
+    streams; a client that leaves before then cancels it."""
 
     def __init__(self, svc: Service, job: Job, first: str | QueryResult, rest: AsyncIterator[str | QueryResult]):
         self.svc, self.job, self._first, self._rest = svc, job, first, rest
 
     @classmethod
-    async def start(cls, svc: Service, params: QueryParams) -> QueryRun:
-        job = await svc.submit(lambda cancelled: svc.engine.stream(params, cancelled=cancelled))
+    async def start(cls, svc: Service, params: QueryParams, request: Request) -> QueryRun:
+        job = await svc.submit_query(params)
         events = aiter(job)
         try:
-            return cls(svc, job, await anext(events), events)
+            return cls(svc, job, await until_done(request, job, anext(events)), events)
         except BaseException:
             job.cancel()
             raise
@@ -161,8 +272,11 @@ class QueryRun:
         async for event in self._rest:
             yield event
 
-    async def result(self) -> QueryResult:
-        return [event async for event in self.events()][-1]
+    async def result(self, request: Request) -> QueryResult:
+        """The QueryResult (non-streaming); a client that leaves meanwhile cancels the query."""
+        async def last() -> QueryResult:
+            return [event async for event in self.events()][-1]
+        return await until_done(request, self.job, last())
 
     def cancel(self) -> None:
         """Stop the generation (a no-op once it is done)."""
@@ -196,13 +310,26 @@ SSE = {"content": {"text/event-stream": {}}, "description": "JSON, or server-sen
 
 @router.get("/health")
 def health(request: Request) -> JSONResponse:
-    """200 once the engine is ready; 503 while it loads or if it failed to."""
-    svc: Service = request.app.state.service
-    if svc.ready.is_set():
-        return JSONResponse({"status": "ok", "model": svc.model_name})
-    status = "error" if svc.load_error else "loading"
-    error = ApiError(503, svc.load_error or "the model is loading", status)
-    return JSONResponse({"status": status, **error.body()}, status_code=503)
+    """200 when the server can answer: the engine is loaded and its model thread is alive and not stuck;
+    503 otherwise (loading, failed to load, stuck, shutting down). The body says which, and what the
+    model thread and the ingest lane are doing."""
+    report = request.app.state.service.health()
+    return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+
+
+@router.get("/health/live")
+def health_live(request: Request) -> JSONResponse:
+    """Liveness: 503 only when a restart would help (the model thread died or is stuck)."""
+    status = request.app.state.service.health()["status"]
+    dead = status == "stuck" or (status == "error" and request.app.state.service.load_error is None)
+    return JSONResponse({"status": status}, status_code=503 if dead else 200)
+
+
+@router.get("/health/ready")
+def health_ready(request: Request) -> JSONResponse:
+    """Readiness: 200 when /health is (send traffic here)."""
+    status = request.app.state.service.health()["status"]
+    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
 
 @router.get("/metrics", response_class=Response)
@@ -217,14 +344,14 @@ def models(svc: Service = Depends(service)) -> ModelList:
 
 
 @router.post("/v1/query", response_model=QueryResponse, responses={200: SSE, **ERRORS})
-async def query(body: QueryRequest, svc: Service = Depends(service)):
+async def query(body: QueryRequest, request: Request, svc: Service = Depends(service)):
     check_limits(svc.settings.limits, question=body.question, top_k=body.top_k, max_tokens=body.max_tokens)
     params = svc.query_params(body.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
-                              max_tokens=body.max_tokens, temperature=body.temperature)
-    run = await QueryRun.start(svc, params)
+                              max_tokens=body.max_tokens, temperature=body.temperature, ignore_eos=body.ignore_eos)
+    run = await QueryRun.start(svc, params, request)
     if body.stream:
         return sse(run, query_events(run))
-    return run.response(await run.result())
+    return run.response(await run.result(request))
 
 
 async def query_events(run: QueryRun) -> AsyncIterator[ServerSentEvent]:
@@ -237,37 +364,45 @@ async def query_events(run: QueryRun) -> AsyncIterator[ServerSentEvent]:
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses={200: SSE, **ERRORS})
-async def chat_completions(body: ChatCompletionRequest, svc: Service = Depends(service)):
-    question = body.question()
-    check_limits(svc.settings.limits, question=question, top_k=body.top_k, max_tokens=body.new_tokens(),
+async def chat_completions(body: ChatCompletionRequest, request: Request, svc: Service = Depends(service)):
+    """The whole conversation goes into the prompt (app.conversation: system message, earlier turns, the
+    new question; retrieval with the question made self-contained); the conversation's KV is reused
+    from turn to turn (usage.prompt_tokens_details.cached_tokens counts it)."""
+    body.question()  # 422 without a user message
+    chat = Conversation.from_messages(body.messages)
+    check_limits(svc.settings.limits, question=chat.question, top_k=body.top_k, max_tokens=body.new_tokens(),
                  question_field="messages",
                  max_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-    params = svc.query_params(question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
+    params = svc.query_params(chat.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
                               max_tokens=body.new_tokens(), temperature=body.temperature or 0.0,
-                              top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed)
-    run = await QueryRun.start(svc, params)
+                              top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed, system=chat.system,
+                              turns=chat.turns, retrieval_query=chat.retrieval_query(), remember=True)
+    run = await QueryRun.start(svc, params, request)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse(run, chat_chunks(run, head, include_usage))
-    result = await run.result()
+    result = await run.result(request)
     return ChatCompletion(**head, usage=_usage(result), sources=result.sources,
+                          dropped_messages=result.stats.dropped_messages,
                           choices=[Choice(message=ChatMessageOut(content=result.answer),
                                           finish_reason=_finish_reason(result))])
 
 
 async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool) -> AsyncIterator[ServerSentEvent]:
     """OpenAI's stream: a role chunk, content chunks, a finish chunk, [a usage chunk,] [DONE]."""
-    def chunk(delta: Delta | None, finish: str | None = None, usage: Usage | None = None) -> ServerSentEvent:
+    def chunk(delta: Delta | None, finish: str | None = None, usage: Usage | None = None,
+              dropped: int | None = None) -> ServerSentEvent:
         choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=finish)]
-        return ServerSentEvent(ChatCompletionChunk(**head, choices=choices, usage=usage).model_dump_json())
+        return ServerSentEvent(ChatCompletionChunk(**head, choices=choices, usage=usage, dropped_messages=dropped)
+                               .model_dump_json(exclude_none=False))
 
     yield chunk(Delta(role="assistant", content=""))
     async for event in run.events():
         if isinstance(event, str):
             yield chunk(Delta(content=event))
         else:
-            yield chunk(Delta(), finish=_finish_reason(event))
+            yield chunk(Delta(), finish=_finish_reason(event), dropped=event.stats.dropped_messages)
             if include_usage:
                 yield chunk(None, usage=_usage(event))
     yield ServerSentEvent("[DONE]")
@@ -304,7 +439,8 @@ async def add_document(request: Request, svc: Service = Depends(service)) -> Ing
     else:
         raise ApiError(415, f"unsupported content type {content_type!r}: send application/json or "
                             f"multipart/form-data", "unsupported_media_type")
-    return IngestResponse(data=await svc.call(lambda: _ingest(svc, docs)))
+    return IngestResponse(data=await svc.on_lane(request, lambda cancelled: _ingest(svc, docs, cancelled),
+                                                 f"upload of {len(docs)} document(s)"))
 
 
 def _json_document(body: bytes) -> SourceDocument:
@@ -357,11 +493,39 @@ async def _uploaded_documents(request: Request) -> list[SourceDocument]:
     return docs
 
 
-def _ingest(svc: Service, docs: list[SourceDocument]) -> list[IngestedDocument]:
-    """On the worker: chunk all first (bad input fails before anything is written), then commit all or none."""
-    prepared = [svc.ingestor.prepare(doc) for doc in docs]
-    results = svc.ingestor.commit_all(prepared)
+def _ingest(svc: Service, docs: list[SourceDocument], cancelled: Callable[[], bool]) -> list[IngestedDocument]:
+    """On the ingest lane: chunk all first (bad input fails before anything is written) and embed here,
+    precompute each chunk's KV on the model thread (one task per chunk, between other requests' work),
+    then commit all or none. Cancelled (client gone, shutdown) between two embedding batches or chunks."""
+    def check(_: int = 0) -> None:
+        if cancelled():
+            raise IngestCancelled("upload cancelled")
+
+    ingestor = replace(svc.ingestor, kv_cache=ModelThreadKV(svc.engine.parts.kv_cache, svc.scheduler, cancelled),
+                       on_embedded=check)  # progress after each embedding batch: a place to stop
+    prepared = []
+    for doc in docs:
+        check()
+        prepared.append(ingestor.prepare(doc))
+    results = ingestor.commit_all(prepared, cancelled)
     return [IngestedDocument(**asdict(_document(svc, r.doc_id)), status=r.status) for r in results]
+
+
+class ModelThreadKV:
+    """The chunk KV cache as the ingest lane uses it: store reads here, each precompute on the model thread."""
+
+    def __init__(self, kv: Any, scheduler: Scheduler, cancelled: Callable[[], bool]):
+        self.kv, self.scheduler, self.cancelled = kv, scheduler, cancelled
+        self.passage_ids, self.key, self.delete = kv.passage_ids, kv.key, kv.delete
+
+    def ensure(self, ids: Any) -> str:
+        if self.kv.store.contains(self.kv.key(ids)):
+            return self.kv.key(ids)
+        try:
+            return self.scheduler.run_on_model(lambda: self.kv.ensure(ids), label="upload: chunk KV precompute",
+                                               cancelled=self.cancelled)
+        except concurrent.futures.CancelledError:
+            raise IngestCancelled("upload cancelled") from None
 
 
 def _document(svc: Service, doc_id: str) -> DocumentInfo:
@@ -383,14 +547,14 @@ def get_document(doc_id: str, svc: Service = Depends(service)) -> DocumentInfo:
 
 @router.delete("/v1/documents/{doc_id:path}", response_model=DeletedDocument,
                responses={404: {"model": ErrorResponse}, **ERRORS})
-async def delete_document(doc_id: str, svc: Service = Depends(service)) -> DeletedDocument:
-    def delete() -> DeletedDocument:
+async def delete_document(doc_id: str, request: Request, svc: Service = Depends(service)) -> DeletedDocument:
+    def delete(cancelled: Callable[[], bool]) -> DeletedDocument:
         try:
             svc.ingestor.delete(doc_id)
         except KeyError:
             raise ApiError(404, f"no document {doc_id!r}", "not_found", "doc_id") from None
         return DeletedDocument(id=doc_id)
-    return await svc.call(delete)
+    return await svc.on_lane(request, delete, f"delete {doc_id[:60]}")
 
 
 # ---- the app -----------------------------------------------------------------------------------
@@ -403,7 +567,7 @@ def create_app(settings: Settings, engine: RagEngine | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         svc.start()
         yield
-        svc.stop()
+        await asyncio.to_thread(svc.stop)  # blocking joins; the loop stays free to deliver last events
 
     app = FastAPI(title="ragblend", version="0.1.0", lifespan=lifespan,
                   description="RAG answers with CacheBlend chunk-KV reuse; OpenAI-compatible chat completions.")
@@ -418,11 +582,19 @@ def create_app(settings: Settings, engine: RagEngine | None = None) -> FastAPI:
 
 
 def run_server(settings: Settings, host: str, port: int) -> None:
-    """`ragblend serve`."""
+    """`ragblend serve`. SIGTERM/SIGINT begin our shutdown at once (uploads cancelled, new requests
+    refused), while uvicorn stops listening and waits up to `server.shutdown_grace_s` for open requests."""
     import uvicorn
 
     from app.logs import setup_logging
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # In the signal handler: hand off to a thread (it takes locks this thread may hold).
+            threading.Thread(target=app.state.service.begin_shutdown, name="ragblend-shutdown").start()
+            super().handle_exit(sig, frame)
+
     setup_logging()
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+    app = create_app(settings)
+    Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                          timeout_graceful_shutdown=max(1, round(settings.server.shutdown_grace_s)))).run()

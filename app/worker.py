@@ -1,10 +1,12 @@
-"""One worker thread runs every model call, one job at a time, in arrival order.
+"""Jobs handed from the event loop to a thread, and a worker thread that runs them one at a time.
 
-The model is not thread-safe, so queries, ingests and deletes are all jobs here. A job is a
-function run on the worker thread that returns an iterable (a query's deltas and result, or
-one ingest result); its items reach the asyncio side through an asyncio.Queue fed with
-`call_soon_threadsafe`. The queue of waiting jobs is bounded (a full one is the caller's 429),
-and a job that waited past its deadline is dropped unstarted (503).
+A Job is the asyncio side's handle on work done in another thread: the work's items (a query's
+deltas and result, an ingest's result) reach the event loop through an asyncio.Queue fed with
+`call_soon_threadsafe`. The model thread (app.scheduler) runs query jobs several at a time; the
+Worker here runs jobs one at a time in arrival order — the server's ingest lane (uploads and
+deletes: chunking and embedding happen there, off the model thread). Either way the queue of
+waiting jobs is bounded (a full one is the caller's 429), and a job that waited past its deadline is
+dropped unstarted (503).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any, AsyncIterator, Callable, Iterable
 Cancelled = Callable[[], bool]
 Work = Callable[[Cancelled], Iterable[Any]]
 
-_STARTED, _END = object(), object()
+STARTED, END = object(), object()  # the first and the last item of every job
 
 
 class QueueFull(Exception):
@@ -36,8 +38,8 @@ class WorkerStopped(Exception):
 class Job:
     """One unit of work; iterate it (async) for the items its work yields."""
 
-    def __init__(self, work: Work, loop: asyncio.AbstractEventLoop):
-        self.work, self.loop = work, loop
+    def __init__(self, work: Work, loop: asyncio.AbstractEventLoop, label: str = ""):
+        self.work, self.loop, self.label = work, loop, label
         self.cancelled = threading.Event()  # set by the caller: the client went away
         self.submitted = time.monotonic()
         self.started: float | None = None
@@ -53,8 +55,13 @@ class Job:
                 self._state = "dropped"
                 return False
             self._state, self.started = "running", time.monotonic()
-        self.post(_STARTED)
+        self.post(STARTED)
         return True
+
+    @property
+    def waiting(self) -> bool:
+        """Still queued, and its caller still wants it."""
+        return self._state == "queued" and not self.cancelled.is_set()
 
     def post(self, item: Any) -> None:
         try:
@@ -71,7 +78,7 @@ class Job:
             if self._drop():
                 raise QueueTimeout from None
             first = await self._events.get()  # it started just now
-        assert first is _STARTED
+        assert first is STARTED
 
     def _drop(self) -> bool:
         with self._lock:
@@ -89,7 +96,7 @@ class Job:
         return (self.started or time.monotonic()) - self.submitted
 
     async def __aiter__(self) -> AsyncIterator[Any]:
-        while (item := await self._events.get()) is not _END:
+        while (item := await self._events.get()) is not END:
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -103,9 +110,9 @@ class Job:
 
 
 class Worker:
-    def __init__(self, queue_size: int):
+    def __init__(self, queue_size: int, name: str = "ragblend-worker"):
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
-        self._thread = threading.Thread(target=self._run, name="ragblend-worker", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = False
         self._current: Job | None = None
         self._job_s = 1.0  # moving average of a job's run time, for Retry-After
@@ -118,6 +125,13 @@ class Worker:
     def running(self) -> int:
         return int(self._current is not None)
 
+    def snapshot(self) -> dict[str, Any]:
+        """The thread's state, for /health."""
+        current = self._current
+        return {"alive": self._thread.is_alive(), "waiting": self.waiting,
+                "current": None if current is None or current.started is None else
+                {"work": current.label, "age_s": round(time.monotonic() - current.started, 3)}}
+
     def retry_after(self) -> int:
         """Seconds until the queue has likely drained a place: an estimate for Retry-After."""
         return min(60, max(1, math.ceil(self._job_s * (self.waiting + 1))))
@@ -125,19 +139,19 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, work: Work) -> Job:
+    def submit(self, work: Work, label: str = "") -> Job:
         """Queue `work` (call from the event loop); QueueFull / WorkerStopped if it cannot wait."""
         if self._stopping:
             raise WorkerStopped
-        job = Job(work, asyncio.get_running_loop())
+        job = Job(work, asyncio.get_running_loop(), label)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
             raise QueueFull from None
         return job
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Fail the waiting jobs, cancel the running one and end the thread."""
+    def begin_stop(self) -> None:
+        """Refuse new jobs, fail the waiting ones and cancel the running one (it stops at its next check)."""
         self._stopping = True
         if (current := self._current) is not None:
             current.cancel()
@@ -148,10 +162,18 @@ class Worker:
                 break
             if job is not None and job.claim():
                 job.post(WorkerStopped())
-                job.post(_END)
+                job.post(END)
+
+    def stop(self, timeout: float = 10.0) -> bool:
+        """`begin_stop`, then end the thread; True if it has ended."""
+        self.begin_stop()
         if self._thread.is_alive():
-            self._queue.put(None, timeout=timeout)
+            try:
+                self._queue.put(None, timeout=timeout)
+            except queue.Full:
+                pass
             self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -173,4 +195,4 @@ class Worker:
             getattr(items, "close", lambda: None)()  # end a generator now, not at garbage collection
             self._current = None
             self._job_s = 0.8 * self._job_s + 0.2 * (time.monotonic() - start)
-            job.post(_END)
+            job.post(END)

@@ -4,7 +4,8 @@ Registered with transformers' AttentionInterface under BLEND_ATTENTION. During a
 prefill the queries are a subset of the prompt (the selected tokens) while the keys cover the
 whole prompt, so "causal" must compare absolute positions, not row/column indices. The blend
 loop passes `query_positions` [Tq] and `key_positions` [Tk]; any other forward (decode,
-precompute) passes neither and gets plain sdpa with the model's own mask.
+precompute) passes neither and gets plain sdpa with the model's own mask. A batched decode step
+(blend.batch) passes K/V as RaggedKV, one cache per row, and each row attends over its own.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from blend.batch import RaggedKV, ragged_attention_forward
 
 BLEND_ATTENTION = "ragblend_sdpa"
 
@@ -24,6 +27,8 @@ def position_causal_mask(query_positions: torch.Tensor, key_positions: torch.Ten
 def blend_attention_forward(module, query, key, value, attention_mask, query_positions=None,
                             key_positions=None, **kwargs):
     # query: [B, Hq, Tq, D]; key/value: [B, Hkv, Tk, D]
+    if isinstance(key, RaggedKV):
+        return ragged_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if query_positions is not None:
         if query_positions.numel() == key_positions.numel():  # every token: sdpa's own causal kernel is faster
             attention_mask, kwargs["is_causal"] = None, True

@@ -1,10 +1,12 @@
-"""BlendCache: an HF DynamicCache holding the whole prompt's K/V, refreshed in place.
+"""BlendCache: an HF DynamicCache holding the whole prompt's K/V in a growable buffer, refreshed in place.
 
 During a blended prefill, `write_positions` names the absolute positions the current layer
 computes; `update()` writes their fresh K/V over the cached ones and returns the full-length
 K/V, so every query attends over the whole prompt. At the check layer it first measures how
-far the fresh K/V are from the cached ones (the HKVD score). With `write_positions` unset
-it is a plain DynamicCache, so decoding appends as usual.
+far the fresh K/V are from the cached ones (the HKVD score). With `write_positions` unset,
+`update()` appends, as a DynamicCache does, but into a preallocated buffer: decoding a token
+writes one slot instead of copying the whole cache (DynamicCache's `torch.cat` is O(length)
+per token). The buffer doubles when it is full.
 """
 from __future__ import annotations
 
@@ -14,24 +16,27 @@ from transformers.cache_utils import DynamicLayer
 
 
 class BlendCache(DynamicCache):
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
-        # keys/values: [L, H, N, D] — one slot per prompt position, filled or to be refreshed.
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int | None = None):
+        # keys/values: [L, H, capacity, D] — the first `length` slots (default: all) hold the prompt's
+        # positions, filled or to be refreshed; the rest is room for decoding.
         super().__init__()
-        self.layers = []
-        for k, v in zip(keys.unsqueeze(1), values.unsqueeze(1)):  # each [1, H, N, D]
+        length = keys.shape[2] if length is None else length
+        self.layers, self._buffers = [], []
+        for k, v in zip(keys.unsqueeze(1), values.unsqueeze(1)):  # each [1, H, capacity, D]
             layer = DynamicLayer()
             layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
+            layer.keys, layer.values = k[:, :, :length], v[:, :, :length]  # views of the buffer
             self.layers.append(layer)
+            self._buffers.append((k, v))
         self.write_positions: torch.Tensor | None = None
         self.check_layer: int | None = None
         self.deviation_on = "value"
         self.deviation: torch.Tensor | None = None  # [len(write_positions)] at the check layer
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        # key_states/value_states: [1, H, Tq, D] for the tokens at write_positions
+        # key_states/value_states: [1, H, Tq, D] for the tokens at write_positions (or new tokens to append)
         if self.write_positions is None:
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            return self.append(layer_idx, key_states, value_states)
         layer = self.layers[layer_idx]
         if layer_idx == self.check_layer:
             fresh, cached = (value_states, layer.values) if self.deviation_on == "value" else (key_states, layer.keys)
@@ -40,3 +45,33 @@ class BlendCache(DynamicCache):
         layer.keys.index_copy_(2, self.write_positions, key_states)
         layer.values.index_copy_(2, self.write_positions, value_states)
         return layer.keys, layer.values
+
+    def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write `keys`/`values` [1, H, T, D] after the layer's last position; the layer's K/V, now T longer."""
+        layer = self.layers[layer_idx]
+        n, t = layer.keys.shape[2], keys.shape[2]
+        buffer_k, buffer_v = self._buffers[layer_idx]
+        if n + t > buffer_k.shape[2]:  # full: double (amortized O(1) per token)
+            capacity = max(2 * buffer_k.shape[2], n + t, 16)
+            buffer_k, buffer_v = (_grown(b, n, capacity) for b in (buffer_k, buffer_v))
+            self._buffers[layer_idx] = buffer_k, buffer_v
+        buffer_k[:, :, n:n + t] = keys
+        buffer_v[:, :, n:n + t] = values
+        layer.keys, layer.values = buffer_k[:, :, :n + t], buffer_v[:, :, :n + t]
+        return layer.keys, layer.values
+
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (undo the appends of a step that failed half-way)."""
+        for layer, (buffer_k, buffer_v) in zip(self.layers, self._buffers):
+            layer.keys, layer.values = buffer_k[:, :, :length], buffer_v[:, :, :length]
+
+    @property
+    def capacity(self) -> int:
+        return self._buffers[0][0].shape[2] if self._buffers else 0
+
+
+def _grown(buffer: torch.Tensor, used: int, capacity: int) -> torch.Tensor:
+    # buffer: [1, H, old capacity, D] -> [1, H, capacity, D] holding the first `used` positions
+    grown = buffer.new_empty(buffer.shape[0], buffer.shape[1], capacity, buffer.shape[3])
+    grown[:, :, :used] = buffer[:, :, :used]
+    return grown

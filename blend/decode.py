@@ -47,27 +47,38 @@ class TextStream:
 
     def feed(self, token_ids: Iterable[int]) -> Iterator[str]:
         for token in token_ids:
-            if token in self.eos_ids:
-                self.finish_reason = "stop"
+            if delta := self.push(token):
+                yield delta
+            if self.finish_reason is not None:
                 break
-            self.tokens.append(token)
-            self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-            if self.text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
-                continue
-            cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                self.text = self.text[:cut]
-                self.finish_reason = "stop"
-                break
-            safe = len(self.text) - self._held_back()
-            if safe > self._emitted:
-                yield self.text[self._emitted:safe]
-                self._emitted = safe
         else:
             self.finish_reason = self.finish_reason or "length"
-        if self._emitted < len(self.text):
-            yield self.text[self._emitted:]
-            self._emitted = len(self.text)
+        if delta := self.flush():
+            yield delta
+
+    def push(self, token: int) -> str:
+        """One generated token → the text it releases ("" while held back); sets `finish_reason` at
+        eos or a stop string, after which nothing more may be pushed."""
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+            return ""
+        self.tokens.append(token)
+        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if self.text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
+            return ""
+        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            self.finish_reason = "stop"
+            return self.flush()
+        safe = len(self.text) - self._held_back()
+        delta, self._emitted = self.text[self._emitted:safe], max(self._emitted, safe)
+        return delta
+
+    def flush(self) -> str:
+        """The text still held back (at the end of generation)."""
+        delta, self._emitted = self.text[self._emitted:], max(self._emitted, len(self.text))
+        return delta
 
     def _held_back(self) -> int:
         """Length of the longest text tail that is a proper prefix of a stop string."""

@@ -5,7 +5,12 @@ Contract:
     prefill(segments, suffix_ids, ratio) -> Prefill
         segments: cached ChunkKVs laid out in order; the suffix is always computed fresh.
         ratio 1 reproduces full prefill, ratio 0 is full reuse (shifted KV concatenated).
+    prefill_steps(...) -> Generator[None, None, Prefill]
+        the same prefill, resumable: it yields after each layer, so a scheduler can run other
+        requests' decode steps between the layers of a long prefill
     full_prefill(ids) -> Prefill                   the same loop with nothing cached
+    decode_step(caches, tokens, positions) -> [B, V] logits
+        one batched forward: row b appends tokens[b] at positions[b] to caches[b] (blend.batch)
     decode(prefill, sampling) -> Iterator[int]     greedy / sampled tokens from the prefill cache
 
 The blended prefill, step by step:
@@ -21,12 +26,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Sequence
+from typing import Generator, Iterator, Literal, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from blend.attention import BLEND_ATTENTION
+from blend.batch import BatchCache
 from blend.cache import BlendCache
 from blend.chunk_kv import ChunkKV, KVMismatchError, hash_ids
 from blend.decode import SamplingParams, sample_next
@@ -100,10 +106,11 @@ class Blender:
             raise KVMismatchError("context ChunkKV does not hold context_ids")
         start = len(context_ids)
         if context is not None and start:
-            cache = BlendCache(context.keys.to(self.dtype).clone(), context.values.to(self.dtype).clone())
-            new_ids = ids
+            keys, values = self._empty_kv(start, reserve=len(ids))                # [L, H, start + T, D]
+            keys[:, :, :start], values[:, :, :start] = context.keys, context.values
+            cache, new_ids = BlendCache(keys, values, length=start), ids
         else:
-            cache, new_ids = BlendCache(*self._empty_kv(0)), context_ids + ids
+            cache, new_ids = BlendCache(*self._empty_kv(0, reserve=start + len(ids)), length=0), context_ids + ids
         positions = torch.arange(len(context_ids) + len(ids))[None, -len(new_ids):]
         self.decoder(input_ids=torch.tensor([new_ids]), position_ids=positions, cache=cache, use_cache=True)
         keys = torch.stack([layer.keys[0, :, start:] for layer in cache.layers])   # [L, H, T, D]
@@ -112,13 +119,25 @@ class Blender:
 
     # ---- prefill --------------------------------------------------------------------------
 
-    def full_prefill(self, ids: Sequence[int]) -> Prefill:
+    def full_prefill(self, ids: Sequence[int], *, reserve: int = 0) -> Prefill:
         """Every token through every layer: the same loop, nothing cached."""
-        return self.prefill([], ids, ratio=1.0)
+        return self.prefill([], ids, ratio=1.0, reserve=reserve)
+
+    def prefill(self, segments: Sequence[ChunkKV], suffix_ids: Sequence[int], ratio: float, **options) -> Prefill:
+        """The whole prefill at once (see `prefill_steps` for the options)."""
+        steps = self.prefill_steps(segments, suffix_ids, ratio, **options)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
 
     @torch.inference_mode()
-    def prefill(self, segments: Sequence[ChunkKV], suffix_ids: Sequence[int], ratio: float, *,
-                selection: Selection = "hkvd", seed: int = 0) -> Prefill:
+    def prefill_steps(self, segments: Sequence[ChunkKV], suffix_ids: Sequence[int], ratio: float, *,
+                      selection: Selection = "hkvd", seed: int = 0, reserve: int = 0
+                      ) -> Generator[None, None, Prefill]:
+        """The blended prefill, yielding after each layer; returns the Prefill. `reserve` leaves room in
+        the cache for that many decoded tokens (the buffer would grow anyway, by a copy)."""
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         if not suffix_ids:
@@ -128,20 +147,20 @@ class Blender:
             self._check_segment(seg)
         ids = torch.cat([s.token_ids for s in segments] + [torch.tensor(list(suffix_ids), dtype=torch.int64)])
         if segments and self.shifter is None:  # cannot move keys: run the same tokens in full
-            result = self.full_prefill(ids.tolist())
+            result = yield from self.prefill_steps([], ids.tolist(), 1.0, reserve=reserve)
             result.stats.fallback = self.unsupported
             return result
 
         # 1. Layout and cache: cached K/V rotated to their new positions.
         total, cached = ids.numel(), sum(s.num_tokens for s in segments)
-        keys, values = self._empty_kv(total)                                      # [L, H, N, D]
+        keys, values = self._empty_kv(total, reserve)                             # [L, H, N + reserve, D]
         start = 0
         for seg in segments:
             end = start + seg.num_tokens
             keys[:, :, start:end] = self.shifter.shift(seg.keys.to(self.dtype), start - seg.position)
             values[:, :, start:end] = seg.values
             start = end
-        cache = BlendCache(keys, values)
+        cache = BlendCache(keys, values, length=total)
         clock.lap("assemble")
 
         # 2. The exact prefix needs nothing; the rest of the cached tokens may be repaired.
@@ -167,6 +186,7 @@ class Blender:
             hidden = layer(hidden, attention_mask=None, position_ids=run[None], cache=cache,
                            position_embeddings=position_embeddings,
                            query_positions=run, key_positions=key_positions)
+            yield
         cache.write_positions = cache.deviation = None
         logits = self.model.lm_head(self.decoder.norm(hidden[:, -1]))[0]        # [V]
         clock.lap("layers_selected" if "layers_full" in clock.timings else "layers")
@@ -199,8 +219,9 @@ class Blender:
         if tuple(seg.keys.shape) != expected:
             raise KVMismatchError(f"chunk KV has shape {tuple(seg.keys.shape)}, this model needs {expected}")
 
-    def _empty_kv(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.num_layers, self.kv_heads, length, self.head_dim)
+    def _empty_kv(self, length: int, reserve: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K/V [L, H, length + reserve, D] (the reserve is decode room, never read before written)."""
+        shape = (self.num_layers, self.kv_heads, length + reserve, self.head_dim)
         return torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
 
     # ---- decode ---------------------------------------------------------------------------
@@ -220,10 +241,28 @@ class Blender:
             yield token
             if token in eos or step == sampling.max_new_tokens - 1:
                 return
-            with torch.inference_mode():
-                out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
-                                 cache=prefill.cache, use_cache=True)
-            logits, position = out.logits[0, -1].float(), position + 1
+            logits, position = self.decode_step([prefill.cache], [token], [position])[0], position + 1
+
+    @torch.inference_mode()
+    def decode_step(self, caches: Sequence[BlendCache], tokens: Sequence[int], positions: Sequence[int]
+                    ) -> torch.Tensor:
+        """One token for each of B requests in one forward: row b reads tokens[b] at positions[b] over
+        caches[b] (which it extends). Returns next-token logits [B, V] (float32)."""
+        if self.model.config._attn_implementation != BLEND_ATTENTION:  # a gated model: its own attention, row by row
+            return torch.cat([self._decode_alone(*row) for row in zip(caches, tokens, positions)])
+        position_ids = torch.tensor(list(positions))[:, None]                      # [B, 1]
+        hidden = self.decoder.embed_tokens(torch.tensor(list(tokens))[:, None])    # [B, 1, hidden]
+        position_embeddings = self.decoder.rotary_emb(hidden, position_ids=position_ids)
+        cache = BatchCache(caches)
+        for layer in self.decoder.layers[: self.num_layers]:
+            hidden = layer(hidden, attention_mask=None, position_ids=position_ids, cache=cache,
+                           position_embeddings=position_embeddings)
+        return self.model.lm_head(self.decoder.norm(hidden[:, -1])).float()      # [B, V]
+
+    def _decode_alone(self, cache: BlendCache, token: int, position: int) -> torch.Tensor:
+        out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), cache=cache,
+                         use_cache=True)
+        return out.logits[:, -1].float()                                           # [1, V]
 
     @torch.inference_mode()
     def teacher_force(self, prefill: Prefill, target_ids: Sequence[int]) -> torch.Tensor:

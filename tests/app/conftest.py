@@ -147,19 +147,35 @@ def live_server(make_app, corpus) -> Iterator[LiveServer]:
 
 class StubEngine:
     """Stands in for RagEngine: each query emits `max_tokens` deltas, one per `step_s`, each after
-    `gate` opens; it records what it saw (calls, deltas emitted, whether a query stopped early)."""
+    `gate` opens; it records what it saw (calls, deltas emitted, whether a query stopped early).
+    With `slices`, its program asks for a decode step between deltas, as a real query does, so the
+    scheduler batches several queries; `batches` records each step's batch size."""
 
-    def __init__(self, settings: Settings, step_s: float = 0.0):
-        self.settings, self.step_s = settings, step_s
+    def __init__(self, settings: Settings, step_s: float = 0.0, slices: bool = False):
+        self.settings, self.step_s, self.slices = settings, step_s, slices
         self.gate = threading.Event()
         self.gate.set()
         self.started = threading.Semaphore(0)
         self.calls = 0
         self.cancelled = threading.Event()
         self.emitted = 0
+        self.batches: list[int] = []
         self.parts = SimpleNamespace(llm=SimpleNamespace(name="stub"), tokenizer=None, kv_cache=None, ingestor=None,
                                      retriever=None, store=SimpleNamespace(stats=lambda: {"tiers": {}}),
+                                     blender=SimpleNamespace(decode_step=self.decode_step, unsupported=None),
                                      close=lambda: None)
+
+    def decode_step(self, caches, tokens, positions) -> list[None]:
+        self.batches.append(len(caches))
+        return [None] * len(caches)
+
+    def program(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False):
+        from app.scheduler import DecodeStep
+
+        for event in self.stream(params, cancelled):
+            yield event
+            if self.slices and isinstance(event, str):
+                yield DecodeStep(None, 0, 0)
 
     def stream(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
                ) -> Iterator[str | QueryResult]:
@@ -186,11 +202,11 @@ class StubEngine:
 
 @pytest.fixture
 def stub_app(tmp_path: Path) -> Callable[..., tuple[FastAPI, StubEngine]]:
-    """make(step_s=0, **sections) -> (app, its StubEngine)."""
+    """make(step_s=0, slices=False, **sections) -> (app, its StubEngine)."""
     from app.server import create_app
 
-    def make(step_s: float = 0.0, **sections: dict[str, Any]) -> tuple[FastAPI, StubEngine]:
-        engine = StubEngine(make_settings(tmp_path, **sections), step_s)
+    def make(step_s: float = 0.0, slices: bool = False, **sections: dict[str, Any]) -> tuple[FastAPI, StubEngine]:
+        engine = StubEngine(make_settings(tmp_path, **sections), step_s, slices)
         return create_app(engine.settings, engine), engine
     return make
 

@@ -1,6 +1,7 @@
-"""The worker queue's contract, on a stub engine whose timing the test controls: one job at a time,
-429 when the queue is full, 503 after the queue timeout, a disconnect stops generation, and
-/health answers 503 while the engine loads."""
+"""The scheduler's queue contract, on a stub engine whose timing the test controls: at most
+`server.max_batch` requests at a time, 429 when the queue is full, 503 after the queue timeout, a
+disconnect (streaming or not) stops generation and frees the slot, /health answers 503 while the
+engine loads and while the model thread is stuck, and the liveness/readiness pair."""
 from __future__ import annotations
 
 import threading
@@ -30,7 +31,7 @@ def test_full_queue_answers_429_with_retry_after(stub_app):
         running = pool.submit(client.post, "/v1/query", json=QUERY)
         assert engine.started.acquire(timeout=10)
         waiting = pool.submit(client.post, "/v1/query", json=QUERY)
-        wait_until(lambda: app.state.service.worker.waiting == 1)
+        wait_until(lambda: app.state.service.waiting == 1)
 
         refused = client.post("/v1/query", json=QUERY)
         assert refused.status_code == 429
@@ -56,12 +57,14 @@ def test_queue_wait_past_timeout_answers_503_and_never_runs(stub_app):
         assert timed_out.json()["error"]["code"] == "queue_timeout"
         engine.gate.set()
         assert running.result(10).status_code == 200
-        wait_until(lambda: app.state.service.worker.waiting == 0)
+        wait_until(lambda: app.state.service.waiting == 0)
     assert engine.calls == 1
 
 
-def test_jobs_run_one_at_a_time(stub_app):
-    app, engine = stub_app(step_s=0.01)
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_at_most_max_batch_requests_in_flight(stub_app, max_batch):
+    """Requests that hand the model thread back between tokens interleave, up to max_batch at a time."""
+    app, engine = stub_app(step_s=0.01, slices=True, server={"max_batch": max_batch})
     active, peak, lock = 0, 0, threading.Lock()
     stream = engine.stream
 
@@ -77,13 +80,16 @@ def test_jobs_run_one_at_a_time(stub_app):
                 active -= 1
 
     engine.stream = counting
-    with TestClient(app) as client, ThreadPoolExecutor(4) as pool:
-        codes = list(pool.map(lambda _: client.post("/v1/query", json=QUERY).status_code, range(6)))
-    assert codes == [200] * 6 and peak == 1
+    body = {**QUERY, "max_tokens": 6}
+    with TestClient(app) as client, ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(lambda _: client.post("/v1/query", json=body), range(6)))
+    assert [r.status_code for r in responses] == [200] * 6
+    assert all(r.json()["answer"] == "ok ok ok ok ok ok" for r in responses)
+    assert peak == max_batch and max(engine.batches) == max_batch
 
 
 def test_client_disconnect_stops_generation(stub_app, serve_live):
-    app, engine = stub_app(step_s=0.02)
+    app, engine = stub_app(step_s=0.02, slices=True)
     with serve_live(app) as live, httpx.Client(base_url=live.url, timeout=10) as http:
         body = {"question": "long?", "max_tokens": 500, "stream": True}  # ~10 s if never stopped
         with http.stream("POST", "/v1/query", json=body) as response:
@@ -112,7 +118,8 @@ def test_health_is_503_while_loading_then_200(monkeypatch, stub_settings, stub_e
         assert blocked.status_code == 503 and blocked.json()["error"]["code"] == "loading"
         gate.set()
         wait_until(lambda: client.get("/health").status_code == 200)
-        assert client.get("/health").json() == {"status": "ok", "model": "stub"}
+        health = client.get("/health").json()
+        assert (health["status"], health["model"], health["model_thread"]["alive"]) == ("ok", "stub", True)
         assert client.post("/v1/query", json=QUERY).status_code == 200
 
 
@@ -139,3 +146,45 @@ def test_usage_and_metrics_from_stub(stub_app, stream):
     assert 'ragblend:http_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in metrics
     assert "ragblend:prompt_tokens_total 10.0" in metrics
     assert 'ragblend:time_to_first_token_seconds_count{mode="blend"} 1.0' in metrics
+
+
+def test_non_streaming_client_that_leaves_frees_its_slot(stub_app, serve_live):
+    """A plain (non-SSE) request whose client disconnects is cancelled too: its slot frees at once."""
+    app, engine = stub_app(step_s=0.02, slices=True, server={"max_batch": 1})
+    with serve_live(app) as live:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/query", json={"question": "long?", "max_tokens": 500}, timeout=0.5)
+        assert engine.cancelled.wait(5), "generation kept running after the client left"
+        assert engine.emitted < 500
+        wait_until(lambda: app.state.service.running == 0)
+        assert httpx.post(f"{live.url}/v1/query", json=QUERY, timeout=10).status_code == 200
+
+
+def test_health_is_503_while_the_model_thread_is_stuck(stub_app):
+    app, engine = stub_app(server={"stuck_after_s": 0.3})
+    engine.gate.clear()  # the query holds the model thread inside one step
+    with TestClient(app) as client, ThreadPoolExecutor(1) as pool:
+        assert client.get("/health").status_code == 200
+        running = pool.submit(client.post, "/v1/query", json=QUERY)
+        assert engine.started.acquire(timeout=10)
+        wait_until(lambda: client.get("/health").status_code == 503)
+        health = client.get("/health").json()
+        assert health["status"] == "stuck" and health["error"]["code"] == "stuck"
+        thread = health["model_thread"]
+        assert thread["alive"] and thread["active_slots"] == 1 and thread["current"]["age_s"] > 0.3
+        assert thread["current"]["work"].startswith("request anything?")
+        assert client.get("/health/live").status_code == 503  # a restart would help
+        assert client.get("/health/ready").status_code == 503
+        engine.gate.set()
+        assert running.result(10).status_code == 200
+        wait_until(lambda: client.get("/health").status_code == 200)
+        assert client.get("/health/live").status_code == 200 and client.get("/health/ready").status_code == 200
+        assert client.get("/health").json()["model_thread"]["current"] is None
+
+
+def test_health_paths_need_no_api_key(stub_app):
+    app, _ = stub_app(server={"api_key": "k"})
+    with TestClient(app) as client:
+        for path in ("/health", "/health/live", "/health/ready"):
+            assert client.get(path).status_code == 200, path
+        assert client.get("/v1/models").status_code == 401

@@ -1,0 +1,388 @@
+"""The scheduler: one thread owns the model and interleaves every request's work on it.
+
+A request is a generator (RagEngine.program) run on the model thread. It yields text deltas and its
+result for the client, and between them directives for the scheduler:
+    Offload(fn)       run fn off the model thread (retrieval, store reads); resumes with its result
+    None              a slice of model work is done (a prefill layer, a chunk's precompute)
+    DecodeStep(...)   it needs its next-token logits; all such requests share one batched forward
+    Background(fn)    run fn on the model thread when nothing waits (e.g. store the next turn's KV)
+Other threads hand the model thread whole functions with `run_on_model` (an upload's chunk precompute).
+
+Each request holds a slot from admission to its last token; at most `max_batch` slots. The loop:
+    1. admit queued requests into free slots; end cancelled ones at once (their slot is free)
+    2. run one slice: the oldest request that is not decoding advances until it yields or the slice
+       budget is spent; if none needs it, one model task runs instead (requests before tasks, so a
+       query waits at most one chunk's precompute behind an upload)
+    3. one batched decode step for every request waiting on logits, each then resumed with its row
+A long prefill thus costs the streams already answering one slice per token, not its whole length.
+An error in one request (bad input, a corrupt chunk) ends that request only; a batched step that
+fails is retried row by row, so only the failing row sees the error.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Iterator, Sequence
+
+from app.worker import END, Job, QueueFull, WorkerStopped
+
+log = logging.getLogger("ragblend.scheduler")
+
+Cancelled = Callable[[], bool]
+
+
+# ---- the directives a request program yields -----------------------------------------------------
+
+@dataclass
+class Offload:
+    fn: Callable[[], Any]
+
+
+@dataclass
+class DecodeStep:
+    cache: Any       # blend.BlendCache of this request
+    token: int       # the token to append
+    position: int    # its absolute position
+
+
+@dataclass
+class Background:
+    fn: Callable[[], Any]
+    label: str = "background"
+
+
+Program = Generator[Any, Any, None]
+DecodeFn = Callable[[Sequence[Any], Sequence[int], Sequence[int]], Any]  # (caches, tokens, positions) -> [B, V]
+
+
+def run_alone(program: Program, decode_step: DecodeFn) -> Iterator[Any]:
+    """Drive one program without a scheduler (CLI, compare, tests): the client events it yields."""
+    value = None
+    while True:
+        try:
+            item = program.send(value)
+        except StopIteration:
+            return
+        value = None
+        if isinstance(item, Offload):
+            value = item.fn()
+        elif isinstance(item, DecodeStep):
+            value = decode_step([item.cache], [item.token], [item.position])[0]
+        elif isinstance(item, Background):
+            item.fn()
+        elif item is not None:
+            yield item
+
+
+# ---- slots and tasks -----------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class _Slot:
+    job: Job
+    program: Program
+    admitted: float = field(default_factory=time.monotonic)
+    state: str = "ready"            # ready (to advance) | offload (waiting on the prep thread) | decode
+    value: Any = None               # what the program resumes with
+    error: BaseException | None = None
+    step: DecodeStep | None = None
+
+    @property
+    def label(self) -> str:
+        return f"request {self.job.label}"
+
+
+@dataclass(eq=False)
+class _Task:
+    fn: Callable[[], Any]
+    label: str
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    submitted: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    def __init__(self, decode_step: DecodeFn, *, max_batch: int, queue_size: int, slice_s: float = 0.1,
+                 offload_threads: int = 1):
+        self.decode_step, self.max_batch, self.queue_size, self.slice_s = decode_step, max_batch, queue_size, slice_s
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()   # guarded by _cond
+        self._tasks: deque[_Task] = deque()   # guarded by _cond
+        self._slots: list[_Slot] = []         # the model thread's own
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="ragblend-model", daemon=True)
+        self._offload = concurrent.futures.ThreadPoolExecutor(offload_threads, thread_name_prefix="ragblend-prep")
+        self._current: tuple[str, float] | None = None  # (what the model thread runs, since when)
+        self._request_s = 1.0  # moving average of a request's time in its slot, for Retry-After
+
+    # ---- any thread ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return sum(1 for job in self._waiting if job.waiting)
+
+    @property
+    def active(self) -> int:
+        return len(self._slots)
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free for one more waiting request: an estimate for Retry-After."""
+        return min(60, max(1, math.ceil(self._request_s * (self.waiting + 1) / self.max_batch)))
+
+    def submit(self, work: Callable[[Cancelled], Program], label: str = "") -> Job:
+        """Queue a request (call from the event loop); QueueFull / WorkerStopped if it cannot wait."""
+        job = Job(work, asyncio.get_running_loop(), label)
+        with self._cond:
+            if self._stopping:
+                raise WorkerStopped
+            self._waiting = deque(j for j in self._waiting if j.waiting)  # forget dropped ones
+            if len(self._waiting) >= self.queue_size:
+                raise QueueFull
+            self._waiting.append(job)
+            self._cond.notify()
+        return job
+
+    def run_on_model(self, fn: Callable[[], Any], *, label: str, cancelled: Cancelled | None = None) -> Any:
+        """Run `fn()` on the model thread between other work and return its result (blocking; never call
+        it from the model thread). concurrent.futures.CancelledError if `cancelled()` turns true before
+        it started; WorkerStopped if the scheduler stops first."""
+        task = self._add_task(fn, label)
+        while True:
+            try:
+                return task.future.result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                if cancelled is not None and cancelled():
+                    task.future.cancel()  # a no-op once it runs: then it finishes (one chunk) and we return
+
+    def background(self, fn: Callable[[], Any], label: str) -> None:
+        """Run `fn()` on the model thread when nothing waits; its errors are logged, not raised."""
+        try:
+            self._add_task(fn, label)
+        except WorkerStopped:
+            pass
+
+    def _add_task(self, fn: Callable[[], Any], label: str) -> _Task:
+        task = _Task(fn, label)
+        with self._cond:
+            if self._stopping:
+                raise WorkerStopped
+            self._tasks.append(task)
+            self._cond.notify()
+        return task
+
+    def snapshot(self) -> dict[str, Any]:
+        """The model thread's state, for /health."""
+        current = self._current
+        with self._cond:
+            tasks = len(self._tasks)
+        slots = list(self._slots)
+        return {
+            "alive": self._thread.is_alive(),
+            "current": None if current is None else {"work": current[0],
+                                                     "age_s": round(time.monotonic() - current[1], 3)},
+            "queue_depth": self.waiting,
+            "active_slots": len(slots),
+            "decoding": sum(1 for s in slots if s.state == "decode"),
+            "max_batch": self.max_batch,
+            "model_tasks_waiting": tasks,
+        }
+
+    def busy_s(self) -> float:
+        """How long the model thread has been on its current piece of work (0 when idle)."""
+        current = self._current
+        return 0.0 if current is None else time.monotonic() - current[1]
+
+    def begin_stop(self) -> None:
+        """Stop accepting: waiting requests get WorkerStopped, queued model tasks too. Running requests go on."""
+        with self._cond:
+            self._stopping = True
+            waiting, self._waiting = list(self._waiting), deque()
+            tasks, self._tasks = list(self._tasks), deque()
+            self._cond.notify()
+        for job in waiting:
+            if job.claim():
+                job.post(WorkerStopped())
+                job.post(END)
+        for task in tasks:
+            if task.future.set_running_or_notify_cancel():
+                task.future.set_exception(WorkerStopped())
+
+    def stop(self, grace_s: float = 5.0, timeout_s: float = 10.0) -> bool:
+        """Stop accepting, let running requests finish for `grace_s`, cancel the rest, end the thread.
+        True if the model thread has ended (only then is it safe to close what it uses)."""
+        self.begin_stop()
+        deadline = time.monotonic() + grace_s
+        while self._slots and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        for slot in list(self._slots):
+            slot.job.cancel()
+        with self._cond:
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self._offload.shutdown(wait=False, cancel_futures=True)
+        return not self._thread.is_alive()
+
+    # ---- the model thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._admit()
+                if self._stopping and not self._slots and not self._tasks:
+                    return
+                if not self._runnable():
+                    self._cond.wait(1.0)
+                    continue
+            try:
+                self._end_cancelled()
+                if not self._prefill_slice():
+                    self._run_task()
+                self._decode()
+            except Exception as exc:  # a bug here must not kill the model thread: fail what was running
+                log.exception("scheduler step failed")
+                for slot in list(self._slots):
+                    slot.job.post(exc)
+                    self._finish(slot)
+
+    def _admit(self) -> None:
+        # under _cond
+        while self._waiting and len(self._slots) < self.max_batch:
+            job = self._waiting.popleft()
+            if not job.claim():
+                continue
+            try:
+                program = job.work(job.cancelled.is_set)
+            except Exception as exc:
+                job.post(exc)
+                job.post(END)
+                continue
+            self._slots.append(_Slot(job, program))
+
+    def _runnable(self) -> bool:
+        # under _cond
+        return bool(self._tasks) or any(s.state != "offload" or s.job.cancelled.is_set() for s in self._slots)
+
+    def _end_cancelled(self) -> None:
+        for slot in [s for s in self._slots if s.job.cancelled.is_set()]:
+            self._finish(slot)
+
+    def _prefill_slice(self) -> bool:
+        """Advance the oldest request that is neither decoding nor offloaded, for up to one slice."""
+        slot = next((s for s in self._slots if s.state == "ready"), None)
+        if slot is None:
+            return False
+        deadline = time.monotonic() + self.slice_s
+        with self._working(slot.label):
+            while self._advance(slot) and time.monotonic() < deadline:
+                pass
+        return True
+
+    def _run_task(self) -> None:
+        with self._cond:
+            task = self._tasks.popleft() if self._tasks else None
+        if task is None or not task.future.set_running_or_notify_cancel():
+            return
+        with self._working(task.label):
+            try:
+                task.future.set_result(task.fn())
+            except BaseException as exc:  # the caller (or the log, for background work) gets it
+                task.future.set_exception(exc)
+                if task.label.startswith("background"):
+                    log.warning("background work failed", extra={"work": task.label}, exc_info=exc)
+
+    def _decode(self) -> None:
+        slots = [s for s in self._slots if s.state == "decode" and not s.job.cancelled.is_set()]
+        if not slots:
+            return
+        steps = [s.step for s in slots]
+        with self._working(f"decode step ({len(slots)} rows)"):
+            try:
+                rows = list(self.decode_step([s.cache for s in steps], [s.token for s in steps],
+                                             [s.position for s in steps]))
+            except Exception:  # find the row at fault: each alone, from its cache as it was (position tokens)
+                rows = []
+                for step in steps:
+                    step.cache.truncate(step.position)
+                    try:
+                        rows.append(self.decode_step([step.cache], [step.token], [step.position])[0])
+                    except Exception as exc:
+                        rows.append(exc)
+            for slot, row in zip(slots, rows):
+                slot.state, slot.step = "ready", None
+                if isinstance(row, BaseException):
+                    slot.error = row
+                else:
+                    slot.value = row
+                self._advance(slot)  # sample, stream the text, ask for the next step (or finish)
+
+    def _advance(self, slot: _Slot) -> bool:
+        """Resume `slot` until it yields a directive; True if it can go on at once (it yielded a slice)."""
+        while True:
+            try:
+                if slot.error is not None:
+                    error, slot.error = slot.error, None
+                    item = slot.program.throw(error)
+                else:
+                    value, slot.value = slot.value, None
+                    item = slot.program.send(value)
+            except StopIteration:
+                self._finish(slot)
+                return False
+            except Exception as exc:  # this request's error, for its client only
+                slot.job.post(exc)
+                self._finish(slot)
+                return False
+            if item is None:
+                return True
+            if isinstance(item, DecodeStep):
+                slot.state, slot.step = "decode", item
+                return False
+            if isinstance(item, Offload):
+                slot.state = "offload"
+                self._offload_call(slot, item.fn)
+                return False
+            if isinstance(item, Background):
+                self.background(item.fn, f"background: {item.label}")
+                continue
+            slot.job.post(item)
+
+    def _offload_call(self, slot: _Slot, fn: Callable[[], Any]) -> None:
+        def done(future: concurrent.futures.Future) -> None:
+            with self._cond:
+                if future.cancelled():
+                    slot.error = WorkerStopped()
+                elif future.exception() is not None:
+                    slot.error = future.exception()
+                else:
+                    slot.value = future.result()
+                slot.state = "ready"
+                self._cond.notify()
+        try:
+            self._offload.submit(fn).add_done_callback(done)
+        except RuntimeError:  # the executor is shut down: we are stopping
+            slot.state, slot.error = "ready", WorkerStopped()
+
+    def _finish(self, slot: _Slot) -> None:
+        slot.program.close()  # runs the program's cleanup now, on this thread
+        self._slots.remove(slot)
+        self._request_s = 0.8 * self._request_s + 0.2 * (time.monotonic() - slot.admitted)
+        slot.job.post(END)
+
+    @contextmanager
+    def _working(self, label: str) -> Iterator[None]:
+        """Mark what the model thread runs and since when (/health reads it to tell stuck from busy)."""
+        self._current = (label, time.monotonic())
+        try:
+            yield
+        finally:
+            self._current = None

@@ -8,9 +8,9 @@ per token (batched with the other requests'). `stream()` drives one program alon
 and `answer()` collects it.
 
 The prompt: head | conversation | passages | question (blend.prompt). A chat request's earlier turns
-form the conversation, an exact prefix whose KV is stored per exchange: after answering, the engine
-stores the KV of the exchange it just had (in the background), so the next turn reads its whole
-conversation from the store and computes only its passages' repair and the new question.
+form the conversation, an exact prefix whose KV is stored per exchange: after sending its answer, the
+program stores the KV of the exchange it just had, so the next turn reads its whole conversation from
+the store and computes only its passages' repair and the new question.
 When the conversation does not fit the context, its oldest exchanges are dropped first.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from app.components import Components
 from app.config import Settings
-from app.scheduler import Background, DecodeStep, Offload, run_alone
+from app.scheduler import DecodeStep, Offload, run_alone
 from blend import ChunkKV, Prefill, SamplingParams, TextStream
 from blend.decode import sample_next
 from blend.prompt import exchange_starts
@@ -124,10 +124,10 @@ class RagEngine:
         self.parts = components or Components(settings)
 
     def answer(self, params: QueryParams) -> QueryResult:
-        for event in self.stream(params):
-            if isinstance(event, QueryResult):
-                return event
-        raise RuntimeError("generation ended without a result")
+        results = [event for event in self.stream(params) if isinstance(event, QueryResult)]
+        if not results:
+            raise RuntimeError("generation ended without a result")
+        return results[-1]
 
     def stream(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
                ) -> Iterator[str | QueryResult]:
@@ -146,10 +146,13 @@ class RagEngine:
         passages = [p for p in plan.pieces if p.kind == "passage"]
         stats.store_hits = dict(Counter(p.tier or "computed" for p in passages)) if params.mode != "full" else {}
 
-        # 2. On it: compute the pieces the store lacked, one slice each.
+        # 2. On it: compute the pieces the store lacked, one slice each. (Look again first: the previous
+        #    turn stores its exchange on this thread after answering, perhaps after our look.)
         t = time.perf_counter()
         if params.mode != "full":
             for i, piece in enumerate(plan.pieces):
+                if piece.kv is None:
+                    piece.kv, piece.tier = parts.kv_cache.lookup(piece.ids, piece.context_ids)
                 if piece.kv is None:
                     before = [p.kv for p in plan.pieces[:i]] if piece.kind == "conversation" else []
                     piece.kv, piece.tier = parts.kv_cache.compute(piece.ids, piece.context_ids, before), "computed"
@@ -195,11 +198,13 @@ class RagEngine:
         stats.completion_tokens = len(text.tokens)
         stats.total_ms = _ms(start)
         answer, finish = text.text.strip(), text.finish_reason or "length"
-        if params.remember and params.mode != "full" and finish != "cancelled":
-            yield Background(lambda: self._remember(params, plan, answer), "store the conversation's KV")
         sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text)
                    for h in plan.hits]
         yield QueryResult(answer, sources, stats, finish)
+
+        # 5. After the answer is out: this exchange's KV, for the next turn (a few dozen tokens).
+        if params.remember and params.mode != "full" and finish != "cancelled":
+            self._remember(params, plan, answer)
 
     # ---- the plan, off the model thread ------------------------------------------------------------
 

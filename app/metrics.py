@@ -34,11 +34,26 @@ class _StoreCollector:
         yield misses
 
 
+class _DecodeStepCollector:
+    """Batched decode steps by their number of rows (requests decoded together), from the scheduler."""
+
+    def __init__(self, steps: Callable[[], dict[int, int]]):
+        self._steps = steps
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("ragblend:decode_steps", "Batched decode steps by rows decoded together.",
+                                     labels=["rows"])
+        for rows, count in sorted(self._steps().items()):
+            family.add_metric([str(rows)], count)
+        yield family
+
+
 class Metrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int],
-                 store_stats: Callable[[], dict[str, Any] | None]):
+                 store_stats: Callable[[], dict[str, Any] | None],
+                 decode_steps: Callable[[], dict[int, int]] = dict):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("ragblend:http_requests", "HTTP requests by endpoint and status.",
                                 ["endpoint", "status"], registry=r)
@@ -61,6 +76,7 @@ class Metrics:
         Gauge("ragblend:num_requests_running", "Queries in a slot on the model thread, plus a running upload.",
               registry=r).set_function(running)
         r.register(_StoreCollector(store_stats))
+        r.register(_DecodeStepCollector(decode_steps))
 
     def observe_query(self, stats: QueryStats, queue_s: float) -> None:
         """One finished query; TTFT and latency count the queue wait, as a client sees them."""

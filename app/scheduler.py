@@ -5,7 +5,6 @@ result for the client, and between them directives for the scheduler:
     Offload(fn)       run fn off the model thread (retrieval, store reads); resumes with its result
     None              a slice of model work is done (a prefill layer, a chunk's precompute)
     DecodeStep(...)   it needs its next-token logits; all such requests share one batched forward
-    Background(fn)    run fn on the model thread when nothing waits (e.g. store the next turn's KV)
 Other threads hand the model thread whole functions with `run_on_model` (an upload's chunk precompute).
 
 Each request holds a slot from admission to its last token; at most `max_batch` slots. The loop:
@@ -26,7 +25,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, Sequence
@@ -52,12 +51,6 @@ class DecodeStep:
     position: int    # its absolute position
 
 
-@dataclass
-class Background:
-    fn: Callable[[], Any]
-    label: str = "background"
-
-
 Program = Generator[Any, Any, None]
 DecodeFn = Callable[[Sequence[Any], Sequence[int], Sequence[int]], Any]  # (caches, tokens, positions) -> [B, V]
 
@@ -75,8 +68,6 @@ def run_alone(program: Program, decode_step: DecodeFn) -> Iterator[Any]:
             value = item.fn()
         elif isinstance(item, DecodeStep):
             value = decode_step([item.cache], [item.token], [item.position])[0]
-        elif isinstance(item, Background):
-            item.fn()
         elif item is not None:
             yield item
 
@@ -118,6 +109,7 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="ragblend-model", daemon=True)
         self._offload = concurrent.futures.ThreadPoolExecutor(offload_threads, thread_name_prefix="ragblend-prep")
         self._current: tuple[str, float] | None = None  # (what the model thread runs, since when)
+        self.decode_steps: Counter[int] = Counter()  # batched steps by their number of rows
         self._request_s = 1.0  # moving average of a request's time in its slot, for Retry-After
 
     # ---- any thread ------------------------------------------------------------------------------
@@ -162,13 +154,6 @@ class Scheduler:
             except concurrent.futures.TimeoutError:
                 if cancelled is not None and cancelled():
                     task.future.cancel()  # a no-op once it runs: then it finishes (one chunk) and we return
-
-    def background(self, fn: Callable[[], Any], label: str) -> None:
-        """Run `fn()` on the model thread when nothing waits; its errors are logged, not raised."""
-        try:
-            self._add_task(fn, label)
-        except WorkerStopped:
-            pass
 
     def _add_task(self, fn: Callable[[], Any], label: str) -> _Task:
         task = _Task(fn, label)
@@ -295,16 +280,15 @@ class Scheduler:
         with self._working(task.label):
             try:
                 task.future.set_result(task.fn())
-            except BaseException as exc:  # the caller (or the log, for background work) gets it
+            except BaseException as exc:  # the caller gets it
                 task.future.set_exception(exc)
-                if task.label.startswith("background"):
-                    log.warning("background work failed", extra={"work": task.label}, exc_info=exc)
 
     def _decode(self) -> None:
         slots = [s for s in self._slots if s.state == "decode" and not s.job.cancelled.is_set()]
         if not slots:
             return
         steps = [s.step for s in slots]
+        self.decode_steps[len(steps)] += 1
         with self._working(f"decode step ({len(slots)} rows)"):
             try:
                 rows = list(self.decode_step([s.cache for s in steps], [s.token for s in steps],
@@ -351,9 +335,6 @@ class Scheduler:
                 slot.state = "offload"
                 self._offload_call(slot, item.fn)
                 return False
-            if isinstance(item, Background):
-                self.background(item.fn, f"background: {item.label}")
-                continue
             slot.job.post(item)
 
     def _offload_call(self, slot: _Slot, fn: Callable[[], Any]) -> None:

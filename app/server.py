@@ -70,7 +70,8 @@ class Service:
         self.ingestor: Ingestor | None = None
         self.scheduler: Scheduler | None = None
         self.lane = Worker(settings.server.queue_size, name="ragblend-ingest")
-        self.metrics = Metrics(lambda: self.waiting, lambda: self.running, self._store_stats)
+        self.metrics = Metrics(lambda: self.waiting, lambda: self.running, self._store_stats,
+                               lambda: dict(self.scheduler.decode_steps) if self.scheduler else {})
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.stopping: float | None = None  # when shutdown began (monotonic)
@@ -258,12 +259,14 @@ class QueryRun:
             raise
 
     async def events(self) -> AsyncIterator[str | QueryResult]:
-        """Text deltas, then the QueryResult (recorded in the metrics)."""
+        """Text deltas, then the QueryResult (recorded in the metrics). The program may work on after its
+        result (storing a chat turn's KV); the client need not wait for that."""
         try:
             async for event in self._all():
+                yield event
                 if isinstance(event, QueryResult):
                     self.svc.metrics.observe_query(event.stats, self.job.queue_s)
-                yield event
+                    return
         finally:
             self.cancel()
 

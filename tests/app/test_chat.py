@@ -1,0 +1,161 @@
+"""Multi-turn chat: the conversation in the prompt through the chat template, retrieval with a
+follow-up made self-contained, the conversation's KV read back from the store at the next turn (the
+`openai` client on a real uvicorn server), and the oldest turns dropped when the context is full."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from urllib.parse import quote
+
+import openai
+import pytest
+
+from app.conversation import Conversation, is_follow_up
+from app.engine import QueryParams, QueryStats
+from blend import PromptFormat
+from tests.helpers import shared_tokenizer
+
+# Two lighthouses in the demo corpus' style: which lamp "its" means depends on the first turn.
+LIGHTHOUSES = {
+    "cape-dorrin": ("Cape Dorrin Lighthouse",
+                    "Cape Dorrin Lighthouse was built in 1902 by the engineer Walter Hesk on the island of Tollan. "
+                    "Its lamp shines red and can be seen 18 kilometres out at sea. The keeper's cottage is now a café."),
+}
+
+
+def message(role: str, content: str) -> SimpleNamespace:
+    return SimpleNamespace(role=role, text=lambda: content)
+
+
+# ---- the conversation, without a model --------------------------------------------------------
+
+def test_messages_split_into_system_turns_and_question():
+    chat = Conversation.from_messages([
+        message("system", "Be brief."), message("user", "Who built it?"), message("assistant", " Ada. "),
+        message("tool", "ignored"), message("developer", "Use British spelling."), message("user", "  "),
+        message("user", "And when?"), message("assistant", "(a trailing prefill is ignored)")])
+    assert chat.system == "Be brief.\n\nUse British spelling."
+    assert chat.turns == (("user", "Who built it?"), ("assistant", " Ada. "))
+    assert chat.question == "And when?"
+    with pytest.raises(ValueError):
+        Conversation.from_messages([message("assistant", "only me")])
+
+
+@pytest.mark.parametrize("question, follow_up", [
+    ("What colour is its lamp?", True), ("And when did it close?", True), ("Who was she?", True),
+    ("How tall?", True), ("Why?", True), ("What about the bakery?", True),
+    ("Who founded the Kestrel Bakery in Dunmore?", False),
+    ("In which year did Mount Orrin last erupt?", False)])
+def test_follow_up_rule(question, follow_up):
+    assert is_follow_up(question) is follow_up
+
+
+def test_retrieval_query_prepends_the_previous_exchange_only_for_follow_ups():
+    turns = [message("user", "Who built Cape Dorrin Lighthouse?"), message("assistant", "Walter Hesk.")]
+    follow = Conversation.from_messages([*turns, message("user", "What colour is its lamp?")])
+    assert follow.retrieval_query() == "Who built Cape Dorrin Lighthouse? Walter Hesk. What colour is its lamp?"
+    switch = Conversation.from_messages([*turns, message("user", "Who founded the Kestrel Bakery in Dunmore?")])
+    assert switch.retrieval_query() == "Who founded the Kestrel Bakery in Dunmore?"
+    assert Conversation.from_messages([message("user", "What is it?")]).retrieval_query() == "What is it?"
+
+
+def test_conversation_pieces_are_the_templates_own_rendering():
+    prompt = PromptFormat(shared_tokenizer(), "Answer briefly.")
+    turns = [("user", "Who built it?"), ("assistant", "Ada Quenby."), ("user", "When?"), ("assistant", " 1887 ")]
+    pieces = prompt.conversation_ids(turns)
+    assert len(pieces) == 2  # one per exchange
+    rendered = prompt.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Answer briefly."}] + [{"role": r, "content": t.strip()} for r, t in turns]
+        + [{"role": "user", "content": "NEXT"}], tokenize=False, add_generation_prompt=True)
+    assert prompt.tokenizer.decode(prompt.head_ids + pieces[0] + pieces[1]) == rendered.split("NEXT")[0]
+    # The first exchange's piece does not depend on what came after: the next turn finds it again.
+    assert prompt.conversation_ids(turns[:2])[0] == pieces[0]
+    # A client's system message joins the system turn (another head); the pieces after it are the same text.
+    head = prompt.tokenizer.decode(prompt.head_ids_for("Be brief."))
+    assert "Answer briefly.\n\nBe brief." in head and prompt.head_ids_for("  ") == prompt.head_ids
+
+
+# ---- on the real model ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lighthouses(live_server, corpus):
+    client = openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    import httpx
+
+    for doc_id, (title, text) in LIGHTHOUSES.items():
+        response = httpx.post(f"{live_server.url}/v1/documents", json={"id": doc_id, "title": title, "text": text},
+                              timeout=300)
+        assert response.status_code == 201, response.text
+    yield client
+    for doc_id in LIGHTHOUSES:
+        httpx.delete(f"{live_server.url}/v1/documents/{quote(doc_id, safe='')}", timeout=60)
+
+
+@pytest.mark.slow
+def test_two_turns_follow_up_uses_the_first_and_reads_it_from_the_cache(lighthouses):
+    client = lighthouses
+    ask = dict(model="m", max_tokens=24, temperature=0, extra_body={"top_k": 1})
+    turns = [{"role": "user", "content": "Who built Cape Dorrin Lighthouse?"}]
+    first = client.chat.completions.create(messages=turns, **ask)
+    assert "Hesk" in first.choices[0].message.content, first.choices[0].message.content
+    assert first.model_extra["sources"][0]["doc_id"] == "cape-dorrin"
+
+    # Alone, the follow-up finds another island (Mount Orrin's Sarne); after the first turn, Tollan.
+    follow_up = "On which island is it?"
+    alone = client.chat.completions.create(messages=[{"role": "user", "content": follow_up}], **ask)
+    assert alone.model_extra["sources"][0]["doc_id"] != "cape-dorrin"
+    turns += [{"role": "assistant", "content": first.choices[0].message.content},
+              {"role": "user", "content": follow_up}]
+    second = client.chat.completions.create(messages=turns, **ask)
+    answer = second.choices[0].message.content
+    assert "Tollan" in answer and "Sarne" not in answer, answer
+    assert second.model_extra["sources"][0]["doc_id"] == "cape-dorrin"
+    assert second.model_extra["dropped_messages"] == 0
+
+    # The first turn is in the prompt, and every token it added came from the cache.
+    grown = second.usage.prompt_tokens - first.usage.prompt_tokens
+    more_cached = second.usage.prompt_tokens_details.cached_tokens - first.usage.prompt_tokens_details.cached_tokens
+    first_turn_tokens = len(shared_tokenizer()(
+        "Who built Cape Dorrin Lighthouse?" + first.choices[0].message.content.strip())["input_ids"])
+    assert more_cached > first_turn_tokens
+    # grown = the conversation piece + (new question - old question); the piece is all cached
+    question_change = len(shared_tokenizer()(f" {follow_up}")["input_ids"]) - \
+        len(shared_tokenizer()(" Who built Cape Dorrin Lighthouse?")["input_ids"])
+    assert grown == more_cached + question_change
+
+    # Streamed, the third turn sees both earlier exchanges cached.
+    turns += [{"role": "assistant", "content": answer}, {"role": "user", "content": "When was it built?"}]
+    chunks = list(client.chat.completions.create(messages=turns, stream=True,
+                                                 stream_options={"include_usage": True}, **ask))
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens - second.usage.prompt_tokens_details.cached_tokens > 0
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "1902" in text, text
+
+
+@pytest.mark.slow
+def test_oldest_turns_are_dropped_when_the_context_is_full(lighthouses, server_engine, monkeypatch):
+    client = lighthouses
+    filler = "The weather was grey and the sea was calm that day. " * 12  # ~150 tokens an exchange
+    turns = []
+    for i in range(4):
+        turns += [{"role": "user", "content": f"Tell me story number {i}."},
+                  {"role": "assistant", "content": f"Story {i}: {filler}"}]
+    turns += [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "Who built Cape Dorrin Lighthouse?"}]
+    ask = dict(model="m", max_tokens=8, temperature=0, extra_body={"top_k": 1})
+    everything = client.chat.completions.create(messages=turns, **ask)
+    assert everything.model_extra["dropped_messages"] == 0
+    # A context that holds everything but about two and a half exchanges: the two oldest go.
+    limit = everything.usage.prompt_tokens + 8 - 400
+    monkeypatch.setattr(server_engine, "_context_limit", lambda: limit)
+    squeezed = client.chat.completions.create(messages=turns, **ask)
+    assert squeezed.model_extra["dropped_messages"] == 6  # three exchanges of two messages each
+    assert squeezed.usage.prompt_tokens + 8 <= limit
+    # The layout the engine chose: the system message and the question stay, with the newest exchange.
+    chat = Conversation.from_messages([message(t["role"], t["content"]) for t in turns])
+    params = QueryParams(chat.question, top_k=1, system=chat.system, turns=chat.turns)
+    plan = server_engine._plan(params, 8, QueryStats(mode="blend"))
+    prompt = server_engine.parts.prompt
+    assert [p.kind for p in plan.pieces] == ["head", "conversation", "passage"]
+    assert plan.pieces[0].ids == prompt.head_ids_for("Be brief.") and plan.suffix == prompt.suffix_ids(chat.question)
+    assert plan.turns == chat.turns[6:] and "story number 3" in prompt.tokenizer.decode(plan.pieces[1].ids)

@@ -1,0 +1,264 @@
+"""The scheduler on its own, with programs the test writes: slots join and leave a batched step at any
+time, one request's error reaches only that request, a cancelled request frees its slot at once, a
+query waits at most one model task (an upload's chunk) behind an upload, and stop() is bounded."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import pytest
+
+from app.scheduler import DecodeStep, Offload, Scheduler, run_alone
+from app.worker import QueueFull, WorkerStopped
+
+
+class Row:
+    """A fake cache: the tokens appended to it, and whether decoding it must fail."""
+
+    def __init__(self, name: str, poison: bool = False):
+        self.name, self.poison, self.tokens = name, poison, []
+
+    def truncate(self, length: int) -> None:
+        del self.tokens[length:]
+
+
+class Decoder:
+    """decode_step for Rows: logits = the row's token + 1 (so each row counts up on its own)."""
+
+    def __init__(self, step_s: float = 0.01):
+        self.batches: list[list[str]] = []
+        self.step_s = step_s
+
+    def __call__(self, caches, tokens, positions):
+        self.batches.append([c.name for c in caches])
+        time.sleep(self.step_s)  # a forward takes time: requests arriving meanwhile join the next step
+        for cache, token in zip(caches, tokens):
+            cache.tokens.append(token)
+        if any(c.poison for c in caches):
+            raise RuntimeError("corrupt row")
+        return [token + 1 for token in tokens]
+
+
+def counting(name: str, n: int, *, first: int = 0, poison: bool = False, prefill_slices: int = 0, log=None):
+    """A program: some prefill slices, then n tokens counting up from `first`, one decode step each."""
+    def program(cancelled):
+        cache, token = Row(name, poison), first
+        for _ in range(prefill_slices):
+            if log is not None:
+                log.append(("slice", name))
+            yield None
+        for step in range(n):
+            yield f"{name}:{token}"
+            if step + 1 < n:
+                token = yield DecodeStep(cache, token, len(cache.tokens))
+        yield f"{name}:done"
+    return program
+
+
+async def collect(job) -> list:
+    await job.wait_started(30)
+    items = []
+    try:
+        async for item in job:
+            items.append(item)
+    except Exception as exc:
+        items.append(exc)
+    return items
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+@pytest.fixture
+def decoder():
+    return Decoder()
+
+
+def make(decoder, **options) -> Scheduler:
+    scheduler = Scheduler(decoder, **{"max_batch": 4, "queue_size": 8, **options})
+    scheduler.start()
+    return scheduler
+
+
+def test_requests_joining_and_leaving_each_get_their_own_tokens(decoder):
+    scheduler = make(decoder)
+
+    async def main():
+        jobs = []
+        for name, n, first in [("a", 8, 0), ("b", 3, 100), ("c", 6, 200)]:
+            jobs.append(asyncio.create_task(collect(scheduler.submit(counting(name, n, first=first)))))
+            await asyncio.sleep(0.01)
+        return await asyncio.gather(*jobs)
+
+    a, b, c = run(main())
+    assert scheduler.stop()
+    assert a == [f"a:{i}" for i in range(8)] + ["a:done"]
+    assert b == [f"b:{100 + i}" for i in range(3)] + ["b:done"]
+    assert c == [f"c:{200 + i}" for i in range(6)] + ["c:done"]
+    assert max(len(batch) for batch in decoder.batches) >= 2  # shared steps
+    assert sum(len(batch) for batch in decoder.batches) == 7 + 2 + 5  # one row per token after the first
+
+
+def test_max_batch_bounds_the_slots_and_the_queue_bounds_the_wait(decoder):
+    scheduler = make(decoder, max_batch=2, queue_size=1)
+    gate = threading.Event()
+
+    def held(cancelled):
+        assert gate.wait(30)
+        yield "held"
+
+    async def main():
+        first = scheduler.submit(held)
+        await first.wait_started(10)
+        second = scheduler.submit(counting("x", 2))  # a free slot, but the model thread is held: it waits
+        with pytest.raises(QueueFull):
+            scheduler.submit(counting("y", 2))
+        gate.set()
+        return await collect(second)
+
+    assert run(main()) == ["x:0", "x:1", "x:done"]
+    assert scheduler.stop()
+    assert all(len(batch) <= 2 for batch in decoder.batches)
+
+
+def test_an_error_reaches_only_its_request(decoder):
+    """A program that raises, and a row whose decode step raises (the batch is retried row by row):
+    the other requests' tokens are exactly those they get alone."""
+    scheduler = make(decoder)
+
+    def broken(cancelled):
+        yield "broken:0"
+        yield None
+        raise ValueError("bad input")
+
+    async def main():
+        jobs = [scheduler.submit(counting("a", 6)), scheduler.submit(broken),
+                scheduler.submit(counting("p", 6, poison=True)), scheduler.submit(counting("b", 5, first=50))]
+        return await asyncio.gather(*(collect(j) for j in jobs))
+
+    a, bad, poisoned, b = run(main())
+    assert scheduler.stop()
+    assert a == [f"a:{i}" for i in range(6)] + ["a:done"]
+    assert b == [f"b:{50 + i}" for i in range(5)] + ["b:done"]
+    assert bad[0] == "broken:0" and isinstance(bad[-1], ValueError)
+    assert poisoned[0] == "p:0" and isinstance(poisoned[-1], RuntimeError) and len(poisoned) == 2
+
+
+def test_a_cancelled_request_frees_its_slot_at_once(decoder):
+    scheduler = make(decoder, max_batch=2)
+    closed = threading.Event()
+
+    def endless(cancelled):
+        cache, token = Row("e"), 0
+        try:
+            while True:
+                yield f"e:{token}"
+                token = yield DecodeStep(cache, token, len(cache.tokens))
+        finally:
+            closed.set()
+
+    async def main():
+        job = scheduler.submit(endless)
+        await job.wait_started(10)
+        seen = 0
+        async for _ in job:
+            seen += 1
+            if seen == 5:
+                job.cancel()
+                break
+        other = await collect(scheduler.submit(counting("a", 4)))
+        return other
+
+    assert run(main()) == ["a:0", "a:1", "a:2", "a:3", "a:done"]
+    assert closed.wait(5) and scheduler.active == 0
+    assert scheduler.stop()
+
+
+def test_a_query_waits_at_most_one_model_task_behind_an_upload(decoder):
+    """An upload hands the model thread one chunk at a time; a query arriving meanwhile runs all its
+    prefill slices before the next chunk."""
+    scheduler = make(decoder)
+    timeline: list[tuple[str, str]] = []
+
+    def upload() -> None:
+        for i in range(30):
+            scheduler.run_on_model(lambda i=i: (timeline.append(("chunk", str(i))), time.sleep(0.02)),
+                                   label="upload: chunk")
+
+    async def main():
+        thread = threading.Thread(target=upload)
+        thread.start()
+        while len(timeline) < 5:
+            await asyncio.sleep(0.005)
+        timeline.append(("submitted", "q"))
+        items = await collect(scheduler.submit(counting("q", 3, prefill_slices=10, log=timeline)))
+        timeline.append(("answered", "q"))
+        await asyncio.to_thread(thread.join)
+        return items
+
+    assert run(main())[-1] == "q:done"
+    assert scheduler.stop()
+    submitted = timeline.index(("submitted", "q"))
+    first_slice = timeline.index(("slice", "q"))
+    assert sum(1 for kind, _ in timeline[submitted:first_slice] if kind == "chunk") <= 1
+    slices = [i for i, event in enumerate(timeline) if event == ("slice", "q")]
+    assert not any(kind == "chunk" for kind, _ in timeline[slices[0]:slices[-1]])  # nothing between its slices
+    assert sum(1 for kind, _ in timeline if kind == "chunk") == 30  # and the upload finished
+
+
+def test_offload_runs_off_the_model_thread(decoder):
+    scheduler = make(decoder)
+    threads = []
+
+    def program(cancelled):
+        value = yield Offload(lambda: threads.append(threading.current_thread().name) or 41)
+        threads.append(threading.current_thread().name)
+        yield value + 1
+
+    async def main():
+        return await collect(scheduler.submit(program))
+
+    assert run(main()) == [42]
+    assert scheduler.stop()
+    assert threads[0].startswith("ragblend-prep") and threads[1] == "ragblend-model"
+    # The same program alone, without a scheduler:
+    assert list(run_alone(program(lambda: False), decoder)) == [42]
+
+
+def test_stop_fails_waiting_work_and_is_bounded(decoder):
+    """Waiting requests get WorkerStopped at once, a running one is cancelled after the grace period,
+    and nothing new is accepted."""
+    scheduler = make(decoder, max_batch=1)
+
+    def endless(cancelled):
+        cache, token = Row("s"), 0
+        while True:
+            time.sleep(0.01)
+            yield f"s:{token}"
+            token = yield DecodeStep(cache, token, len(cache.tokens))
+
+    async def main():
+        running = scheduler.submit(endless)
+        await running.wait_started(10)
+        queued = scheduler.submit(counting("q", 2))
+        start = time.monotonic()
+        stopped = await asyncio.to_thread(scheduler.stop, 0.3, 5.0)
+        seconds = time.monotonic() - start
+        with pytest.raises(WorkerStopped):
+            await collect_raising(queued)
+        with pytest.raises(WorkerStopped):
+            scheduler.submit(counting("late", 1))
+        return stopped, seconds
+
+    stopped, seconds = run(main())
+    assert stopped and 0.3 <= seconds < 5
+    with pytest.raises(WorkerStopped):
+        scheduler.run_on_model(lambda: None, label="late")
+
+
+async def collect_raising(job):
+    await job.wait_started(5)
+    return [item async for item in job]

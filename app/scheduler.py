@@ -10,8 +10,9 @@ Other threads hand the model thread whole functions with `run_on_model` (an uplo
 Each request holds a slot from admission to its last token; at most `max_batch` slots. The loop:
     1. admit queued requests into free slots; end cancelled ones at once (their slot is free)
     2. run one slice: the oldest request that is not decoding advances until it yields or the slice
-       budget is spent; if none needs it, one model task runs instead (requests before tasks, so a
-       query waits at most one chunk's precompute behind an upload)
+       budget is spent; if none needs it, one model task may run instead: always when no request is
+       in flight, else only to keep tasks at TASK_SHARE of the thread's time (requests before tasks,
+       so a query waits about one chunk's precompute behind an upload, and its tokens keep flowing)
     3. one batched decode step for every request waiting on logits, each then resumed with its row
 A long prefill thus costs the streams already answering one slice per token, not its whole length.
 An error in one request (bad input, a corrupt chunk) ends that request only; a batched step that
@@ -35,6 +36,7 @@ from app.worker import END, Job, QueueFull, WorkerStopped
 log = logging.getLogger("ragblend.scheduler")
 
 Cancelled = Callable[[], bool]
+TASK_SHARE = 0.25  # while requests are in flight, model tasks (upload chunks) get at most this share of the thread
 
 
 # ---- the directives a request program yields -----------------------------------------------------
@@ -111,6 +113,7 @@ class Scheduler:
         self._current: tuple[str, float] | None = None  # (what the model thread runs, since when)
         self.decode_steps: Counter[int] = Counter()  # batched steps by their number of rows
         self._request_s = 1.0  # moving average of a request's time in its slot, for Retry-After
+        self._next_task_at = 0.0  # while requests are in flight, no model task before this (monotonic)
 
     # ---- any thread ------------------------------------------------------------------------------
 
@@ -201,6 +204,13 @@ class Scheduler:
             if task.future.set_running_or_notify_cancel():
                 task.future.set_exception(WorkerStopped())
 
+    def cancel_all(self) -> None:
+        """Cancel every running request (each ends at its next step)."""
+        for slot in list(self._slots):
+            slot.job.cancel()
+        with self._cond:
+            self._cond.notify()
+
     def stop(self, grace_s: float = 5.0, timeout_s: float = 10.0) -> bool:
         """Stop accepting, let running requests finish for `grace_s`, cancel the rest, end the thread.
         True if the model thread has ended (only then is it safe to close what it uses)."""
@@ -208,10 +218,7 @@ class Scheduler:
         deadline = time.monotonic() + grace_s
         while self._slots and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
-        for slot in list(self._slots):
-            slot.job.cancel()
-        with self._cond:
-            self._cond.notify()
+        self.cancel_all()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         self._offload.shutdown(wait=False, cancel_futures=True)
@@ -226,11 +233,11 @@ class Scheduler:
                 if self._stopping and not self._slots and not self._tasks:
                     return
                 if not self._runnable():
-                    self._cond.wait(1.0)
+                    self._cond.wait(self._idle_wait())
                     continue
             try:
                 self._end_cancelled()
-                if not self._prefill_slice():
+                if not self._prefill_slice() and self._task_due():
                     self._run_task()
                 self._decode()
             except Exception as exc:  # a bug here must not kill the model thread: fail what was running
@@ -255,7 +262,14 @@ class Scheduler:
 
     def _runnable(self) -> bool:
         # under _cond
-        return bool(self._tasks) or any(s.state != "offload" or s.job.cancelled.is_set() for s in self._slots)
+        return (bool(self._tasks) and self._task_due()) or \
+            any(s.state != "offload" or s.job.cancelled.is_set() for s in self._slots)
+
+    def _task_due(self) -> bool:
+        return not self._slots or time.monotonic() >= self._next_task_at
+
+    def _idle_wait(self) -> float:
+        return max(0.001, min(1.0, self._next_task_at - time.monotonic())) if self._tasks else 1.0
 
     def _end_cancelled(self) -> None:
         for slot in [s for s in self._slots if s.job.cancelled.is_set()]:
@@ -277,11 +291,14 @@ class Scheduler:
             task = self._tasks.popleft() if self._tasks else None
         if task is None or not task.future.set_running_or_notify_cancel():
             return
+        start = time.monotonic()
         with self._working(task.label):
             try:
                 task.future.set_result(task.fn())
             except BaseException as exc:  # the caller gets it
                 task.future.set_exception(exc)
+        end = time.monotonic()
+        self._next_task_at = end + (end - start) * (1 / TASK_SHARE - 1)
 
     def _decode(self) -> None:
         slots = [s for s in self._slots if s.state == "decode" and not s.job.cancelled.is_set()]

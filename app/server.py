@@ -24,14 +24,15 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import signal
 import tempfile
 import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -56,6 +57,8 @@ from app.worker import Job, QueueFull, Worker, WorkerStopped
 from retrieval import DocumentInfo
 
 log = logging.getLogger("ragblend.server")
+
+STOP_MARGIN_S = 10.0  # at shutdown, after the grace period: time for cancelled work to reach its next check
 
 
 # ---- the service: engine, scheduler, ingest lane, metrics --------------------------------------
@@ -102,24 +105,30 @@ class Service:
             self.load_error = f"{type(exc).__name__}: {exc}"
 
     def begin_shutdown(self) -> None:
-        """Stop accepting work and cancel uploads at once; running queries may finish (see `stop`)."""
-        if self.stopping is None:
-            self.stopping = time.monotonic()
-            log.info("shutting down")
+        """Stop accepting work and cancel uploads at once; running queries may finish within
+        `server.shutdown_grace_s`, then they are cancelled too."""
+        if self.stopping is not None:
+            return
+        self.stopping = time.monotonic()
+        log.info("shutting down")
         self.ready.clear()
         self.lane.begin_stop()
         if self.scheduler is not None:
             self.scheduler.begin_stop()
+            timer = threading.Timer(self.settings.server.shutdown_grace_s, self.scheduler.cancel_all)
+            timer.daemon = True
+            timer.start()
 
     def stop(self) -> None:
-        """Shut down within `server.shutdown_grace_s` (plus one chunk's precompute), then close the store
-        and the database unless a thread still uses them."""
+        """Shut down: `begin_shutdown`, then wait for the lane and the model thread (the grace period, plus
+        STOP_MARGIN_S for a chunk's precompute or an embedding batch to end) and close the store and the
+        database — unless a thread still uses them."""
         self.begin_shutdown()
-        grace = self.settings.server.shutdown_grace_s
-        left = max(0.0, self.stopping + grace - time.monotonic())
-        clean = self.lane.stop(timeout=grace)
+        deadline = self.stopping + self.settings.server.shutdown_grace_s + STOP_MARGIN_S
+        clean = self.lane.stop(timeout=max(0.1, deadline - time.monotonic()))
         if self.scheduler is not None:
-            clean = self.scheduler.stop(grace_s=left, timeout_s=grace) and clean
+            left = max(0.0, self.stopping + self.settings.server.shutdown_grace_s - time.monotonic())
+            clean = self.scheduler.stop(grace_s=left, timeout_s=max(0.1, deadline - time.monotonic())) and clean
         if self.owns_engine and self.engine is not None:
             if clean:
                 self.engine.parts.close()
@@ -269,6 +278,9 @@ class QueryRun:
                     return
         finally:
             self.cancel()
+        # Ended without a result: cancelled (the client left, or the server is stopping).
+        raise WorkerStopped if self.svc.stopping is not None else ApiError(503, "the request was cancelled",
+                                                                           "cancelled")
 
     async def _all(self) -> AsyncIterator[str | QueryResult]:
         yield self._first
@@ -505,7 +517,8 @@ def _ingest(svc: Service, docs: list[SourceDocument], cancelled: Callable[[], bo
             raise IngestCancelled("upload cancelled")
 
     ingestor = replace(svc.ingestor, kv_cache=ModelThreadKV(svc.engine.parts.kv_cache, svc.scheduler, cancelled),
-                       on_embedded=check)  # progress after each embedding batch: a place to stop
+                       on_embedded=check,  # progress after each embedding batch: a place to stop
+                       max_chars=svc.settings.limits.max_document_chars)
     prepared = []
     for doc in docs:
         check()
@@ -597,7 +610,19 @@ def run_server(settings: Settings, host: str, port: int) -> None:
             threading.Thread(target=app.state.service.begin_shutdown, name="ragblend-shutdown").start()
             super().handle_exit(sig, frame)
 
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn's, minus re-raising the signal once stopped: a graceful shutdown exits with code 0.
+            handlers = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+
     setup_logging()
     app = create_app(settings)
+    # uvicorn waits for open requests a little longer than our grace: by then we have ended them ourselves.
+    grace = settings.server.shutdown_grace_s + STOP_MARGIN_S
     Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=max(1, round(settings.server.shutdown_grace_s)))).run()
+                          timeout_graceful_shutdown=max(1, round(grace)))).run()

@@ -20,7 +20,7 @@ from typing import Protocol
 FOLLOW_UP_MAX_WORDS = 4
 REFERRING = frozenset("""it its itself he him his himself she her hers herself they them their theirs themselves
 this that these those there then such one ones same other former latter""".split())
-CONTINUING = ("and ", "but ", "so ", "also ", "what about", "how about", "what else", "why", "how come", "then ")
+CONTINUING = ("and ", "but ", "so ", "also ", "what about", "how about", "what else", "then ")
 _WORD = re.compile(r"[a-z0-9']+")
 
 

@@ -1,15 +1,19 @@
-"""Serving benchmark: TTFT and throughput of blend vs full prefill through the HTTP API.
+"""Serving benchmark: concurrent streams through the HTTP API, batched scheduler vs one at a time.
 
-    python bench/serve.py [--questions 6] [--passages 10] [--requests 8] [--top-k 4] [--max-tokens 8]
-                          [--concurrency 1,4]
+    python bench/serve.py [--questions 6] [--passages 10] [--top-k 4] [--max-tokens 48]
+                          [--concurrency 1,2,4,8] [--requests-per-stream 1] [--threads N]
 
-Starts `ragblend serve` as a subprocess on a free loopback port over a temporary data dir, with
-one chunk per MuSiQue passage (chunks up to 1024 tokens, as in CacheBlend's setup), and ingests
-the first questions' passages through POST /v1/documents. Then, for each concurrency level and
-mode, it sends `--requests` streaming /v1/query requests (the questions, cycled) from that many
-client threads. TTFT = time from sending a request to its first SSE delta, as the client sees it
-(queue wait included: one worker serves every request); requests/s = requests / wall time.
-Prints JSON on stdout, progress on stderr.
+Starts two `ragblend serve` processes on one temporary data dir: the scheduler as configured
+(`server.max_batch: 8`) and the one-at-a-time baseline (`server.max_batch: 1`: one request on the model
+thread at a time, the old worker's behaviour). Ingests one document per MuSiQue passage (chunks up to
+1024 tokens, as in CacheBlend's setup) through the first; the second reads the same index and KV.
+Then, for each concurrency level c, mode (blend, full) and server, interleaved: c client threads each
+send `--requests-per-stream` streaming /v1/query requests (at least 2 requests per run) with
+`ignore_eos`, so every answer is `--max-tokens` long and throughput compares like with like.
+
+Per run: TTFT p50/p95 (client-side, send → first SSE delta, queue wait included), time between tokens
+p50/p95 (gaps between deltas), output tokens/s overall (all completion tokens / wall time).
+Prints JSON on stdout (with the commit and the load average), progress on stderr.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
+SERVERS = {"batched": 8, "one_at_a_time": 1}  # server.max_batch
 
 
 def log(message: str) -> None:
@@ -41,21 +46,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(data_dir: str, port: int, queue_size: int) -> subprocess.Popen:
+def start_server(data_dir: str, port: int, max_batch: int, queue_size: int, threads: int | None) -> subprocess.Popen:
     env = {**os.environ, "RAGBLEND_DATA_DIR": data_dir, "RAGBLEND_MODEL__CACHE_DIR": str(REPO / "data" / "models"),
-           "RAGBLEND_SERVER__QUEUE_SIZE": str(queue_size), "RAGBLEND_CHUNKING__TARGET_TOKENS": "1024",
-           "RAGBLEND_CHUNKING__MAX_TOKENS": "1024"}
+           "RAGBLEND_SERVER__QUEUE_SIZE": str(queue_size), "RAGBLEND_SERVER__MAX_BATCH": str(max_batch),
+           "RAGBLEND_CHUNKING__TARGET_TOKENS": "1024", "RAGBLEND_CHUNKING__MAX_TOKENS": "1024",
+           "RAGBLEND_LIMITS__MAX_NEW_TOKENS": "1024"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
                             cwd=REPO, env=env)
 
 
-def wait_ready(http: httpx.Client, server: subprocess.Popen, timeout: float = 300) -> None:
+def wait_ready(url: str, server: subprocess.Popen, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
             raise SystemExit(f"server exited with {server.returncode}")
         try:
-            if http.get("/health").status_code == 200:
+            if httpx.get(f"{url}/health").status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -64,21 +72,23 @@ def wait_ready(http: httpx.Client, server: subprocess.Popen, timeout: float = 30
 
 
 def ask(url: str, question: str, mode: str, top_k: int, max_tokens: int) -> dict:
-    """One streaming query: client-side TTFT (first delta) and end-to-end seconds, plus server stats."""
-    body = {"question": question, "mode": mode, "top_k": top_k, "max_tokens": max_tokens, "stream": True}
+    """One streaming query: client-side TTFT, the gaps between deltas, and the server's stats."""
+    body = {"question": question, "mode": mode, "top_k": top_k, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True}
     start = time.perf_counter()
-    ttft, result, event = None, None, None
-    with httpx.stream("POST", f"{url}/v1/query", json=body, timeout=600) as response:
+    arrivals, result, event = [], None, None
+    with httpx.stream("POST", f"{url}/v1/query", json=body, timeout=1200) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("event:"):
                 event = line[6:].strip()
             elif line.startswith("data:"):
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                if event == "result":
+                if event == "delta":
+                    arrivals.append(time.perf_counter())
+                elif event == "result":
                     result = json.loads(line[5:])
-    return {"ttft_s": ttft, "e2e_s": time.perf_counter() - start, "stats": result["stats"]}
+    return {"ttft_s": arrivals[0] - start, "gaps_s": [b - a for a, b in zip(arrivals, arrivals[1:])],
+            "end": time.perf_counter(), "start": start, "stats": result["stats"]}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -87,26 +97,50 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
-def run(url: str, questions: list[str], mode: str, concurrency: int, top_k: int, max_tokens: int) -> dict:
+def run(url: str, questions: list[str], mode: str, streams: int, per_stream: int, top_k: int,
+        max_tokens: int) -> dict:
+    """`streams` client threads, each sending its share of the requests one after another."""
+    asked = [questions[i % len(questions)] for i in range(max(2, streams * per_stream))]
+    shares = [asked[s::streams] for s in range(streams)]
     start = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda q: ask(url, q, mode, top_k, max_tokens), questions))
+    with ThreadPoolExecutor(streams) as pool:
+        per_thread = list(pool.map(lambda share: [ask(url, q, mode, top_k, max_tokens) for q in share], shares))
     wall = time.perf_counter() - start
-    ttfts, e2e = [r["ttft_s"] for r in results], [r["e2e_s"] for r in results]
-    stats = [r["stats"] for r in results]
+    results = [r for thread in per_thread for r in thread]
+    ttfts, gaps = [r["ttft_s"] for r in results], [g for r in results for g in r["gaps_s"]]
+    tokens = sum(r["stats"]["completion_tokens"] for r in results)
     return {
         "requests": len(results),
         "ttft_p50_s": round(statistics.median(ttfts), 3),
         "ttft_p95_s": round(percentile(ttfts, 95), 3),
-        "e2e_p50_s": round(statistics.median(e2e), 3),
-        "requests_per_s": round(len(results) / wall, 3),
-        "server_ttft_p50_ms": round(statistics.median(s["ttft_ms"] for s in stats), 1),  # without queue wait
-        "server_phases_p50_ms": {phase: round(statistics.median(s[f"{phase}_ms"] for s in stats), 1)
-                                 for phase in ("retrieve", "kv_load", "prefill")},
-        "prompt_tokens_mean": round(statistics.mean(s["prompt_tokens"] for s in stats), 1),
-        "cached_tokens_mean": round(statistics.mean(s["cached_tokens"] for s in stats), 1),
-        "recomputed_tokens_mean": round(statistics.mean(s["recomputed_tokens"] for s in stats), 1),
+        "tbt_p50_ms": round(statistics.median(gaps) * 1000, 1) if gaps else None,
+        "tbt_p95_ms": round(percentile(gaps, 95) * 1000, 1) if gaps else None,
+        "output_tokens_per_s": round(tokens / wall, 2),
+        "wall_s": round(wall, 1),
+        "server_prefill_p50_ms": round(statistics.median(r["stats"]["prefill_ms"] for r in results), 1),
+        "prompt_tokens_mean": round(statistics.mean(r["stats"]["prompt_tokens"] for r in results), 1),
     }
+
+
+def ingest(url: str, items: list[dict], passages: int) -> int:
+    chunks = 0
+    with httpx.Client(base_url=url, timeout=1200) as http:
+        for i, item in enumerate(items):
+            for j, ctx in enumerate(item["ctxs"][:passages]):
+                doc = {"id": f"q{i}-p{j}", "title": ctx.get("title") or None, "text": ctx["text"]}
+                response = http.post("/v1/documents", json=doc)
+                response.raise_for_status()
+                chunks += response.json()["data"][0]["n_chunks"]
+            log(f"ingested question {i + 1}/{len(items)}'s passages ({chunks} chunks so far)")
+    return chunks
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main() -> None:
@@ -114,56 +148,67 @@ def main() -> None:
     parser.add_argument("--dataset", type=Path, default=DATASET)
     parser.add_argument("--questions", type=int, default=6)
     parser.add_argument("--passages", type=int, default=10, help="per question")
-    parser.add_argument("--requests", type=int, default=8, help="per mode and concurrency level")
     parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--concurrency", default="1,2,4,8")
+    parser.add_argument("--requests-per-stream", type=int, default=1)
+    parser.add_argument("--modes", default="blend,full")
+    parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the servers")
     args = parser.parse_args()
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels, modes = [int(c) for c in args.concurrency.split(",")], args.modes.split(",")
     items = json.loads(args.dataset.read_text())[: args.questions]
-    questions = [items[i % len(items)]["question"] for i in range(args.requests)]
+    questions = [item["question"] for item in items]
+    load_before = os.getloadavg()
 
     with tempfile.TemporaryDirectory(prefix="ragblend-bench-") as data_dir:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = start_server(data_dir, port, queue_size=max(levels) * 2)
+        urls, servers = {}, {}
         try:
-            with httpx.Client(base_url=url, timeout=600) as http:
+            for name, max_batch in SERVERS.items():
+                port = free_port()
+                urls[name] = f"http://127.0.0.1:{port}"
+                servers[name] = start_server(data_dir, port, max_batch, queue_size=max(levels) * 2,
+                                             threads=args.threads)
                 t = time.perf_counter()
-                wait_ready(http, server)
-                log(f"server ready in {time.perf_counter() - t:.1f}s")
+                wait_ready(urls[name], servers[name])
+                log(f"{name} server ready in {time.perf_counter() - t:.1f}s")
+                if name == "batched":  # 1. the corpus, through the first server (the second shares the dir)
+                    t = time.perf_counter()
+                    chunks = ingest(urls[name], items, args.passages)
+                    ingest_s = time.perf_counter() - t
 
-                # 1. The corpus: every passage of every question, one document each.
-                t, chunks = time.perf_counter(), 0
-                for i, item in enumerate(items):
-                    for j, ctx in enumerate(item["ctxs"][: args.passages]):
-                        doc = {"id": f"q{i}-p{j}", "title": ctx.get("title") or None, "text": ctx["text"]}
-                        response = http.post("/v1/documents", json=doc)
-                        response.raise_for_status()
-                        chunks += response.json()["data"][0]["n_chunks"]
-                    log(f"ingested question {i + 1}/{len(items)}'s passages ({chunks} chunks so far)")
-                ingest_s = time.perf_counter() - t
-
-                # 2. Warm-up (first-call costs), then every concurrency level, modes interleaved.
-                for mode in ("blend", "full"):
-                    ask(url, questions[0], mode, args.top_k, args.max_tokens)
-                results: dict[str, dict[str, dict]] = {"blend": {}, "full": {}}
-                for c in levels:
-                    for mode in ("blend", "full"):
-                        results[mode][f"c{c}"] = r = run(url, questions, mode, c, args.top_k, args.max_tokens)
-                        log(f"{mode} c={c}: ttft p50 {r['ttft_p50_s']}s p95 {r['ttft_p95_s']}s, "
-                            f"{r['requests_per_s']} req/s")
+            # 2. Warm-up (first-call costs; the second server's memory tier), then every level, interleaved.
+            for url in urls.values():
+                for mode in modes:
+                    for question in questions:
+                        ask(url, question, mode, args.top_k, 2)
+            results: dict[str, dict[str, dict[str, dict]]] = {s: {m: {} for m in modes} for s in SERVERS}
+            for c in levels:
+                for mode in modes:
+                    for name, url in urls.items():
+                        r = run(url, questions, mode, c, args.requests_per_stream, args.top_k, args.max_tokens)
+                        results[name][mode][f"c{c}"] = r
+                        log(f"{name} {mode} c={c}: ttft p50 {r['ttft_p50_s']}s p95 {r['ttft_p95_s']}s, "
+                            f"tbt p50 {r['tbt_p50_ms']}ms p95 {r['tbt_p95_ms']}ms, {r['output_tokens_per_s']} tok/s")
         finally:
-            server.terminate()
-            server.wait(30)
+            for server in servers.values():
+                server.terminate()
+            for server in servers.values():
+                server.wait(60)
 
+    batched, single = results["batched"], results["one_at_a_time"]
     print(json.dumps({
+        "commit": commit(), "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "questions": len(items), "passages": sum(len(i["ctxs"][: args.passages]) for i in items),
-        "chunks": chunks, "requests": args.requests,
-        "ingest_s": round(ingest_s, 1), "top_k": args.top_k, "max_tokens": args.max_tokens,
-        "results": results,
-        "ttft_p50_speedup": {f"c{c}": round(results["full"][f"c{c}"]["ttft_p50_s"] /
-                                            results["blend"][f"c{c}"]["ttft_p50_s"], 2) for c in levels},
+        "chunks": chunks, "ingest_s": round(ingest_s, 1), "top_k": args.top_k, "max_tokens": args.max_tokens,
+        "requests_per_stream": args.requests_per_stream, "results": results,
+        "throughput_vs_one_at_a_time": {mode: {f"c{c}": round(batched[mode][f"c{c}"]["output_tokens_per_s"] /
+                                                              single[mode][f"c{c}"]["output_tokens_per_s"], 2)
+                                               for c in levels} for mode in modes},
+        "blend_ttft_p50_over_full": {name: {f"c{c}": round(results[name]["blend"][f"c{c}"]["ttft_p50_s"] /
+                                                           results[name]["full"][f"c{c}"]["ttft_p50_s"], 3)
+                                            for c in levels} for name in SERVERS}
+        if {"blend", "full"} <= set(modes) else None,
     }, indent=2))
 
 

@@ -21,6 +21,7 @@ FOLLOW_UP_MAX_WORDS = 4
 REFERRING = frozenset("""it its itself he him his himself she her hers herself they them their theirs themselves
 this that these those there then such one ones same other former latter""".split())
 CONTINUING = ("and ", "but ", "so ", "also ", "what about", "how about", "what else", "then ")
+PREVIOUS_MAX_CHARS = 300
 _WORD = re.compile(r"[a-z0-9']+")
 
 
@@ -64,8 +65,8 @@ def is_follow_up(question: str) -> bool:
 
 
 def previous_exchange(turns: Sequence[tuple[str, str]]) -> list[str]:
-    """The last user message and, if there is one after it, the reply to it (stripped)."""
+    """The last user message and, if there is one after it, the reply to it (stripped, each cut to
+    PREVIOUS_MAX_CHARS: the embedder reads only its first 256 word pieces, and the question must be in them)."""
     last_user = max((i for i, (role, _) in enumerate(turns) if role == "user"), default=None)
-    if last_user is None:
-        return [turns[-1][1].strip()]
-    return [text.strip() for _, text in turns[last_user:last_user + 2]]
+    exchange = [turns[-1]] if last_user is None else turns[last_user:last_user + 2]
+    return [text.strip()[:PREVIOUS_MAX_CHARS] for _, text in exchange]

@@ -31,6 +31,7 @@ from blend.prompt import exchange_starts
 from retrieval.retriever import Hit
 
 Mode = Literal["blend", "full", "reuse"]
+CHARS_PER_TOKEN_BOUND = 64  # no token holds more characters (bounds the conversation worth rendering)
 
 
 class RequestError(ValueError):
@@ -233,14 +234,30 @@ class RagEngine:
         return _Plan(hits, pieces, suffix, turns, len(params.turns) - len(turns))
 
     def _fit(self, params: QueryParams, fixed: int) -> tuple[tuple[tuple[str, str], ...], list[list[int]]]:
-        """The newest turns whose conversation fits the context next to everything else, as token pieces."""
-        limit = self._context_limit()
-        turns = params.turns
-        for start in exchange_starts(turns) + [len(turns)] if turns else [0]:
-            conversation = self.parts.prompt.conversation_ids(turns[start:], params.system)
-            if not limit or fixed + sum(map(len, conversation)) <= limit:
-                return turns[start:], conversation
-        return (), []
+        """The newest exchanges whose conversation fits the context next to everything else, as token pieces.
+        A binary search over where the kept conversation starts (a few renders, however long the chat);
+        exchanges more than CHARS_PER_TOKEN_BOUND characters per token of context back are not even tried."""
+        limit, turns = self._context_limit(), params.turns
+        if not turns:
+            return (), []
+        starts = exchange_starts(turns) + [len(turns)]
+        if limit:  # no conversation of more characters than this fits: skip rendering it
+            chars = [sum(len(text) for _, text in turns[start:]) for start in starts]
+            starts = [s for s, n in zip(starts, chars) if n <= CHARS_PER_TOKEN_BOUND * limit] or [len(turns)]
+
+        def fitting(i: int) -> list[list[int]] | None:
+            conversation = self.parts.prompt.conversation_ids(turns[starts[i]:], params.system)
+            return conversation if not limit or fixed + sum(map(len, conversation)) <= limit else None
+
+        kept, best = len(starts) - 1, []  # the last start keeps nothing, which always fits
+        lo, hi = 0, len(starts) - 2
+        while lo <= hi:  # the earliest start that fits (a later start only drops more)
+            mid = (lo + hi) // 2
+            if (conversation := fitting(mid)) is not None:
+                kept, best, hi = mid, conversation, mid - 1
+            else:
+                lo = mid + 1
+        return turns[starts[kept]:], best
 
     def _check_length(self, prompt_len: int, max_tokens: int) -> None:
         limit = self._context_limit()

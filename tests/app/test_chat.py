@@ -159,3 +159,31 @@ def test_oldest_turns_are_dropped_when_the_context_is_full(lighthouses, server_e
     assert [p.kind for p in plan.pieces] == ["head", "conversation", "passage"]
     assert plan.pieces[0].ids == prompt.head_ids_for("Be brief.") and plan.suffix == prompt.suffix_ids(chat.question)
     assert plan.turns == chat.turns[6:] and "story number 3" in prompt.tokenizer.decode(plan.pieces[1].ids)
+
+
+@pytest.mark.slow
+def test_a_conversation_far_over_the_context_keeps_the_newest_exchanges_that_fit(server_engine):
+    """3,000 exchanges (a few MB): only a handful of renders decide what is kept."""
+    turns = []
+    for i in range(3000):
+        turns += [("user", f"Question {i} about the harbour wall and its granite blocks?"),
+                  ("assistant", f"Answer {i}: " + "the wall was finished in 1956 and still stands. " * 20)]
+    calls = []
+    prompt = server_engine.parts.prompt
+    original = prompt.conversation_ids
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    params = QueryParams("When was the harbour wall finished?", top_k=1, turns=tuple(turns))
+    try:
+        prompt.conversation_ids = counting
+        plan = server_engine._plan(params, 16, QueryStats(mode="blend"))
+    finally:
+        del prompt.conversation_ids
+    kept = sum(len(p.ids) for p in plan.pieces) + len(plan.suffix) + 16
+    limit = server_engine._context_limit()
+    assert 0 < plan.dropped < len(turns) and plan.turns == tuple(turns[plan.dropped:])
+    assert kept <= limit and limit - kept < 400  # one more exchange (~250 tokens) would not have fit
+    assert len(calls) <= 12

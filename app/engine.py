@@ -144,8 +144,6 @@ class RagEngine:
 
         # 1. Off the model thread: retrieve, lay the prompt out as token pieces, read their KV from the store.
         plan: _Plan = yield Offload(lambda: self._plan(params, max_tokens, stats))
-        passages = [p for p in plan.pieces if p.kind == "passage"]
-        stats.store_hits = dict(Counter(p.tier or "computed" for p in passages)) if params.mode != "full" else {}
 
         # 2. On it: compute the pieces the store lacked, one slice each. (Look again first: the previous
         #    turn stores its exchange on this thread after answering, perhaps after our look.)
@@ -158,6 +156,7 @@ class RagEngine:
                     before = [p.kv for p in plan.pieces[:i]] if piece.kind == "conversation" else []
                     piece.kv, piece.tier = parts.kv_cache.compute(piece.ids, piece.context_ids, before), "computed"
                     yield
+            stats.store_hits = dict(Counter(p.tier for p in plan.pieces if p.kind == "passage"))
         stats.kv_load_ms += _ms(t)
 
         # 3. Prefill, a layer per slice.

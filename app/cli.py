@@ -102,25 +102,31 @@ def compare(dataset: Path = typer.Option(..., exists=True, dir_okay=False, help=
 
 
 @cli.command()
-def bench(name: str = typer.Argument(..., help="ttft | store | ingest | serve"),
+def bench(name: str = typer.Argument(..., help="ttft | store | ingest | serve | scale"),
           args: list[str] = typer.Argument(None, help="Arguments passed to the script.")) -> None:
     """Run a benchmark script from bench/ (prints JSON)."""
     import runpy
 
     script = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
     if not script.exists():
-        fail(f"unknown benchmark {name!r}: choose from ttft, store, ingest, serve")
+        fail(f"unknown benchmark {name!r}: choose from ttft, store, ingest, serve, scale")
     sys.argv = [str(script), *(args or [])]
     runpy.run_path(str(script), run_name="__main__")
 
 
 @store_cli.command("stats")
 def store_stats(config: Optional[Path] = ConfigOpt) -> None:
-    """Entries, bytes, hits and misses per tier (no model is loaded)."""
+    """Hit rate and where retrieved chunks' KV came from (all replicas), bytes per tier (no model is loaded)."""
     from app.components import Components
+    from app.usage import store_report
 
-    with Components(_settings(config)).inspect_store() as store:
-        typer.echo(json.dumps(store.stats(), indent=2, default=str))
+    parts = Components(_settings(config))
+    try:
+        with parts.inspect_store() as store:
+            report = store_report(store.stats(), parts.metadata.usage())
+        typer.echo(json.dumps(report, indent=2, default=str))
+    finally:
+        parts.close()
 
 
 @store_cli.command("gc")

@@ -10,8 +10,9 @@ from functools import cached_property
 from app.config import Settings
 from app.ingest import Ingestor
 from app.kv import ChunkKVCache
+from app.usage import UsageLog
 from blend import Blender, LoadedModel, PromptFormat, load_model
-from retrieval import Chunker, Embedder, Retriever, open_embedder
+from retrieval import Chunker, Embedder, Metadata, Retriever, open_embedder, open_metadata
 from store import TieredStore, build_store
 
 
@@ -48,7 +49,17 @@ class Components:
 
     @cached_property
     def kv_cache(self) -> ChunkKVCache:
-        return ChunkKVCache(self.blender, self.prompt, self.store, precompute=self.settings.blend.precompute)
+        return ChunkKVCache(self.blender, self.prompt, self.store, precompute=self.settings.blend.precompute,
+                            on_served=self.usage.record)
+
+    @cached_property
+    def metadata(self) -> Metadata:
+        """Documents, chunks, the change log and KV usage: SQLite in the index dir, or the shared database."""
+        return open_metadata(self.settings.retrieval.database_url, self.settings.index_dir)
+
+    @cached_property
+    def usage(self) -> UsageLog:
+        return UsageLog(self.metadata)
 
     @cached_property
     def embedder(self) -> Embedder:
@@ -57,7 +68,8 @@ class Components:
     @cached_property
     def retriever(self) -> Retriever:
         r = self.settings.retrieval
-        return Retriever(self.settings.index_dir, self.embedder, kind=r.index, order=r.order, top_k=r.top_k)
+        return Retriever(self.settings.index_dir, self.embedder, kind=r.index, order=r.order, top_k=r.top_k,
+                         metadata=self.metadata)
 
     @cached_property
     def chunker(self) -> Chunker:
@@ -66,11 +78,12 @@ class Components:
     @cached_property
     def ingestor(self) -> Ingestor:
         return Ingestor(self.retriever, self.chunker, self.kv_cache,
-                        max_chars=self.settings.limits.max_document_chars)
+                        max_chars=self.settings.limits.max_document_chars,
+                        precompute_at=self.settings.blend.precompute_at)
 
     def close(self) -> None:
-        """Close the store and the metadata database, if they were opened."""
-        for name in ("store", "retriever"):
+        """Write the last usage counts, close the store and the metadata database, if they were opened."""
+        for name in ("usage", "store", "retriever", "metadata"):
             part = self.__dict__.pop(name, None)
             if part is not None:
                 part.close()

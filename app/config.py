@@ -28,6 +28,9 @@ class BlendSettings(BaseModel):
     check_layer: int = Field(1, ge=0)
     deviation: Literal["value", "key"] = "value"
     precompute: Literal["head", "zero"] = "head"
+    # When a chunk's KV is computed: at ingest (every chunk, before it is searchable), or the first
+    # time a query retrieves it (ingest only chunks and embeds; the store keeps what is used).
+    precompute_at: Literal["ingest", "first_use"] = "ingest"
 
 
 class ServerSettings(BaseModel):

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
+from app.usage import COMPUTED
 from blend import Blender, ChunkKV, PromptFormat, hash_ids
 from store import TieredStore, kv_key
 
 log = logging.getLogger("ragblend.kv")
-
-COMPUTED = "computed"
 
 
 class ChunkKVCache:
@@ -18,11 +17,13 @@ class ChunkKVCache:
 
     `precompute="head"` computes each passage right after the prompt head (closer to a full
     prefill, the default by measurement); "zero" computes it alone from position 0.
+    `on_served(key, source)` hears where each retrieved passage's KV came from (app.usage).
     """
 
     def __init__(self, blender: Blender, prompt: PromptFormat, store: TieredStore,
-                 precompute: Literal["head", "zero"] = "head"):
-        self.blender, self.prompt, self.store = blender, prompt, store
+                 precompute: Literal["head", "zero"] = "head",
+                 on_served: Callable[[str, str], object] = lambda key, source: None):
+        self.blender, self.prompt, self.store, self.on_served = blender, prompt, store, on_served
         self.head_ids = prompt.head_ids
         self.context_ids = self.head_ids if precompute == "head" else []
         self._context_hash = hash_ids(self.context_ids)
@@ -42,8 +43,11 @@ class ChunkKVCache:
         return kv_key(self.blender.fingerprint, self._context_hash, list(ids))
 
     def get_or_compute(self, ids: Sequence[int]) -> tuple[ChunkKV, str]:
-        """The passage's KV and where it came from: a tier name or "computed"."""
-        return self._load(list(ids), self.context_ids)
+        """A retrieved passage's KV and where it came from: a tier name or "computed" (then stored:
+        an entry Redis evicted, or one never precomputed, is back for the next query)."""
+        kv, source = self._load(list(ids), self.context_ids)
+        self.on_served(self.key(ids), source)
+        return kv, source
 
     def ensure(self, ids: Sequence[int]) -> str:
         """Make sure the passage's KV is stored (ingest); returns its key."""

@@ -1,14 +1,21 @@
-"""TTFT of full prefill vs full reuse vs blend, in one run, on 5 MuSiQue passages (~3k tokens).
+"""TTFT of full prefill vs full reuse vs blend, in one run, on MuSiQue passages.
 
-Prints JSON: {"prompt_tokens", "full_s", "ratios": {"reuse", "blend@0.15", "blend@0.3"}, ...}.
+Single run (default 5 passages, ~3k tokens) prints JSON:
+    {"prompt_tokens", "full_s", "ratios": {"reuse", "blend@0.15", "blend@0.3"}, "ttft_s", "phases_ms", ...}
+`--sweep` prints one JSON with such a run for 2, 5, 10 and 14 passages (fewer where the prompt
+would pass the model's context), modes full / reuse / blend@0.15 / blend@0.3 / blend@1, plus the
+commit and the load average.
 TTFT = chunk KVs fetched from the store's memory tier + prefill + choosing the first token;
-each ratio is mode TTFT / full-prefill TTFT, medians over interleaved repeats of one run.
+each ratio is mode TTFT / full-prefill TTFT, medians over interleaved repeats of one run;
+phases are each mode's `PrefillStats.timings_ms` from its last repeat.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,63 +29,97 @@ sys.path.insert(0, str(REPO))
 from app.components import build_kv_cache, load_llm, open_store  # noqa: E402
 from app.config import load_settings  # noqa: E402
 
+SWEEP_PASSAGES = (2, 5, 10, 14)
+SWEEP_MODES = "reuse,blend@0.15,blend@0.3,blend@1"
+ANSWER_ROOM = 64  # tokens left in the context for the answer
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dataset", type=Path, default=REPO.parent / "shared/data/musique_dev.json")
-    parser.add_argument("--question", type=int, default=0)
-    parser.add_argument("--passages", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--modes", default="reuse,blend@0.15,blend@0.3")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
-    item = json.loads(args.dataset.read_text())[args.question]
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = load_settings(data_dir=tmp, model={"cache_dir": str(REPO / "data/models")})
-        loaded = load_llm(settings)
-        store = open_store(settings, loaded.fingerprint)
-        kv_cache = build_kv_cache(settings, loaded, store)
-        blender, prompt = kv_cache.blender, kv_cache.prompt
-        passages = [(c["text"], c["title"]) for c in item["ctxs"][: args.passages]]
-        for text, title in passages:  # precompute outside the timed region, as ingest does
-            kv_cache.ensure(text, title)
-        suffix = prompt.suffix_ids(item["question"])
-        ids = kv_cache.head_ids + [i for p in passages for i in kv_cache.passage_ids(*p)] + suffix
+def measure(blender, kv_cache, item: dict, passages: int, modes: list[str], repeats: int) -> dict:
+    """One interleaved run of `modes` (full first) on the question's first `passages` passages."""
+    limit = getattr(blender.model.config, "max_position_embeddings", None) or 1 << 30
+    suffix = kv_cache.prompt.suffix_ids(item["question"])
+    chosen, ids = [], kv_cache.head_ids + suffix
+    for c in item["ctxs"][:passages]:
+        passage_ids = kv_cache.passage_ids(c["text"], c["title"])
+        if len(ids) + len(passage_ids) + ANSWER_ROOM > limit:
+            break
+        kv_cache.ensure(c["text"], c["title"])  # precompute outside the timed region, as ingest does
+        chosen.append((c["text"], c["title"]))
+        ids = ids[: -len(suffix)] + passage_ids + suffix
 
-        def ttft(mode: str) -> tuple[float, dict]:
-            start = time.perf_counter()
-            if mode == "full":
-                prefill = blender.full_prefill(ids)
-            else:
-                segments = [kv_cache.head()] + [kv_cache.get_or_compute(*p)[0] for p in passages]
-                ratio = 0.0 if mode == "reuse" else float(mode.split("@")[1])
-                prefill = blender.prefill(segments, suffix, ratio)
-            int(prefill.logits.argmax())
-            return time.perf_counter() - start, prefill.stats.timings_ms
+    def ttft(mode: str) -> tuple[float, dict]:
+        start = time.perf_counter()
+        if mode == "full":
+            prefill = blender.full_prefill(ids)
+        else:
+            segments = [kv_cache.head()] + [kv_cache.get_or_compute(*p)[0] for p in chosen]
+            ratio = 0.0 if mode == "reuse" else float(mode.split("@")[1])
+            prefill = blender.prefill(segments, suffix, ratio)
+        int(prefill.logits.argmax())
+        return time.perf_counter() - start, prefill.stats.timings_ms
 
-        modes = ["full", *args.modes.split(",")]
-        ttft("full")  # warm-up
-        times: dict[str, list[float]] = {m: [] for m in modes}
-        phases: dict[str, dict] = {}
-        for r in range(args.repeats):
-            for mode in modes:  # interleaved, so noise hits every mode alike
-                seconds, phases[mode] = ttft(mode)
-                times[mode].append(seconds)
-                print(f"repeat {r + 1}/{args.repeats} {mode}: {seconds:.3f}s", file=sys.stderr)
-        median = {m: statistics.median(t) for m, t in times.items()}
-        store.close()
-    print(json.dumps({
+    modes = ["full", *modes]
+    ttft("full")  # warm-up
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    phases: dict[str, dict] = {}
+    for r in range(repeats):
+        for mode in modes:  # interleaved, so noise hits every mode alike
+            seconds, phases[mode] = ttft(mode)
+            times[mode].append(seconds)
+            print(f"{len(chosen)} passages, repeat {r + 1}/{repeats} {mode}: {seconds:.3f}s", file=sys.stderr)
+    median = {m: statistics.median(t) for m, t in times.items()}
+    return {
+        "passages": len(chosen),
         "prompt_tokens": len(ids),
         "full_s": round(median["full"], 4),
         "ratios": {m: round(median[m] / median["full"], 4) for m in modes if m != "full"},
         "ttft_s": {m: round(s, 4) for m, s in median.items()},
         "phases_ms": phases,
-        "threads": torch.get_num_threads(),
-        "fingerprint": loaded.fingerprint,
-    }, indent=2))
+    }
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", type=Path, default=REPO.parent / "shared/data/musique_dev.json")
+    parser.add_argument("--question", type=int, default=0)
+    parser.add_argument("--passages", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default=None, help="comma-separated, besides full (default: reuse,blend@0.15,"
+                                                      f"blend@0.3; with --sweep {SWEEP_MODES})")
+    parser.add_argument("--sweep", action="store_true", help=f"one run per passage count in {SWEEP_PASSAGES}")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = (args.modes or (SWEEP_MODES if args.sweep else "reuse,blend@0.15,blend@0.3")).split(",")
+
+    item = json.loads(args.dataset.read_text())[args.question]
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = load_settings(data_dir=tmp, model={"cache_dir": str(REPO / "data/models")})
+        loaded = load_llm(settings)
+        store = open_store(settings, loaded.fingerprint)
+        kv_cache = build_kv_cache(settings, loaded, store)
+        try:
+            counts = SWEEP_PASSAGES if args.sweep else (args.passages,)
+            runs = [measure(kv_cache.blender, kv_cache, item, n, modes, args.repeats) for n in counts]
+        finally:
+            store.close()
+    info = {"threads": torch.get_num_threads(), "fingerprint": loaded.fingerprint, "commit": commit(),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+    if args.sweep:
+        print(json.dumps({"question": args.question, "repeats": args.repeats, **info, "runs": runs}, indent=2))
+    else:
+        print(json.dumps({**runs[0], **info}, indent=2))
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Single run (default 5 passages, ~3k tokens) prints JSON:
     {"prompt_tokens", "full_s", "ratios": {"reuse", "blend@0.15", "blend@0.3"}, "ttft_s", "phases_ms", ...}
-`--sweep` prints one JSON with such a run for 2, 5, 10 and 14 passages (fewer where the prompt
-would pass the model's context), modes full / reuse / blend@0.15 / blend@0.3 / blend@1, plus the
+`--sweep` prints one JSON with such a run for 2, 5, 10 and 14 passages (a question has 10; the
+next questions' passages fill up, and a prompt stops short of the model's context), modes full / reuse / blend@0.15 / blend@0.3 / blend@1, plus the
 commit and the load average.
 TTFT = chunk KVs fetched from the store's memory tier + prefill + choosing the first token;
 each ratio is mode TTFT / full-prefill TTFT, medians over interleaved repeats of one run;
@@ -34,12 +34,12 @@ SWEEP_MODES = "reuse,blend@0.15,blend@0.3,blend@1"
 ANSWER_ROOM = 64  # tokens left in the context for the answer
 
 
-def measure(blender, kv_cache, item: dict, passages: int, modes: list[str], repeats: int) -> dict:
-    """One interleaved run of `modes` (full first) on the question's first `passages` passages."""
+def measure(blender, kv_cache, item: dict, pool: list[dict], passages: int, modes: list[str], repeats: int) -> dict:
+    """One interleaved run of `modes` (full first) on the first `passages` passages of `pool`."""
     limit = getattr(blender.model.config, "max_position_embeddings", None) or 1 << 30
     suffix = kv_cache.prompt.suffix_ids(item["question"])
     chosen, ids = [], kv_cache.head_ids + suffix
-    for c in item["ctxs"][:passages]:
+    for c in pool[:passages]:
         passage_ids = kv_cache.passage_ids(c["text"], c["title"])
         if len(ids) + len(passage_ids) + ANSWER_ROOM > limit:
             break
@@ -47,8 +47,8 @@ def measure(blender, kv_cache, item: dict, passages: int, modes: list[str], repe
         chosen.append((c["text"], c["title"]))
         ids = ids[: -len(suffix)] + passage_ids + suffix
 
-    def ttft(mode: str) -> tuple[float, dict]:
-        start = time.perf_counter()
+    def ttft(mode: str) -> tuple[float, float, dict]:
+        start, cpu = time.perf_counter(), time.process_time()
         if mode == "full":
             prefill = blender.full_prefill(ids)
         else:
@@ -56,24 +56,31 @@ def measure(blender, kv_cache, item: dict, passages: int, modes: list[str], repe
             ratio = 0.0 if mode == "reuse" else float(mode.split("@")[1])
             prefill = blender.prefill(segments, suffix, ratio)
         int(prefill.logits.argmax())
-        return time.perf_counter() - start, prefill.stats.timings_ms
+        return time.perf_counter() - start, time.process_time() - cpu, prefill.stats.timings_ms
 
     modes = ["full", *modes]
     ttft("full")  # warm-up
     times: dict[str, list[float]] = {m: [] for m in modes}
+    cpu_times: dict[str, list[float]] = {m: [] for m in modes}
     phases: dict[str, dict] = {}
     for r in range(repeats):
         for mode in modes:  # interleaved, so noise hits every mode alike
-            seconds, phases[mode] = ttft(mode)
+            seconds, cpu, phases[mode] = ttft(mode)
             times[mode].append(seconds)
-            print(f"{len(chosen)} passages, repeat {r + 1}/{repeats} {mode}: {seconds:.3f}s", file=sys.stderr)
+            cpu_times[mode].append(cpu)
+            print(f"{len(chosen)} passages, repeat {r + 1}/{repeats} {mode}: {seconds:.3f}s (cpu {cpu:.3f}s)",
+                  file=sys.stderr)
     median = {m: statistics.median(t) for m, t in times.items()}
+    cpu_median = {m: statistics.median(t) for m, t in cpu_times.items()}
     return {
         "passages": len(chosen),
         "prompt_tokens": len(ids),
         "full_s": round(median["full"], 4),
         "ratios": {m: round(median[m] / median["full"], 4) for m in modes if m != "full"},
         "ttft_s": {m: round(s, 4) for m, s in median.items()},
+        # CPU seconds of this process: steadier than wall time when other jobs share the cores
+        "cpu_ratios": {m: round(cpu_median[m] / cpu_median["full"], 4) for m in modes if m != "full"},
+        "cpu_s": {m: round(s, 4) for m, s in cpu_median.items()},
         "phases_ms": phases,
     }
 
@@ -101,7 +108,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     modes = (args.modes or (SWEEP_MODES if args.sweep else "reuse,blend@0.15,blend@0.3")).split(",")
 
-    item = json.loads(args.dataset.read_text())[args.question]
+    dataset = json.loads(args.dataset.read_text())
+    item = dataset[args.question]
+    # The question's own passages (MuSiQue has 10), then the next questions' as distractors.
+    pool = [c for other in dataset[args.question:] for c in other["ctxs"]]
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         settings = load_settings(data_dir=tmp, model={"cache_dir": str(REPO / "data/models")})
@@ -110,7 +120,7 @@ def main() -> None:
         kv_cache = build_kv_cache(settings, loaded, store)
         try:
             counts = SWEEP_PASSAGES if args.sweep else (args.passages,)
-            runs = [measure(kv_cache.blender, kv_cache, item, n, modes, args.repeats) for n in counts]
+            runs = [measure(kv_cache.blender, kv_cache, item, pool, n, modes, args.repeats) for n in counts]
         finally:
             store.close()
     info = {"threads": torch.get_num_threads(), "fingerprint": loaded.fingerprint, "commit": commit(),

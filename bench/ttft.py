@@ -3,8 +3,8 @@
 Single run (default 5 passages, ~3k tokens) prints JSON:
     {"prompt_tokens", "full_s", "ratios": {"reuse", "blend@0.15", "blend@0.3"}, "ttft_s", "phases_ms", ...}
 `--sweep` prints one JSON with such a run for 2, 5, 10 and 14 passages (a question has 10; the
-next questions' passages fill up, and a prompt stops short of the model's context), modes full / reuse / blend@0.15 / blend@0.3 / blend@1, plus the
-commit and the load average.
+next questions' passages fill up, and a prompt stops short of the model's context), modes
+full / reuse / blend@0.15 / blend@0.3 / blend@1, plus the commit and the load average.
 TTFT = chunk KVs fetched from the store's memory tier + prefill + choosing the first token;
 each ratio is mode TTFT / full-prefill TTFT, medians over interleaved repeats of one run;
 phases are each mode's `PrefillStats.timings_ms` from its last repeat.

@@ -31,7 +31,8 @@ def static_refusal(model: PreTrainedModel) -> str | None:
     params = inspect.signature(layer.forward).parameters
     lacking = [arg for arg in LAYER_ARGS if arg not in params]
     if lacking or not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return f"{layer.__name__}.forward does not take {', '.join(lacking) or '**kwargs'} as the blend loop passes them"
+        needs = ", ".join(lacking) or "**kwargs"
+        return f"{layer.__name__}.forward does not take {needs} as the blend loop passes them"
     config = model.config.get_text_config(decoder=True)
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:

@@ -111,7 +111,7 @@ class Blender:
 
     def _probe(self) -> str | None:
         """A short prompt blended at ratio 1 (an exact prefix, a moved chunk, a suffix) must match the model."""
-        n = min(12, self.sliding_window or 12)
+        n = max(3, min(12, self.sliding_window or 12))  # within the window, so the probe really blends
         ids = (torch.arange(n) * 7 % self.model.config.get_text_config(decoder=True).vocab_size).tolist()
         a, b = n // 3, 2 * n // 3
         segments = [self.precompute(ids[:a]), self.precompute(ids[a:b])]

@@ -5,7 +5,7 @@ Contract:
     prefill(segments, suffix_ids, ratio) -> Prefill
         segments: cached ChunkKVs laid out in order; the suffix is always computed fresh.
         ratio 1 reproduces full prefill, ratio 0 is full reuse (shifted KV concatenated).
-    full_prefill(ids) -> Prefill                   the same loop with nothing cached
+    full_prefill(ids) -> Prefill                   the model's own forward over every token
     decode(prefill, sampling) -> Iterator[int]     greedy / sampled tokens from the prefill cache
 
 The blended prefill, step by step:
@@ -15,6 +15,10 @@ The blended prefill, step by step:
        K/V deviation (fresh vs cached) is measured
     4. keep the top `ratio` of cached tokens by deviation plus the suffix; later layers run only
        those, writing fresh K/V over the cached ones, queries attending to all keys causally
+       (blend.attention plans that attention so only the visible keys are computed)
+
+Models the loop cannot run exactly (blend.gate, plus a probe prompt at start-up) and prompts longer
+than a sliding window run full prefill instead; `unsupported` / `PrefillStats.fallback` say why.
 """
 from __future__ import annotations
 
@@ -26,10 +30,11 @@ from typing import Iterator, Literal, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from blend.attention import BLEND_ATTENTION
+from blend.attention import BLEND_ATTENTION, AttentionPlan
 from blend.cache import BlendCache
 from blend.chunk_kv import ChunkKV, KVMismatchError, hash_ids
 from blend.decode import SamplingParams, sample_next
+from blend.gate import sliding_window, static_refusal
 from blend.rope import RopeShifter, RopeUnsupportedError
 
 log = logging.getLogger("ragblend.blend")
@@ -71,8 +76,6 @@ class _Clock:
 class Blender:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str, *,
                  check_layer: int = 1, deviation: Literal["value", "key"] = "value"):
-        if model.config._attn_implementation != BLEND_ATTENTION:
-            model.set_attn_implementation(BLEND_ATTENTION)
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
         self.decoder = model.model
         config = model.config.get_text_config(decoder=True)
@@ -82,12 +85,44 @@ class Blender:
         self.check_layer = min(check_layer, self.num_layers - 1)
         self.deviation = deviation
         self.dtype = next(model.parameters()).dtype
-        try:
-            self.shifter: RopeShifter | None = RopeShifter(model)
-            self.unsupported: str | None = None
-        except RopeUnsupportedError as exc:
-            self.shifter, self.unsupported = None, str(exc)
+        self.sliding_window = sliding_window(model)  # prompts longer than this run in full
+        self.shifter: RopeShifter | None = None
+        self.unsupported: str | None = None   # why this model never blends (None: it does); shown in /health
+        self.unsupported = self._gate()       # (set after the probe, which runs prefill)
+        if self.unsupported:
             log.warning("blending disabled, every prefill runs in full", extra={"reason": self.unsupported})
+
+    def _gate(self) -> str | None:
+        """Check the blend loop can run this model exactly; if not, leave the model its own attention."""
+        own = self.model.config._attn_implementation
+        reason = static_refusal(self.model)
+        if reason is None:
+            try:
+                self.shifter = RopeShifter(self.model)
+            except RopeUnsupportedError as exc:
+                reason = str(exc)
+        if reason is None:
+            self.model.set_attn_implementation(BLEND_ATTENTION)
+            reason = self._probe()
+        if reason and self.model.config._attn_implementation == BLEND_ATTENTION:
+            fallback = own if own != BLEND_ATTENTION else "sdpa" if self.model._supports_sdpa else "eager"
+            self.model.set_attn_implementation(fallback)
+        return reason
+
+    def _probe(self) -> str | None:
+        """A short prompt blended at ratio 1 (an exact prefix, a moved chunk, a suffix) must match the model."""
+        n = max(3, min(12, self.sliding_window or 12))  # within the window, so the probe really blends
+        ids = (torch.arange(n) * 7 % self.model.config.get_text_config(decoder=True).vocab_size).tolist()
+        a, b = n // 3, 2 * n // 3
+        segments = [self.precompute(ids[:a]), self.precompute(ids[a:b])]
+        blended = self.prefill(segments, ids[b:], 1.0).logits
+        own = self.full_prefill(ids).logits
+        tolerance = (1e-4 if self.dtype == torch.float32 else 2e-2) * (1 + float(own.abs().max()))
+        error = float((blended - own).abs().max())
+        if not error <= tolerance:
+            return (f"the blend loop does not reproduce {type(self.model).__name__}'s own forward "
+                    f"(max |logit difference| {error:.3g} on a probe prompt)")
+        return None
 
     # ---- precompute -----------------------------------------------------------------------
 
@@ -112,9 +147,16 @@ class Blender:
 
     # ---- prefill --------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def full_prefill(self, ids: Sequence[int]) -> Prefill:
-        """Every token through every layer: the same loop, nothing cached."""
-        return self.prefill([], ids, ratio=1.0)
+        """Every token through the model's own forward (its own attention, masks and head): the reference."""
+        clock = _Clock()
+        ids = list(ids)
+        cache = BlendCache(*self._empty_kv(0))
+        out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+        clock.lap("layers")
+        stats = PrefillStats(len(ids), timings_ms=clock.timings)
+        return Prefill(cache, out.logits[0, -1].float(), len(ids), torch.empty(0, dtype=torch.long), stats)
 
     @torch.inference_mode()
     def prefill(self, segments: Sequence[ChunkKV], suffix_ids: Sequence[int], ratio: float, *,
@@ -127,14 +169,17 @@ class Blender:
         for seg in segments:
             self._check_segment(seg)
         ids = torch.cat([s.token_ids for s in segments] + [torch.tensor(list(suffix_ids), dtype=torch.int64)])
-        if segments and self.shifter is None:  # cannot move keys: run the same tokens in full
+        reason = self.unsupported or self._window_refusal(ids.numel())
+        if reason:  # the loop would not be exact: run the same tokens through the model's own forward
+            log.debug("full prefill instead of blending", extra={"reason": reason})
             result = self.full_prefill(ids.tolist())
-            result.stats.fallback = self.unsupported
+            result.stats.fallback = reason
             return result
 
         # 1. Layout and cache: cached K/V rotated to their new positions.
         total, cached = ids.numel(), sum(s.num_tokens for s in segments)
-        keys, values = self._empty_kv(total)                                      # [L, H, N, D]
+        keys, values = self._empty_kv(total, fill=False)                          # [L, H, N, D]
+        keys[:, :, cached:], values[:, :, cached:] = 0, 0   # the suffix's slots, written layer by layer
         start = 0
         for seg in segments:
             end = start + seg.num_tokens
@@ -151,7 +196,7 @@ class Blender:
         # 3. Up to the check layer, run every non-exact token (just the suffix for full reuse).
         run = torch.arange(exact, total) if n_select else suffix_pos
         hidden = self.decoder.embed_tokens(ids[run][None])                       # [1, Tq, hidden]
-        key_positions = torch.arange(total)
+        plan = None
         cache.check_layer, cache.deviation_on = self.check_layer, self.deviation
         selected = torch.arange(exact, cached) if n_select == cached - exact else torch.empty(0, dtype=torch.long)
         for i, layer in enumerate(self.decoder.layers[: self.num_layers]):
@@ -162,16 +207,23 @@ class Blender:
                 hidden = hidden[:, keep - exact]
                 run = keep
                 clock.lap("layers_full")
+            if plan is None or run is not plan.positions:  # new queries: plan their attention and RoPE once
+                plan = AttentionPlan.build(run)
+                position_embeddings = self.decoder.rotary_emb(hidden, position_ids=run[None])
             cache.write_positions = run
-            position_embeddings = self.decoder.rotary_emb(hidden, position_ids=run[None])
             hidden = layer(hidden, attention_mask=None, position_ids=run[None], cache=cache,
-                           position_embeddings=position_embeddings,
-                           query_positions=run, key_positions=key_positions)
+                           position_embeddings=position_embeddings, attention_plan=plan)
         cache.write_positions = cache.deviation = None
         logits = self.model.lm_head(self.decoder.norm(hidden[:, -1]))[0]        # [V]
         clock.lap("layers_selected" if "layers_full" in clock.timings else "layers")
         stats = PrefillStats(total, cached, exact, len(selected), ratio, timings_ms=clock.timings)
         return Prefill(cache, logits.float(), total, selected, stats)
+
+    def _window_refusal(self, tokens: int) -> str | None:
+        if self.sliding_window is not None and tokens > self.sliding_window:
+            return (f"prompt of {tokens} tokens exceeds the {self.sliding_window}-token sliding window, "
+                    "which the blend attention does not apply")
+        return None
 
     def _exact_prefix(self, segments: Sequence[ChunkKV]) -> int:
         """Tokens of leading segments computed at their own position after exactly what precedes them."""
@@ -199,9 +251,10 @@ class Blender:
         if tuple(seg.keys.shape) != expected:
             raise KVMismatchError(f"chunk KV has shape {tuple(seg.keys.shape)}, this model needs {expected}")
 
-    def _empty_kv(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _empty_kv(self, length: int, fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.num_layers, self.kv_heads, length, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+        make = torch.zeros if fill else torch.empty
+        return make(shape, dtype=self.dtype), make(shape, dtype=self.dtype)
 
     # ---- decode ---------------------------------------------------------------------------
 

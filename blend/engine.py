@@ -55,6 +55,9 @@ class Prefill:
     num_tokens: int
     selected: torch.Tensor         # absolute positions of cached tokens recomputed after the check layer
     stats: PrefillStats
+    # [N] the selection score of each cached non-exact token (HKVD: its deviation at the check
+    # layer); NaN where nothing was scored (exact prefix, suffix, full reuse, full prefill)
+    scores: torch.Tensor | None = None
 
 
 class _Clock:
@@ -167,11 +170,14 @@ class Blender:
             hidden = layer(hidden, attention_mask=None, position_ids=run[None], cache=cache,
                            position_embeddings=position_embeddings,
                            query_positions=run, key_positions=key_positions)
+        scores = torch.full((total,), float("nan"))
+        if n_select and cache.deviation is not None:
+            scores[exact:cached] = cache.deviation[: cached - exact].float()
         cache.write_positions = cache.deviation = None
         logits = self.model.lm_head(self.decoder.norm(hidden[:, -1]))[0]        # [V]
         clock.lap("layers_selected" if "layers_full" in clock.timings else "layers")
         stats = PrefillStats(total, cached, exact, len(selected), ratio, timings_ms=clock.timings)
-        return Prefill(cache, logits.float(), total, selected, stats)
+        return Prefill(cache, logits.float(), total, selected, stats, scores)
 
     def _exact_prefix(self, segments: Sequence[ChunkKV]) -> int:
         """Tokens of leading segments computed at their own position after exactly what precedes them."""

@@ -45,12 +45,13 @@ async function errorOf(response) {
     const body = await response.json();
     if (body && body.error && body.error.message) ({ message, code } = body.error);
   } catch { /* not JSON: keep the status line */ }
-  const hints = {
-    401: " Enter the API key at the top of the page.",
-    429: " The server is busy" + (response.headers.get("Retry-After") ? `; retry in ${response.headers.get("Retry-After")} s.` : "."),
-    503: " The server is not ready" + (response.headers.get("Retry-After") ? `; retry in ${response.headers.get("Retry-After")} s.` : "."),
-  };
-  return new ApiError(`Error ${response.status}: ${message}${hints[response.status] || ""}`, response.status, code);
+  const retry = response.headers.get("Retry-After") ? `; retry in ${response.headers.get("Retry-After")} s` : "";
+  const hint = {
+    401: "enter the API key at the top of the page",
+    429: `the server is busy${retry}`,
+    503: `the server is not ready${retry}`,
+  }[response.status];
+  return new ApiError(`Error ${response.status}: ${message}${hint ? ` — ${hint}.` : ""}`, response.status, code);
 }
 
 // Server-sent events, parsed as they arrive ("event:" / "data:" lines, a blank line ends one).

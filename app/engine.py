@@ -138,7 +138,9 @@ class RagEngine:
         stats.completion_tokens = len(text.tokens)
         stats.total_ms = _ms(start)
         sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text) for h in hits]
-        explain = self._explain(passages, suffix, prefill, params.explain_tokens) if params.explain_tokens else None
+        explain = None
+        if params.explain_tokens:  # built after the answer: it never delays the first token
+            explain = self._explain(passages, suffix, prefill, params.explain_tokens)
         yield QueryResult(text.text.strip(), sources, stats, text.finish_reason or "length", explain)
 
     def _explain(self, passages: list[list[int]], suffix: list[int], prefill: Prefill, max_tokens: int) -> Explain:

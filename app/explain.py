@@ -7,7 +7,8 @@ a request asks for it, after the answer, and capped at `limits.max_explain_token
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 from pydantic import BaseModel, Field
 

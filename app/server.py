@@ -405,7 +405,8 @@ def create_app(settings: Settings, engine: RagEngine | None = None) -> FastAPI:
     app.add_middleware(LimitBody, max_bytes=settings.limits.max_body_bytes)
     app.add_middleware(RequireApiKey, api_key=settings.server.api_key, public=("/health", *PUBLIC_PATHS),
                        public_prefix=PUBLIC_PREFIX)
-    app.add_middleware(CountRequests, metrics=svc.metrics, routes=[*router.routes, *page])  # outermost: sees every status
+    # outermost: sees every status
+    app.add_middleware(CountRequests, metrics=svc.metrics, routes=[*router.routes, *page])
     return app
 
 

@@ -471,7 +471,7 @@ async function upload(event) {
   result.textContent = `Uploading ${file.name}…`;
   try {
     const response = await (await api("/v1/documents", { method: "POST", body: form })).json();
-    result.textContent = response.data.map((d) => `${d.id}: ${d.status} (${d.n_chunks} chunks)`).join("; ");
+    result.textContent = response.data.map((d) => `${d.id}: ${d.status} (${d.n_chunks} chunk${d.n_chunks === 1 ? "" : "s"})`).join("; ");
     $("#upload-form").reset();
   } catch (err) {
     result.textContent = "";

@@ -3,6 +3,7 @@ selection score and whether it was recomputed, consistent with the response's st
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 
 import pytest
 from fastapi.testclient import TestClient
@@ -36,7 +37,7 @@ def test_blend_explain_matches_the_stats(client):
     assert [c["kind"] for c in chunks] == ["head", "passage", "passage", "question"]
     assert [c["source"] for c in chunks] == [None, 0, 1, None]
     assert chunks[0]["start"] == 0 and chunks[-1]["end"] == len(tokens)
-    assert all(a["end"] == b["start"] for a, b in zip(chunks, chunks[1:]))
+    assert all(a["end"] == b["start"] for a, b in pairwise(chunks))
     for index, chunk in enumerate(chunks):
         assert {t["chunk"] for t in tokens[chunk["start"]:chunk["end"]]} == {index}
         assert chunk["recomputed"] == sum(t["selected"] for t in tokens[chunk["start"]:chunk["end"]])

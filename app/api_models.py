@@ -17,6 +17,7 @@ from app.config import LimitsSettings
 from app.engine import Mode, QueryStats, Source
 from app.validation import (MAX_ID_CHARS, MAX_TITLE_CHARS, NO_CONTROL_CHARS, not_blank, valid_doc_id,
                             valid_title, valid_unicode)
+from app.explain import Explain
 from retrieval import DocumentInfo
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
@@ -77,6 +78,8 @@ class QueryRequest(StrictBody):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False)
     stream: bool = False
+    explain: bool = Field(False, description="Also return `explain`: each prompt token's text, piece, selection "
+                                             "score and whether it was recomputed (limits.max_explain_tokens).")
 
 
 class QueryResponse(BaseModel):
@@ -84,6 +87,7 @@ class QueryResponse(BaseModel):
     sources: list[Source]
     stats: QueryStats
     finish_reason: str
+    explain: Explain | None = Field(None, description="Present when the request set `explain: true`.")
 
 
 # ---- /v1/chat/completions (OpenAI) -------------------------------------------------------------

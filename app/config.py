@@ -48,6 +48,7 @@ class LimitsSettings(BaseModel):
     default_max_new_tokens: int = Field(128, ge=1)
     max_body_bytes: int = Field(10 << 20, ge=1)
     max_document_chars: int = Field(1_000_000, ge=1)
+    max_explain_tokens: int = Field(4096, ge=1)  # prompt tokens an `explain: true` response lists
 
 
 class Settings(BaseSettings):

@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Literal
 
 from app.components import Components
 from app.config import Settings
+from app.explain import Explain, explain_prompt
 from blend import ChunkKV, Prefill, SamplingParams, TextStream
 
 Mode = Literal["blend", "full", "reuse"]
@@ -33,6 +34,7 @@ class QueryParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    explain_tokens: int = 0  # > 0: attach an Explain of the prompt, listing at most this many tokens
 
 
 @dataclass
@@ -68,6 +70,7 @@ class QueryResult:
     sources: list[Source]
     stats: QueryStats
     finish_reason: str
+    explain: Explain | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,7 +139,16 @@ class RagEngine:
         stats.completion_tokens = len(text.tokens)
         stats.total_ms = _ms(start)
         sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text) for h in hits]
-        yield QueryResult(text.text.strip(), sources, stats, text.finish_reason or "length")
+        explain = None
+        if params.explain_tokens:  # built after the answer: it never delays the first token
+            explain = self._explain(passages, suffix, prefill, params.explain_tokens)
+        yield QueryResult(text.text.strip(), sources, stats, text.finish_reason or "length", explain)
+
+    def _explain(self, passages: list[list[int]], suffix: list[int], prefill: Prefill, max_tokens: int) -> Explain:
+        b = self.settings.blend
+        return explain_prompt(self.parts.tokenizer, self.parts.kv_cache.head_ids, passages, suffix, prefill,
+                              score=f"squared L2 deviation of the {b.deviation}s at layer {b.check_layer}",
+                              max_tokens=max_tokens)
 
     @staticmethod
     def _first_token_timed(tokens: Iterator[int], stats: QueryStats, start: float,

@@ -60,6 +60,9 @@ class Prefill:
     num_tokens: int
     selected: torch.Tensor         # absolute positions of cached tokens recomputed after the check layer
     stats: PrefillStats
+    # [N] the selection score of each cached non-exact token (HKVD: its deviation at the check
+    # layer); NaN where nothing was scored (exact prefix, suffix, full reuse, full prefill)
+    scores: torch.Tensor | None = None
 
 
 class _Clock:
@@ -156,7 +159,8 @@ class Blender:
         out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
         clock.lap("layers")
         stats = PrefillStats(len(ids), timings_ms=clock.timings)
-        return Prefill(cache, out.logits[0, -1].float(), len(ids), torch.empty(0, dtype=torch.long), stats)
+        return Prefill(cache, out.logits[0, -1].float(), len(ids), torch.empty(0, dtype=torch.long), stats,
+                       torch.full((len(ids),), float("nan")))
 
     @torch.inference_mode()
     def prefill(self, segments: Sequence[ChunkKV], suffix_ids: Sequence[int], ratio: float, *,
@@ -213,11 +217,14 @@ class Blender:
             cache.write_positions = run
             hidden = layer(hidden, attention_mask=None, position_ids=run[None], cache=cache,
                            position_embeddings=position_embeddings, attention_plan=plan)
+        scores = torch.full((total,), float("nan"))
+        if n_select and cache.deviation is not None:
+            scores[exact:cached] = cache.deviation[: cached - exact].float()
         cache.write_positions = cache.deviation = None
         logits = self.model.lm_head(self.decoder.norm(hidden[:, -1]))[0]        # [V]
         clock.lap("layers_selected" if "layers_full" in clock.timings else "layers")
         stats = PrefillStats(total, cached, exact, len(selected), ratio, timings_ms=clock.timings)
-        return Prefill(cache, logits.float(), total, selected, stats)
+        return Prefill(cache, logits.float(), total, selected, stats, scores)
 
     def _window_refusal(self, tokens: int) -> str | None:
         if self.sliding_window is not None and tokens > self.sliding_window:

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 from app.config import LimitsSettings
 from app.engine import Mode
+from blend.selection import POLICIES, get_policy
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
 
@@ -59,9 +60,16 @@ class QueryRequest(BaseModel):
                                             "prefill; reuse: cached chunk KV, nothing recomputed.")
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
                                           description="Share of cached tokens recomputed (default: blend.ratio).")
+    selection: str | None = Field(None, description="Selection policy of the tokens to recompute, one of "
+                                                    f"{', '.join(sorted(POLICIES))} (default: blend.selection).")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False)
     stream: bool = False
+
+    @field_validator("selection")
+    @classmethod
+    def _known_policy(cls, value: str | None) -> str | None:
+        return None if value is None else get_policy(value).name
 
 
 class SourceOut(BaseModel):
@@ -84,6 +92,7 @@ class StatsOut(BaseModel):
     cached_tokens: int
     recomputed_tokens: int
     recompute_ratio: float
+    selection: str | None = Field(None, description="The selection policy a blend ran with.")
     completion_tokens: int
     store_hits: dict[str, int] = Field(description='Chunks per tier they came from; "computed" = store miss.')
     fallback: str | None = None

@@ -17,9 +17,17 @@ def open_store(settings: Settings, fingerprint: str) -> TieredStore:
     return build_store(settings.store, settings.kv_dir, fingerprint)
 
 
+def build_blender(settings: Settings, loaded: LoadedModel) -> Blender:
+    """The Blender for the blend settings; a check layer the model cannot have is a config error."""
+    try:
+        return Blender(loaded.model, loaded.tokenizer, loaded.fingerprint, check_layer=settings.blend.check_layer,
+                       deviation=settings.blend.deviation, selection=settings.blend.selection)
+    except ValueError as exc:
+        raise ValueError(f"invalid blend settings: {exc}") from None
+
+
 def build_kv_cache(settings: Settings, loaded: LoadedModel, store: TieredStore) -> ChunkKVCache:
-    blender = Blender(loaded.model, loaded.tokenizer, loaded.fingerprint,
-                      check_layer=settings.blend.check_layer, deviation=settings.blend.deviation)
+    blender = build_blender(settings, loaded)
     prompt = PromptFormat(loaded.tokenizer, settings.model.system_prompt)
     return ChunkKVCache(blender, prompt, store, precompute=settings.blend.precompute)
 

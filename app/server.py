@@ -222,7 +222,7 @@ def models(svc: Service = Depends(service)) -> ModelList:
 async def query(body: QueryRequest, svc: Service = Depends(service)):
     check_limits(svc.settings.limits, question=body.question, top_k=body.top_k, max_tokens=body.max_tokens)
     params = svc.query_params(body.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
-                              max_tokens=body.max_tokens, temperature=body.temperature)
+                              selection=body.selection, max_tokens=body.max_tokens, temperature=body.temperature)
     run = await QueryRun.start(svc, params)
     if body.stream:
         return sse(run, query_events(run))

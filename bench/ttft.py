@@ -1,6 +1,7 @@
 """TTFT of full prefill vs full reuse vs blend, in one run, on 5 MuSiQue passages (~3k tokens).
 
 Prints JSON: {"prompt_tokens", "full_s", "ratios": {"reuse", "blend@0.15", "blend@0.3"}, ...}.
+A mode is `reuse`, `blend@R` (the configured selection policy) or `POLICY@R` (e.g. `hkvd@0.15`).
 TTFT = chunk KVs fetched from the store's memory tier + prefill + choosing the first token;
 each ratio is mode TTFT / full-prefill TTFT, medians over interleaved repeats of one run.
 """
@@ -54,8 +55,9 @@ def main() -> None:
                 prefill = blender.full_prefill(ids)
             else:
                 segments = [kv_cache.head()] + [kv_cache.get_or_compute(*p)[0] for p in passages]
-                ratio = 0.0 if mode == "reuse" else float(mode.split("@")[1])
-                prefill = blender.prefill(segments, suffix, ratio)
+                name, _, ratio = mode.partition("@")
+                selection = None if name in ("reuse", "blend") else name
+                prefill = blender.prefill(segments, suffix, float(ratio or 0), selection=selection)
             int(prefill.logits.argmax())
             return time.perf_counter() - start, prefill.stats.timings_ms
 

@@ -80,7 +80,8 @@ class _Clock:
 
 
 class _QuestionAttention:
-    """Attention probe: records the suffix queries' softmax attention over the candidates, per layer."""
+    """Attention probe: records the suffix queries' softmax attention over the candidates, per layer
+    and head, averaged over the suffix tokens (so a long question costs no more memory)."""
 
     def __init__(self, ctx: SelectionContext, suffix_len: int, total: int, layers: range):
         self.ctx, self.suffix_len, self.layers = ctx, suffix_len, layers
@@ -95,7 +96,7 @@ class _QuestionAttention:
         k = key[0].repeat_interleave(q.shape[0] // key.shape[1], dim=0)           # [Hq, N, D]
         logits = (q @ k.transpose(1, 2)) * module.scaling                          # [Hq, Ts, N]
         probs = logits.masked_fill(self.hidden_keys, float("-inf")).softmax(-1)
-        self.ctx.attention[module.layer_idx] = probs[..., self.ctx.exact:self.ctx.cached].float()
+        self.ctx.attention[module.layer_idx] = probs[..., self.ctx.exact:self.ctx.cached].float().mean(1)  # [Hq, n]
 
 
 class Blender:

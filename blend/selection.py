@@ -10,8 +10,9 @@ What a policy can ask for (and then read from the SelectionContext):
                          ‖V_fresh − V_cached‖² at the check layer (CacheBlend's HKVD)
     question_layers=(lo, hi)
                          the question (suffix) alone runs layers [0, hi·L) over the cached keys,
-                         before anything else: cost ≈ its own length. `attention` {layer: [Hq, Tq, n]}
-                         holds its softmax attention over the candidates at layers [lo·L, hi·L).
+                         before anything else: cost ≈ its own length. `attention` {layer: [Hq, n]}
+                         holds its softmax attention over the candidates at layers [lo·L, hi·L), per
+                         head, averaged over the question's tokens.
 A policy that asks for neither runs no full-width layer at all: the selected tokens and the
 question start at layer 0 (layer 0's K/V are exact for every token anyway), which lowers the
 compute to about ratio + the question's share of a full prefill.
@@ -41,7 +42,7 @@ class SelectionContext:
     num_layers: int
     layer: int = -1                            # the check layer when `deviation` was measured
     deviation: torch.Tensor | None = None      # [n]
-    attention: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hq, Tq, n]
+    attention: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hq, n]
     seed: int = 0
 
     @property
@@ -117,11 +118,11 @@ def ranks(x: torch.Tensor) -> torch.Tensor:
 
 
 def question_attention(ctx: SelectionContext, heads: str = "mean") -> torch.Tensor:
-    """[n] attention the question pays each candidate: the mean over the recorded layers and the
-    question's tokens of the mean (or max) over heads."""
+    """[n] attention the question pays each candidate (mean over its tokens): the mean over the
+    recorded layers of the mean (or max) over heads."""
     total = torch.zeros(ctx.n)
-    for a in ctx.attention.values():                    # [Hq, Tq, n]
-        total += (a.amax(0) if heads == "max" else a.mean(0)).mean(0)
+    for a in ctx.attention.values():                    # [Hq, n]
+        total += a.amax(0) if heads == "max" else a.mean(0)
     return total / max(len(ctx.attention), 1)
 
 

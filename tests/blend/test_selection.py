@@ -63,7 +63,7 @@ def test_policies_rank_by_what_they_read(tiny_blender):
     # The recorded attention is a distribution over the prompt: its share on the candidates is at most 1.
     assert sorted(ctx.attention) == list(get_policy("query").layer_range(tiny_blender.num_layers))
     for layer, attention in ctx.attention.items():
-        assert attention.shape[1:] == (len(SUFFIX), ctx.n) and (attention.sum(-1) <= 1 + 1e-5).all(), layer
+        assert attention.shape == (4, ctx.n) and (attention.sum(-1) <= 1 + 1e-5).all(), layer  # 4 query heads
         assert (attention.sum(-1) > 0).all()
     assert ctx.deviation is None  # query reads no deviation, so no layer ran full width
     assert torch.equal(query.selected, select(get_policy("query"), ctx)[0] + ctx.exact)

@@ -19,6 +19,7 @@ from app.validation import (MAX_ID_CHARS, MAX_TITLE_CHARS, NO_CONTROL_CHARS, not
                             valid_title, valid_unicode)
 from app.explain import Explain
 from retrieval import DocumentInfo
+from blend.selection import POLICIES, get_policy
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
 
@@ -75,11 +76,19 @@ class QueryRequest(StrictBody):
                                             "prefill; reuse: cached chunk KV, nothing recomputed.")
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
                                           description="Share of cached tokens recomputed (default: blend.ratio).")
+    selection: str | None = Field(None, description="Selection policy of the tokens to recompute, one of "
+                                                    f"{', '.join(sorted(POLICIES))} (default: blend.selection).")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False)
     stream: bool = False
     explain: bool = Field(False, description="Also return `explain`: each prompt token's text, piece, selection "
                                              "score and whether it was recomputed (limits.max_explain_tokens).")
+
+    @field_validator("selection")
+    @classmethod
+    def _known_policy(cls, value: str | None) -> str | None:
+        return None if value is None else get_policy(value).name
+
 
 
 class QueryResponse(BaseModel):

@@ -31,9 +31,13 @@ class Components:
 
     @cached_property
     def blender(self) -> Blender:
+        """The Blender for the blend settings; a check layer the model cannot have is a config error."""
         b = self.settings.blend
-        return Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
-                       deviation=b.deviation)
+        try:
+            return Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
+                           deviation=b.deviation, selection=b.selection)
+        except ValueError as exc:
+            raise ValueError(f"invalid blend settings: {exc}") from None
 
     @cached_property
     def prompt(self) -> PromptFormat:

@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from retrieval.settings import ChunkingSettings, EmbedderSettings, RetrievalSettings
@@ -25,12 +25,21 @@ class ModelSettings(BaseModel):
 
 class BlendSettings(BaseModel):
     ratio: float = Field(0.15, ge=0.0, le=1.0)
-    check_layer: int = Field(1, ge=0)
+    check_layer: int = Field(1, ge=0)  # at most the model's layers - 2: checked when the Blender is built
     deviation: Literal["value", "key"] = "value"
     precompute: Literal["head", "zero"] = "head"
     # When a chunk's KV is computed: at ingest (every chunk, before it is searchable), or the first
     # time a query retrieves it (ingest only chunks and embeds; the store keeps what is used).
     precompute_at: Literal["ingest", "first_use"] = "ingest"
+    selection: str = "query"  # chosen by measurement: BENCHMARKS.md
+
+    @field_validator("selection")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        from blend.selection import get_policy
+
+        return get_policy(value).name  # ValueError naming the known policies
+
 
 
 class ServerSettings(BaseModel):

@@ -29,6 +29,7 @@ class QueryParams:
     top_k: int | None = None
     mode: Mode = "blend"
     ratio: float | None = None
+    selection: str | None = None  # a blend.selection policy; None: blend.selection
     max_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
@@ -58,6 +59,7 @@ class QueryStats:
     cached_tokens: int = 0
     recomputed_tokens: int = 0
     recompute_ratio: float = 1.0
+    selection: str | None = None
     completion_tokens: int = 0
     store_hits: dict[str, int] = field(default_factory=dict)  # chunks per tier they came from; "computed" = miss
     fallback: str | None = None  # why a blend ran as full prefill
@@ -122,7 +124,8 @@ class RagEngine:
         else:
             ratio = 0.0 if params.mode == "reuse" else (
                 self.settings.blend.ratio if params.ratio is None else params.ratio)
-            prefill = parts.blender.prefill(segments, suffix, ratio)
+            prefill = parts.blender.prefill(segments, suffix, ratio, selection=params.selection)
+            stats.selection = params.selection or parts.blender.selection
         stats.prefill_ms = _ms(t)
         _fill_prefill_stats(stats, prefill, params.mode)
 

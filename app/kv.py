@@ -7,7 +7,7 @@ from typing import Literal
 
 from app.usage import COMPUTED
 from blend import Blender, ChunkKV, PromptFormat, hash_ids
-from store import TieredStore, kv_key
+from store import TieredStore, decode, encode, kv_key
 
 log = logging.getLogger("ragblend.kv")
 
@@ -66,7 +66,9 @@ class ChunkKVCache:
             return kv, tier
         kv = self._compute(ids, context_ids)
         self.store.put(key, kv)
-        return kv, COMPUTED
+        # What a later hit will read back (the codec's fp16/int8 values), so a question gets the same
+        # answer whether its chunks were just computed or came from the store.
+        return decode(encode(kv, self.store.codec), verify_checksum=False), COMPUTED
 
     def _compute(self, ids: list[int], context_ids: list[int]) -> ChunkKV:
         context = self.head() if context_ids and context_ids == self.head_ids else None

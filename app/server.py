@@ -221,7 +221,7 @@ def models(svc: Service = Depends(service)) -> ModelList:
 async def query(body: QueryRequest, svc: Service = Depends(service)):
     check_limits(svc.settings.limits, question=body.question, top_k=body.top_k, max_tokens=body.max_tokens)
     params = svc.query_params(body.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
-                              max_tokens=body.max_tokens, temperature=body.temperature,
+                              selection=body.selection, max_tokens=body.max_tokens, temperature=body.temperature,
                               explain_tokens=svc.settings.limits.max_explain_tokens if body.explain else 0)
     run = await QueryRun.start(svc, params)
     if body.stream:

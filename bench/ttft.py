@@ -5,6 +5,7 @@ Single run (default 5 passages, ~3k tokens) prints JSON:
 `--sweep` prints one JSON with such a run for 2, 5, 10 and 14 passages (a question has 10; the
 next questions' passages fill up, and a prompt stops short of the model's context), modes
 full / reuse / blend@0.15 / blend@0.3 / blend@1, plus the commit and the load average.
+A mode is `reuse`, `blend@R` (the configured selection policy) or `POLICY@R` (e.g. `hkvd@0.15`).
 TTFT = chunk KVs fetched from the store's memory tier + prefill + choosing the first token;
 each ratio is mode TTFT / full-prefill TTFT, medians over interleaved repeats of one run;
 phases are each mode's `PrefillStats.timings_ms` from its last repeat.
@@ -53,8 +54,9 @@ def measure(blender, kv_cache, item: dict, pool: list[dict], passages: int, mode
             prefill = blender.full_prefill(ids)
         else:
             segments = [kv_cache.head()] + [kv_cache.get_or_compute(p)[0] for p in chosen]
-            ratio = 0.0 if mode == "reuse" else float(mode.split("@")[1])
-            prefill = blender.prefill(segments, suffix, ratio)
+            name, _, ratio = mode.partition("@")
+            selection = None if name in ("reuse", "blend") else name
+            prefill = blender.prefill(segments, suffix, float(ratio or 0), selection=selection)
         int(prefill.logits.argmax())
         return time.perf_counter() - start, time.process_time() - cpu, prefill.stats.timings_ms
 

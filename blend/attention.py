@@ -14,7 +14,8 @@ region into pieces the kernel runs without waste, and merges them by their log-s
 
 The plan is built once per set of query positions (the prefill loop keeps them over many layers)
 and passed as `attention_plan`. Any other forward (decode, precompute, full prefill) passes no
-plan and gets plain sdpa with the model's own mask.
+plan and gets plain sdpa with the model's own mask. An `attention_probe` callable, when passed,
+sees (module, query, key) first: selection policies read the question's attention through it.
 """
 from __future__ import annotations
 
@@ -124,8 +125,10 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def blend_attention_forward(module, query, key, value, attention_mask, attention_plan: AttentionPlan | None = None,
-                            **kwargs):
+                            attention_probe=None, **kwargs):
     # query: [B, Hq, Tq, D]; key/value: [B, Hkv, Tk, D]
+    if attention_probe is not None:
+        attention_probe(module, query, key)
     if attention_plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     # The Blender's model gate keeps these away; refuse rather than silently ignore them.

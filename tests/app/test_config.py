@@ -41,6 +41,24 @@ def test_invalid_values_are_rejected(tmp_path, monkeypatch):
         load_settings(bad)
     with pytest.raises(ValueError, match="not found"):
         load_settings(tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match="unknown selection policy 'best'.*hkvd"):
+        load_settings(blend={"selection": "best"})
+    with pytest.raises(ValueError, match="check_layer"):
+        load_settings(blend={"check_layer": -1})
+
+
+def test_check_layer_beyond_the_model_is_a_config_error(tmp_path, smollm):
+    from app.components import Components
+
+    for layer, ok in [(0, True), (28, True), (29, False), (30, False)]:
+        parts = Components(load_settings(data_dir=tmp_path, blend={"check_layer": layer}))
+        parts.llm = smollm
+        if ok:
+            assert parts.blender.check_layer == layer
+        else:
+            with pytest.raises(ValueError, match=r"invalid blend settings: check_layer must be in \[0, 28\] .*got "
+                                                  f"{layer}"):
+                parts.blender
 
 
 def _env_names(model: type, prefix: str) -> set[str]:

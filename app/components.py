@@ -10,8 +10,9 @@ from functools import cached_property
 from app.config import Settings
 from app.ingest import Ingestor
 from app.kv import ChunkKVCache
+from app.usage import UsageLog
 from blend import Blender, LoadedModel, PromptFormat, load_model
-from retrieval import Chunker, Embedder, Retriever, open_embedder
+from retrieval import Chunker, Embedder, Metadata, Retriever, open_embedder, open_metadata
 from store import TieredStore, build_store
 
 
@@ -30,9 +31,13 @@ class Components:
 
     @cached_property
     def blender(self) -> Blender:
+        """The Blender for the blend settings; a check layer the model cannot have is a config error."""
         b = self.settings.blend
-        return Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
-                       deviation=b.deviation)
+        try:
+            return Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
+                           deviation=b.deviation, selection=b.selection)
+        except ValueError as exc:
+            raise ValueError(f"invalid blend settings: {exc}") from None
 
     @cached_property
     def prompt(self) -> PromptFormat:
@@ -48,7 +53,17 @@ class Components:
 
     @cached_property
     def kv_cache(self) -> ChunkKVCache:
-        return ChunkKVCache(self.blender, self.prompt, self.store, precompute=self.settings.blend.precompute)
+        return ChunkKVCache(self.blender, self.prompt, self.store, precompute=self.settings.blend.precompute,
+                            on_served=self.usage.record)
+
+    @cached_property
+    def metadata(self) -> Metadata:
+        """Documents, chunks, the change log and KV usage: SQLite in the index dir, or the shared database."""
+        return open_metadata(self.settings.retrieval.database_url, self.settings.index_dir)
+
+    @cached_property
+    def usage(self) -> UsageLog:
+        return UsageLog(self.metadata)
 
     @cached_property
     def embedder(self) -> Embedder:
@@ -57,7 +72,8 @@ class Components:
     @cached_property
     def retriever(self) -> Retriever:
         r = self.settings.retrieval
-        return Retriever(self.settings.index_dir, self.embedder, kind=r.index, order=r.order, top_k=r.top_k)
+        return Retriever(self.settings.index_dir, self.embedder, kind=r.index, order=r.order, top_k=r.top_k,
+                         metadata=self.metadata)
 
     @cached_property
     def chunker(self) -> Chunker:
@@ -66,11 +82,12 @@ class Components:
     @cached_property
     def ingestor(self) -> Ingestor:
         return Ingestor(self.retriever, self.chunker, self.kv_cache,
-                        max_chars=self.settings.limits.max_document_chars)
+                        max_chars=self.settings.limits.max_document_chars,
+                        precompute_at=self.settings.blend.precompute_at)
 
     def close(self) -> None:
-        """Close the store and the metadata database, if they were opened."""
-        for name in ("store", "retriever"):
+        """Write the last usage counts, close the store and the metadata database, if they were opened."""
+        for name in ("usage", "store", "retriever", "metadata"):
             part = self.__dict__.pop(name, None)
             if part is not None:
                 part.close()

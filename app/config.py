@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from retrieval.settings import ChunkingSettings, EmbedderSettings, RetrievalSettings
@@ -25,9 +25,21 @@ class ModelSettings(BaseModel):
 
 class BlendSettings(BaseModel):
     ratio: float = Field(0.15, ge=0.0, le=1.0)
-    check_layer: int = Field(1, ge=0)
+    check_layer: int = Field(1, ge=0)  # at most the model's layers - 2: checked when the Blender is built
     deviation: Literal["value", "key"] = "value"
     precompute: Literal["head", "zero"] = "head"
+    # When a chunk's KV is computed: at ingest (every chunk, before it is searchable), or the first
+    # time a query retrieves it (ingest only chunks and embeds; the store keeps what is used).
+    precompute_at: Literal["ingest", "first_use"] = "ingest"
+    selection: str = "query"  # chosen by measurement: BENCHMARKS.md
+
+    @field_validator("selection")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        from blend.selection import get_policy
+
+        return get_policy(value).name  # ValueError naming the known policies
+
 
 
 class ServerSettings(BaseModel):
@@ -49,6 +61,7 @@ class LimitsSettings(BaseModel):
     default_max_new_tokens: int = Field(128, ge=1)
     max_body_bytes: int = Field(10 << 20, ge=1)
     max_document_chars: int = Field(1_000_000, ge=1)
+    max_explain_tokens: int = Field(4096, ge=1)  # prompt tokens an `explain: true` response lists
 
 
 class Settings(BaseSettings):

@@ -24,6 +24,7 @@ import torch
 
 from app.components import Components
 from app.config import Settings
+from app.explain import Explain, explain_prompt
 from app.scheduler import DecodeStep, Offload, run_alone
 from blend import ChunkKV, Prefill, SamplingParams, TextStream
 from blend.decode import sample_next
@@ -44,11 +45,13 @@ class QueryParams:
     top_k: int | None = None
     mode: Mode = "blend"
     ratio: float | None = None
+    selection: str | None = None  # a blend.selection policy; None: blend.selection
     max_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    explain_tokens: int = 0  # > 0: attach an Explain of the prompt, listing at most this many tokens
     # A chat: the client's system message, the earlier turns as (role, text), role "user" or "assistant",
     # oldest first, and the text to retrieve with (default: the question).
     system: str | None = None
@@ -79,6 +82,7 @@ class QueryStats:
     cached_tokens: int = 0  # prompt tokens whose KV was read from the store (not computed for this request)
     recomputed_tokens: int = 0
     recompute_ratio: float = 1.0
+    selection: str | None = None
     completion_tokens: int = 0
     store_hits: dict[str, int] = field(default_factory=dict)  # passages per tier they came from; "computed" = miss
     fallback: str | None = None  # why a blend ran as full prefill
@@ -94,6 +98,7 @@ class QueryResult:
     sources: list[Source]
     stats: QueryStats
     finish_reason: str
+    explain: Explain | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -156,7 +161,10 @@ class RagEngine:
                     before = [p.kv for p in plan.pieces[:i]] if piece.kind == "conversation" else []
                     piece.kv, piece.tier = parts.kv_cache.compute(piece.ids, piece.context_ids, before), "computed"
                     yield
-            stats.store_hits = dict(Counter(p.tier for p in plan.pieces if p.kind == "passage"))
+            passages = [p for p in plan.pieces if p.kind == "passage"]
+            stats.store_hits = dict(Counter(p.tier for p in passages))
+            for piece in passages:  # where each retrieved chunk's KV came from (app.usage)
+                parts.kv_cache.served(piece.ids, piece.tier)
         stats.kv_load_ms += _ms(t)
 
         # 3. Prefill, a layer per slice.
@@ -168,7 +176,8 @@ class RagEngine:
             ratio = 0.0 if params.mode == "reuse" else (
                 self.settings.blend.ratio if params.ratio is None else params.ratio)
             prefill = yield from parts.blender.prefill_steps([p.kv for p in plan.pieces], plan.suffix, ratio,
-                                                             reserve=max_tokens)
+                                                             selection=params.selection, reserve=max_tokens)
+            stats.selection = params.selection or parts.blender.selection
         stats.prefill_ms = _ms(t)
         _fill_prefill_stats(stats, prefill, params.mode, plan)
 
@@ -200,7 +209,10 @@ class RagEngine:
         answer, finish = text.text.strip(), text.finish_reason or "length"
         sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text)
                    for h in plan.hits]
-        yield QueryResult(answer, sources, stats, finish)
+        explain = None
+        if params.explain_tokens:  # built after the answer: it never delays the first token
+            explain = self._explain(plan, prefill, params.explain_tokens)
+        yield QueryResult(answer, sources, stats, finish, explain)
 
         # 5. After the answer is out: this exchange's KV, for the next turn (a few dozen tokens).
         if params.remember and params.mode != "full" and finish != "cancelled":
@@ -268,6 +280,14 @@ class RagEngine:
         return getattr(self.parts.llm.model.config, "max_position_embeddings", None)
 
     # ---- after the answer: the next turn's conversation KV -----------------------------------------
+
+    def _explain(self, plan: _Plan, prefill: Prefill, max_tokens: int) -> Explain:
+        b = self.settings.blend
+        head = [i for p in plan.pieces if p.kind != "passage" for i in p.ids]  # the head and any conversation
+        passages = [p.ids for p in plan.pieces if p.kind == "passage"]
+        return explain_prompt(self.parts.tokenizer, head, passages, plan.suffix, prefill,
+                              score=f"squared L2 deviation of the {b.deviation}s at layer {b.check_layer}",
+                              max_tokens=max_tokens)
 
     def _remember(self, params: QueryParams, plan: _Plan, answer: str) -> None:
         """Store the KV of the exchange just answered, laid out as the next turn will lay it out: after

@@ -13,9 +13,10 @@ first line, since the prompt shows the title anyway); else the file stem.
 
 Per document (`Ingestor`): chunk; skip it if nothing changed (same text, title, chunks and KV
 keys: a new model or prompt changes the keys, so re-ingesting recomputes the KV); embed and
-precompute each chunk's KV; then commit metadata + index in one step (retrieval.Retriever) and
-drop the KV entries of replaced chunks. A failure before the commit leaves the previous version
-in place and deletes the KV entries written for the failed one.
+precompute each chunk's KV (`precompute_at="first_use"`: only record its key; the first query
+that retrieves the chunk computes and stores it); then commit metadata + index in one step
+(retrieval.Retriever) and drop the KV entries of replaced chunks. A failure before the commit
+leaves the previous version in place and deletes the KV entries written for the failed one.
 """
 from __future__ import annotations
 
@@ -103,6 +104,7 @@ class Ingestor:
     max_chars: int | None = None  # per document; longer ones raise DocumentTooLarge before any work
     on_embedded: Callable[[int], object] = _noop  # progress: called with a number of chunks
     on_precomputed: Callable[[int], object] = _noop
+    precompute_at: Literal["ingest", "first_use"] = "ingest"
 
     def ingest_text(self, doc_id: str, title: str | None, text: str, source: str | None = None) -> IngestResult:
         """Add or replace one document (the API's upload goes through here). Raises IngestError."""
@@ -171,7 +173,11 @@ class Ingestor:
         for chunk in chunks:
             if cancelled():
                 raise IngestCancelled(f"{doc.source}: ingest cancelled")
-            chunk.kv_key = self.kv_cache.ensure(self.kv_cache.passage_ids(chunk.token_ids, doc.title))
+            ids = self.kv_cache.passage_ids(chunk.token_ids, doc.title)
+            if self.precompute_at == "first_use":
+                chunk.kv_key = self.kv_cache.key(ids)  # computed by the first query that retrieves it
+                continue
+            chunk.kv_key = self.kv_cache.ensure(ids)
             written.append(chunk.kv_key)
             self.on_precomputed(1)
         info = DocumentInfo(doc.doc_id, doc.title, doc.source, prepared.content_hash, len(chunks), time.time())
@@ -306,11 +312,11 @@ class _Summary:
         self.counts["failed"] += 1
         tqdm.write(f"error: {message}", file=sys.stderr)  # tqdm.write keeps the progress bars intact
 
-    def line(self, seconds: float) -> str:
+    def line(self, seconds: float, precomputed: bool = True) -> str:
         c = self.counts
+        work = "embedded and precomputed" if precomputed else "embedded (KV computed at first use)"
         return (f"ingest: {c['added']} added, {c['updated']} updated, {c['unchanged']} unchanged, "
-                f"{c['deleted']} deleted, {c['failed']} failed; {self.chunks} chunks embedded and "
-                f"precomputed in {seconds:.1f} s")
+                f"{c['deleted']} deleted, {c['failed']} failed; {self.chunks} chunks {work} in {seconds:.1f} s")
 
 
 def run_ingest(settings: Settings, paths: list[Path], delete_ids: list[str]) -> int:
@@ -332,7 +338,7 @@ def run_ingest(settings: Settings, paths: list[Path], delete_ids: list[str]) -> 
         except IndexMismatchError as exc:
             summary.error(str(exc))
             return 2
-    print(summary.line(time.perf_counter() - start))
+    print(summary.line(time.perf_counter() - start, settings.blend.precompute_at == "ingest"))
     return 1 if summary.counts["failed"] else 0
 
 
@@ -381,7 +387,8 @@ def _ingest_all(ingestor: Ingestor, docs: list[SourceDocument], summary: _Summar
             summary.error(str(exc))
     total = sum(len(p.chunks) for p in prepared if not p.unchanged)
     with tqdm(total=total, desc="embedded", unit="chunk", file=sys.stderr, disable=None) as embedded, \
-            tqdm(total=total, desc="KV precomputed", unit="chunk", file=sys.stderr, disable=None) as kv:
+            tqdm(total=total, desc="KV precomputed", unit="chunk", file=sys.stderr,
+                 disable=None if ingestor.precompute_at == "ingest" else True) as kv:
         ingestor.on_embedded, ingestor.on_precomputed = embedded.update, kv.update
         for item in prepared:
             try:

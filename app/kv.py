@@ -9,17 +9,16 @@ prefix found again at the next turn, by this replica or any other sharing the st
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
 
+from app.usage import COMPUTED
 from blend import Blender, ChunkKV, PromptFormat, hash_ids
-from store import TieredStore, kv_key
+from store import TieredStore, decode, encode, kv_key
 
 log = logging.getLogger("ragblend.kv")
-
-COMPUTED = "computed"
 
 
 class ChunkKVCache:
@@ -27,11 +26,13 @@ class ChunkKVCache:
 
     `precompute="head"` computes each passage right after the prompt head (closer to a full
     prefill, the default by measurement); "zero" computes it alone from position 0.
+    `on_served(key, source)` hears where each retrieved passage's KV came from (app.usage).
     """
 
     def __init__(self, blender: Blender, prompt: PromptFormat, store: TieredStore,
-                 precompute: Literal["head", "zero"] = "head"):
-        self.blender, self.prompt, self.store = blender, prompt, store
+                 precompute: Literal["head", "zero"] = "head",
+                 on_served: Callable[[str, str], object] = lambda key, source: None):
+        self.blender, self.prompt, self.store, self.on_served = blender, prompt, store, on_served
         self.head_ids = prompt.head_ids
         self.context_ids = self.head_ids if precompute == "head" else []
         self._context_hash = hash_ids(self.context_ids)
@@ -51,8 +52,11 @@ class ChunkKVCache:
         return kv_key(self.blender.fingerprint, self._context_hash, list(ids))
 
     def get_or_compute(self, ids: Sequence[int]) -> tuple[ChunkKV, str]:
-        """The passage's KV and where it came from: a tier name or "computed"."""
-        return self._load(list(ids), self.context_ids)
+        """A retrieved passage's KV and where it came from: a tier name or "computed" (then stored:
+        an entry Redis evicted, or one never precomputed, is back for the next query)."""
+        kv, source = self._load(list(ids), self.context_ids)
+        self.served(ids, source)
+        return kv, source
 
     def ensure(self, ids: Sequence[int]) -> str:
         """Make sure the passage's KV is stored (ingest); returns its key."""
@@ -66,6 +70,10 @@ class ChunkKVCache:
 
     # ---- any prompt piece: looked up off the model thread, computed on it ----------------------
 
+    def served(self, ids: Sequence[int], source: str) -> None:
+        """Report where a retrieved passage's KV came from (a tier name or COMPUTED) to `on_served`."""
+        self.on_served(self.key(ids), source)
+
     def lookup(self, ids: Sequence[int], context_ids: Sequence[int]) -> tuple[ChunkKV | None, str | None]:
         """The stored KV of `ids` computed after `context_ids`, and its tier; (None, None) on a miss."""
         ids = list(ids)
@@ -77,8 +85,9 @@ class ChunkKVCache:
         return None, None
 
     def compute(self, ids: Sequence[int], context_ids: Sequence[int], before: Sequence[ChunkKV] = ()) -> ChunkKV:
-        """Precompute and store the KV of `ids` after `context_ids`. `before`: the KVs laid out in front of
-        it that hold exactly `context_ids` (the head and earlier conversation pieces), so only `ids` run."""
+        """Precompute and store the KV of `ids` after `context_ids`; returns it as a store hit would.
+        `before`: the KVs laid out in front of it that hold exactly `context_ids` (the head and earlier
+        conversation pieces), so only `ids` run."""
         ids, context_ids = list(ids), list(context_ids)
         if context_ids == self.context_ids and not before:  # a passage
             kv = self._compute(ids, context_ids)
@@ -86,7 +95,7 @@ class ChunkKVCache:
             context = _joined(before, self.blender.dtype) if before else None
             kv = self.blender.precompute(ids, context_ids, context=context)
         self.store.put(kv_key(self.blender.fingerprint, hash_ids(context_ids), ids), kv)
-        return kv
+        return self._as_stored(kv)
 
     def _load(self, ids: list[int], context_ids: list[int]) -> tuple[ChunkKV, str]:
         key = kv_key(self.blender.fingerprint, hash_ids(context_ids), ids)
@@ -95,7 +104,12 @@ class ChunkKVCache:
             return kv, tier
         kv = self._compute(ids, context_ids)
         self.store.put(key, kv)
-        return kv, COMPUTED
+        return self._as_stored(kv), COMPUTED
+
+    def _as_stored(self, kv: ChunkKV) -> ChunkKV:
+        """What a later hit will read back (the codec's fp16/int8 values), so a question gets the same
+        answer whether its pieces were just computed or came from the store."""
+        return decode(encode(kv, self.store.codec), verify_checksum=False)
 
     def _compute(self, ids: list[int], context_ids: list[int]) -> ChunkKV:
         context = self.head() if context_ids and context_ids == self.head_ids else None

@@ -47,13 +47,17 @@ class CountRequests:
 
 
 class RequireApiKey:
-    """`Authorization: Bearer <key>` on every path but the health checks, when a key is configured."""
+    """`Authorization: Bearer <key>` on every path but the public ones, when a key is configured."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None):
-        self.app, self.key = app, (api_key or "").encode()
+    def __init__(self, app: ASGIApp, api_key: str | None, public: tuple[str, ...] = HEALTH_PATHS,
+                 public_prefix: str | None = None):
+        self.app, self.key, self.public, self.public_prefix = app, (api_key or "").encode(), public, public_prefix
+
+    def _is_public(self, path: str) -> bool:
+        return path in self.public or bool(self.public_prefix and path.startswith(self.public_prefix))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.key and scope["path"] not in HEALTH_PATHS:
+        if scope["type"] == "http" and self.key and not self._is_public(scope["path"]):
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
                 error = ApiError(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key",

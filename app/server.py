@@ -52,6 +52,7 @@ from app.errors import HANDLED, ApiError, as_api_error, handle_error
 from app.ingest import SUFFIXES, IngestCancelled, Ingestor, SourceDocument, read_documents
 from app.metrics import Metrics
 from app.middleware import CountRequests, LimitBody, RequireApiKey
+from app.page import PUBLIC_PATHS, PUBLIC_PREFIX, page_routes
 from app.scheduler import Scheduler
 from app.worker import Job, QueueFull, Worker, WorkerStopped
 from retrieval import DocumentInfo
@@ -300,7 +301,7 @@ class QueryRun:
     def response(self, result: QueryResult) -> QueryResponse:
         result.stats.queue_ms = round(self.job.queue_s * 1000, 2)
         return QueryResponse(answer=result.answer, sources=result.sources, stats=result.stats,
-                             finish_reason=result.finish_reason)
+                             finish_reason=result.finish_reason, explain=result.explain)
 
 
 def sse(run: QueryRun, events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
@@ -362,7 +363,9 @@ def models(svc: Service = Depends(service)) -> ModelList:
 async def query(body: QueryRequest, request: Request, svc: Service = Depends(service)):
     check_limits(svc.settings.limits, question=body.question, top_k=body.top_k, max_tokens=body.max_tokens)
     params = svc.query_params(body.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
-                              max_tokens=body.max_tokens, temperature=body.temperature, ignore_eos=body.ignore_eos)
+                              selection=body.selection, max_tokens=body.max_tokens, temperature=body.temperature,
+                              ignore_eos=body.ignore_eos,
+                              explain_tokens=svc.settings.limits.max_explain_tokens if body.explain else 0)
     run = await QueryRun.start(svc, params, request)
     if body.stream:
         return sse(run, query_events(run))
@@ -589,11 +592,15 @@ def create_app(settings: Settings, engine: RagEngine | None = None) -> FastAPI:
                   description="RAG answers with CacheBlend chunk-KV reuse; OpenAI-compatible chat completions.")
     app.state.service = svc
     app.include_router(router)
+    page = page_routes()
+    app.router.routes.extend(page)
     for exc_type in HANDLED:
         app.add_exception_handler(exc_type, handle_error)
     app.add_middleware(LimitBody, max_bytes=settings.limits.max_body_bytes)
-    app.add_middleware(RequireApiKey, api_key=settings.server.api_key)
-    app.add_middleware(CountRequests, metrics=svc.metrics, routes=router.routes)  # outermost: sees every status
+    app.add_middleware(RequireApiKey, api_key=settings.server.api_key, public=("/health", *PUBLIC_PATHS),
+                       public_prefix=PUBLIC_PREFIX)
+    # outermost: sees every status
+    app.add_middleware(CountRequests, metrics=svc.metrics, routes=[*router.routes, *page])
     return app
 
 

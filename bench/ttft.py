@@ -1,14 +1,22 @@
-"""TTFT of full prefill vs full reuse vs blend, in one run, on 5 MuSiQue passages (~3k tokens).
+"""TTFT of full prefill vs full reuse vs blend, in one run, on MuSiQue passages.
 
-Prints JSON: {"prompt_tokens", "full_s", "ratios": {"reuse", "blend@0.15", "blend@0.3"}, ...}.
+Single run (default 5 passages, ~3k tokens) prints JSON:
+    {"prompt_tokens", "full_s", "ratios": {"reuse", "blend@0.15", "blend@0.3"}, "ttft_s", "phases_ms", ...}
+`--sweep` prints one JSON with such a run for 2, 5, 10 and 14 passages (a question has 10; the
+next questions' passages fill up, and a prompt stops short of the model's context), modes
+full / reuse / blend@0.15 / blend@0.3 / blend@1, plus the commit and the load average.
+A mode is `reuse`, `blend@R` (the configured selection policy) or `POLICY@R` (e.g. `hkvd@0.15`).
 TTFT = chunk KVs fetched from the store's memory tier + prefill + choosing the first token;
-each ratio is mode TTFT / full-prefill TTFT, medians over interleaved repeats of one run.
+each ratio is mode TTFT / full-prefill TTFT, medians over interleaved repeats of one run;
+phases are each mode's `PrefillStats.timings_ms` from its last repeat.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,61 +30,106 @@ sys.path.insert(0, str(REPO))
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
 
+SWEEP_PASSAGES = (2, 5, 10, 14)
+SWEEP_MODES = "reuse,blend@0.15,blend@0.3,blend@1"
+ANSWER_ROOM = 64  # tokens left in the context for the answer
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dataset", type=Path, default=REPO.parent / "shared/data/musique_dev.json")
-    parser.add_argument("--question", type=int, default=0)
-    parser.add_argument("--passages", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--modes", default="reuse,blend@0.15,blend@0.3")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
-    item = json.loads(args.dataset.read_text())[args.question]
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = load_settings(data_dir=tmp, model={"cache_dir": str(REPO / "data/models")})
-        parts = Components(settings)
-        kv_cache, blender, prompt, loaded = parts.kv_cache, parts.blender, parts.prompt, parts.llm
-        passages = [prompt.text_passage_ids(c["text"], c["title"]) for c in item["ctxs"][: args.passages]]
-        for passage in passages:  # precompute outside the timed region, as ingest does
-            kv_cache.ensure(passage)
-        suffix = prompt.suffix_ids(item["question"])
-        ids = kv_cache.head_ids + [i for p in passages for i in p] + suffix
+def measure(blender, kv_cache, item: dict, pool: list[dict], passages: int, modes: list[str], repeats: int) -> dict:
+    """One interleaved run of `modes` (full first) on the first `passages` passages of `pool`."""
+    limit = getattr(blender.model.config, "max_position_embeddings", None) or 1 << 30
+    suffix = kv_cache.prompt.suffix_ids(item["question"])
+    chosen, ids = [], kv_cache.head_ids + suffix
+    for c in pool[:passages]:
+        passage_ids = kv_cache.prompt.text_passage_ids(c["text"], c["title"])
+        if len(ids) + len(passage_ids) + ANSWER_ROOM > limit:
+            break
+        kv_cache.ensure(passage_ids)  # precompute outside the timed region, as ingest does
+        chosen.append(passage_ids)
+        ids = ids[: -len(suffix)] + passage_ids + suffix
 
-        def ttft(mode: str) -> tuple[float, dict]:
-            start = time.perf_counter()
-            if mode == "full":
-                prefill = blender.full_prefill(ids)
-            else:
-                segments = [kv_cache.head()] + [kv_cache.get_or_compute(p)[0] for p in passages]
-                ratio = 0.0 if mode == "reuse" else float(mode.split("@")[1])
-                prefill = blender.prefill(segments, suffix, ratio)
-            int(prefill.logits.argmax())
-            return time.perf_counter() - start, prefill.stats.timings_ms
+    def ttft(mode: str) -> tuple[float, float, dict]:
+        start, cpu = time.perf_counter(), time.process_time()
+        if mode == "full":
+            prefill = blender.full_prefill(ids)
+        else:
+            segments = [kv_cache.head()] + [kv_cache.get_or_compute(p)[0] for p in chosen]
+            name, _, ratio = mode.partition("@")
+            selection = None if name in ("reuse", "blend") else name
+            prefill = blender.prefill(segments, suffix, float(ratio or 0), selection=selection)
+        int(prefill.logits.argmax())
+        return time.perf_counter() - start, time.process_time() - cpu, prefill.stats.timings_ms
 
-        modes = ["full", *args.modes.split(",")]
-        ttft("full")  # warm-up
-        times: dict[str, list[float]] = {m: [] for m in modes}
-        phases: dict[str, dict] = {}
-        for r in range(args.repeats):
-            for mode in modes:  # interleaved, so noise hits every mode alike
-                seconds, phases[mode] = ttft(mode)
-                times[mode].append(seconds)
-                print(f"repeat {r + 1}/{args.repeats} {mode}: {seconds:.3f}s", file=sys.stderr)
-        median = {m: statistics.median(t) for m, t in times.items()}
-        parts.close()
-    print(json.dumps({
+    modes = ["full", *modes]
+    ttft("full")  # warm-up
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    cpu_times: dict[str, list[float]] = {m: [] for m in modes}
+    phases: dict[str, dict] = {}
+    for r in range(repeats):
+        for mode in modes:  # interleaved, so noise hits every mode alike
+            seconds, cpu, phases[mode] = ttft(mode)
+            times[mode].append(seconds)
+            cpu_times[mode].append(cpu)
+            print(f"{len(chosen)} passages, repeat {r + 1}/{repeats} {mode}: {seconds:.3f}s (cpu {cpu:.3f}s)",
+                  file=sys.stderr)
+    median = {m: statistics.median(t) for m, t in times.items()}
+    cpu_median = {m: statistics.median(t) for m, t in cpu_times.items()}
+    return {
+        "passages": len(chosen),
         "prompt_tokens": len(ids),
         "full_s": round(median["full"], 4),
         "ratios": {m: round(median[m] / median["full"], 4) for m in modes if m != "full"},
         "ttft_s": {m: round(s, 4) for m, s in median.items()},
+        # CPU seconds of this process: steadier than wall time when other jobs share the cores
+        "cpu_ratios": {m: round(cpu_median[m] / cpu_median["full"], 4) for m in modes if m != "full"},
+        "cpu_s": {m: round(s, 4) for m, s in cpu_median.items()},
         "phases_ms": phases,
-        "threads": torch.get_num_threads(),
-        "fingerprint": loaded.fingerprint,
-    }, indent=2))
+    }
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", type=Path, default=REPO.parent / "shared/data/musique_dev.json")
+    parser.add_argument("--question", type=int, default=0)
+    parser.add_argument("--passages", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default=None, help="comma-separated, besides full (default: reuse,blend@0.15,"
+                                                      f"blend@0.3; with --sweep {SWEEP_MODES})")
+    parser.add_argument("--sweep", action="store_true", help=f"one run per passage count in {SWEEP_PASSAGES}")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    modes = (args.modes or (SWEEP_MODES if args.sweep else "reuse,blend@0.15,blend@0.3")).split(",")
+
+    dataset = json.loads(args.dataset.read_text())
+    item = dataset[args.question]
+    # The question's own passages (MuSiQue has 10), then the next questions' as distractors.
+    pool = [c for other in dataset[args.question:] for c in other["ctxs"]]
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = load_settings(data_dir=tmp, model={"cache_dir": str(REPO / "data/models")})
+        parts = Components(settings)
+        try:
+            counts = SWEEP_PASSAGES if args.sweep else (args.passages,)
+            runs = [measure(parts.blender, parts.kv_cache, item, pool, n, modes, args.repeats) for n in counts]
+        finally:
+            parts.close()
+    info = {"threads": torch.get_num_threads(), "fingerprint": parts.llm.fingerprint, "commit": commit(),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
+    if args.sweep:
+        print(json.dumps({"question": args.question, "repeats": args.repeats, **info, "runs": runs}, indent=2))
+    else:
+        print(json.dumps({**runs[0], **info}, indent=2))
 
 
 if __name__ == "__main__":

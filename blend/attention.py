@@ -1,13 +1,28 @@
-"""The patched attention: sdpa whose causal mask comes from absolute positions.
+"""The patched attention: only the work the causal mask allows, for any sorted set of query positions.
 
-Registered with transformers' AttentionInterface under BLEND_ATTENTION. During a blended
-prefill the queries are a subset of the prompt (the selected tokens) while the keys cover the
-whole prompt, so "causal" must compare absolute positions, not row/column indices. The blend
-loop passes `query_positions` [Tq] and `key_positions` [Tk]; any other forward (decode,
-precompute) passes neither and gets plain sdpa with the model's own mask. A batched decode step
-(blend.batch) passes K/V as RaggedKV, one cache per row, and each row attends over its own.
+Registered with transformers' AttentionInterface under BLEND_ATTENTION. During a blended prefill
+the queries are a subset of the prompt (every non-exact token up to the check layer, then the
+selected tokens and the question) while the keys cover the whole prompt, so "causal" compares
+absolute positions. An explicit [Tq, Tk] mask would be exact, but torch's CPU kernels compute
+every block of a masked attention, visible or not. An `AttentionPlan` instead cuts the visible
+region into pieces the kernel runs without waste, and merges them by their log-sum-exp:
+
+    contiguous queries p0..p1:  keys [0, p0) unmasked   +  keys [p0, p1] causal (a square)
+    scattered queries p0..p1:   keys [0, p0] unmasked (every query sees them), then windows of
+                                KEY_WINDOW keys: the queries after a window see all of it
+                                (unmasked), the few inside it get a small mask
+
+The plan is built once per set of query positions (the prefill loop keeps them over many layers)
+and passed as `attention_plan`. Any other forward (decode, precompute, full prefill) passes no
+plan and gets plain sdpa with the model's own mask. An `attention_probe` callable, when passed,
+sees (module, query, key) first: selection policies read the question's attention through it.
+A batched decode step (blend.batch) passes K/V as RaggedKV, one cache per row, and each row
+attends over its own.
 """
 from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -17,24 +32,119 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from blend.batch import RaggedKV, ragged_attention_forward
 
 BLEND_ATTENTION = "ragblend_sdpa"
+# Keys per window for scattered queries: wider windows mean fewer merges but more masked work
+# inside each window; 512 is also the CPU flash kernel's key block (measured in BENCHMARKS.md).
+KEY_WINDOW = 512
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # -> (out, logsumexp)
 
 
-def position_causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-    """Boolean [1, 1, Tq, Tk]: query at position p sees keys at positions <= p."""
-    return (key_positions[None, :] <= query_positions[:, None])[None, None]
+@dataclass(frozen=True)
+class Piece:
+    """One kernel call: a run of (sorted) queries against a run of keys."""
+    queries: slice
+    keys: slice
+    causal: bool = False              # queries and keys are the same positions: a causal square
+    mask: torch.Tensor | None = None  # additive float [queries, keys] (0 or -inf) for partly visible keys
 
 
-def blend_attention_forward(module, query, key, value, attention_mask, query_positions=None,
-                            key_positions=None, **kwargs):
+@dataclass(frozen=True)
+class AttentionPlan:
+    positions: torch.Tensor     # [Tq] absolute query positions, strictly increasing
+    pieces: tuple[Piece, ...]   # pieces[0] covers every query; later ones are merged into it
+
+    @classmethod
+    def build(cls, positions: torch.Tensor, window: int = KEY_WINDOW) -> AttentionPlan:
+        pos = positions.tolist()
+        if not pos:
+            raise ValueError("an attention plan needs at least one query")
+        if any(b <= a for a, b in zip(pos, pos[1:])) or pos[0] < 0:
+            raise ValueError("query positions must be non-negative and strictly increasing")
+        first, last, count = pos[0], pos[-1], len(pos)
+        every = slice(0, count)
+        if count == 1:
+            return cls(positions, (Piece(every, slice(0, first + 1)),))
+        if last - first + 1 == count:  # contiguous: a visible prefix plus a causal square
+            square = Piece(every, slice(first, last + 1), causal=True)
+            return cls(positions, (Piece(every, slice(0, first)), square) if first else (square,))
+        pieces = [Piece(every, slice(0, first + 1))]
+        for start in range(first + 1, last + 1, window):
+            end = min(start + window, last + 1)
+            inside = bisect.bisect_left(pos, start)   # first query that sees key `start`
+            after = bisect.bisect_left(pos, end - 1)  # first query that sees the whole window
+            if after > inside:  # each of these sees key `start` at least, so no row is fully masked
+                hidden = torch.arange(start, end)[None, :] > positions[inside:after, None]
+                mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+                pieces.append(Piece(slice(inside, after), slice(start, end), mask=mask))
+            if after < count:
+                pieces.append(Piece(slice(after, count), slice(start, end)))
+        return cls(positions, tuple(pieces))
+
+    @property
+    def num_keys(self) -> int:
+        """Keys the queries can see (up to the last query's position)."""
+        return int(self.positions[-1]) + 1
+
+
+def planned_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan,
+                      scale: float | None = None) -> torch.Tensor:
+    """Causal attention of queries at `plan.positions` over keys at positions 0..; returns [B, Tq, Hq, D].
+
+    query: [B, Hq, Tq, D]; key/value: [B, Hkv, Tk, D] with Tk >= plan.num_keys (GQA: Hq a multiple of Hkv).
+    """
+    if query.shape[2] != plan.positions.numel() or key.shape[2] < plan.num_keys:
+        raise ValueError(f"attention plan for {plan.positions.numel()} queries over {plan.num_keys} keys got "
+                         f"{query.shape[2]} queries and {key.shape[2]} keys")
+    if query.device.type != "cpu":  # the pieces use the CPU flash kernel; elsewhere the exact masked form
+        return dense_attention(query, key, value, plan.positions, scale)
+    out = lse = None
+    for piece in plan.pieces:
+        mask = None if piece.mask is None else piece.mask.to(query.dtype)
+        o, l = _flash_cpu(query[:, :, piece.queries], key[:, :, piece.keys], value[:, :, piece.keys],
+                          is_causal=piece.causal, attn_mask=mask, scale=scale)   # o: [B, H, T, D]; l: [B, H, T]
+        if out is None:
+            out, lse = o.float(), l   # accumulate in float32 (lse already is)
+        else:
+            _merge(out[:, :, piece.queries], lse[:, :, piece.queries], o, l)
+    # The kernel lays its output out as [B, T, H, D], so this transpose is already contiguous.
+    return out.to(query.dtype).transpose(1, 2)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
+    """Fold a piece (o, l) into the running (out, lse) in place: softmax over the union of their keys."""
+    total = torch.logaddexp(lse, l)                                    # [B, H, T]
+    out.mul_((lse - total).exp_().unsqueeze(-1)).addcmul_(o, (l - total).exp_().unsqueeze(-1))
+    lse.copy_(total)
+
+
+def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+                    scale: float | None = None) -> torch.Tensor:
+    """The reference: sdpa with an explicit position mask over every key; returns [B, Tq, Hq, D]."""
+    num_keys = int(positions[-1]) + 1
+    key, value = key[:, :, :num_keys], value[:, :, :num_keys]
+    mask = torch.arange(num_keys, device=query.device)[None, :] <= positions.to(query.device)[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                           enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
+def blend_attention_forward(module, query, key, value, attention_mask, attention_plan: AttentionPlan | None = None,
+                            attention_probe=None, **kwargs):
     # query: [B, Hq, Tq, D]; key/value: [B, Hkv, Tk, D]
     if isinstance(key, RaggedKV):
         return ragged_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if query_positions is not None:
-        if query_positions.numel() == key_positions.numel():  # every token: sdpa's own causal kernel is faster
-            attention_mask, kwargs["is_causal"] = None, True
-        else:
-            attention_mask, kwargs["is_causal"] = position_causal_mask(query_positions, key_positions), False
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if attention_probe is not None:
+        attention_probe(module, query, key)
+    if attention_plan is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    # The Blender's model gate keeps these away; refuse rather than silently ignore them.
+    if kwargs.get("softcap") is not None:
+        raise ValueError("the blend attention does not apply attention-logit softcapping")
+    window = kwargs.get("sliding_window")
+    if window is not None and attention_plan.num_keys > window:
+        raise ValueError(f"the blend attention does not apply a sliding window ({window} < "
+                         f"{attention_plan.num_keys} keys)")
+    return planned_attention(query, key, value, attention_plan, kwargs.get("scaling")), None
 
 
 AttentionInterface.register(BLEND_ATTENTION, blend_attention_forward)

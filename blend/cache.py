@@ -2,11 +2,11 @@
 
 During a blended prefill, `write_positions` names the absolute positions the current layer
 computes; `update()` writes their fresh K/V over the cached ones and returns the full-length
-K/V, so every query attends over the whole prompt. At the check layer it first measures how
-far the fresh K/V are from the cached ones (the HKVD score). With `write_positions` unset,
-`update()` appends, as a DynamicCache does, but into a preallocated buffer: decoding a token
-writes one slot instead of copying the whole cache (DynamicCache's `torch.cat` is O(length)
-per token). The buffer doubles when it is full.
+K/V, so every query attends over the whole prompt. At each layer in `deviation_layers` it first
+measures how far the fresh K/V are from the cached ones (the HKVD score) into `deviations`.
+With `write_positions` unset, `update()` appends, as a DynamicCache does, but into a preallocated
+buffer: decoding a token writes one slot instead of copying the whole cache (DynamicCache's
+`torch.cat` is O(length) per token). The buffer doubles when it is full.
 """
 from __future__ import annotations
 
@@ -29,19 +29,19 @@ class BlendCache(DynamicCache):
             self.layers.append(layer)
             self._buffers.append((k, v))
         self.write_positions: torch.Tensor | None = None
-        self.check_layer: int | None = None
+        self.deviation_layers: frozenset[int] = frozenset()
         self.deviation_on = "value"
-        self.deviation: torch.Tensor | None = None  # [len(write_positions)] at the check layer
+        self.deviations: dict[int, torch.Tensor] = {}  # layer -> [len(write_positions)]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states/value_states: [1, H, Tq, D] for the tokens at write_positions (or new tokens to append)
         if self.write_positions is None:
             return self.append(layer_idx, key_states, value_states)
         layer = self.layers[layer_idx]
-        if layer_idx == self.check_layer:
+        if layer_idx in self.deviation_layers:
             fresh, cached = (value_states, layer.values) if self.deviation_on == "value" else (key_states, layer.keys)
             diff = fresh - cached.index_select(2, self.write_positions)
-            self.deviation = diff.pow(2).sum(dim=(0, 1, 3))  # squared L2 per token
+            self.deviations[layer_idx] = diff.pow(2).sum(dim=(0, 1, 3))  # squared L2 per token
         layer.keys.index_copy_(2, self.write_positions, key_states)
         layer.values.index_copy_(2, self.write_positions, value_states)
         return layer.keys, layer.values

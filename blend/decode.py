@@ -8,10 +8,14 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 
+# Below this, logits / temperature overflows float32 (and sampling is greedy in all but name).
+MIN_TEMPERATURE = 1e-4
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
-    temperature: float = 0.0          # 0 = greedy
+    temperature: float = 0.0          # 0 (or below MIN_TEMPERATURE) = greedy
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
@@ -19,7 +23,7 @@ class SamplingParams:
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits: [V] → one token id (greedy at temperature 0, else temperature + nucleus sampling)."""
-    if params.temperature <= 0:
+    if params.temperature < MIN_TEMPERATURE:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:

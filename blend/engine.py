@@ -8,40 +8,46 @@ Contract:
     prefill_steps(...) -> Generator[None, None, Prefill]
         the same prefill, resumable: it yields after each layer, so a scheduler can run other
         requests' decode steps between the layers of a long prefill
-    full_prefill(ids) -> Prefill                   the same loop with nothing cached
+    full_prefill(ids) -> Prefill                   the model's own forward over every token (the reference)
     decode_step(caches, tokens, positions) -> [B, V] logits
         one batched forward: row b appends tokens[b] at positions[b] to caches[b] (blend.batch)
     decode(prefill, sampling) -> Iterator[int]     greedy / sampled tokens from the prefill cache
 
 The blended prefill, step by step:
     1. lay the segments and suffix out at absolute positions; RoPE-shift each segment's keys
-    2. leading segments computed after exactly the tokens before them are exact (prefix cache)
-    3. layers 0..check_layer run every other token; at the check layer each cached token's
-       K/V deviation (fresh vs cached) is measured
-    4. keep the top `ratio` of cached tokens by deviation plus the suffix; later layers run only
-       those, writing fresh K/V over the cached ones, queries attending to all keys causally
+    2. leading segments computed after exactly the tokens before them are exact (prefix cache);
+       the other cached tokens are the candidates
+    3. a selection policy (blend.selection) scores the candidates with what it asks for: the
+       question's attention from a question-only pass over the cached keys, and/or the K/V
+       deviation (fresh vs cached) at the check layer after running every candidate through
+       layers 0..check_layer
+    4. keep the top `ratio` of candidates plus the suffix; the remaining layers run only those,
+       writing fresh K/V over the cached ones, queries attending to all keys causally
+       (blend.attention plans that attention so only the visible keys are computed)
+
+Models the loop cannot run exactly (blend.gate, plus a probe prompt at start-up) and prompts longer
+than a sliding window run full prefill instead; `unsupported` / `PrefillStats.fallback` say why.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Generator, Iterator, Literal, Sequence
+from typing import Callable, Generator, Iterator, Literal, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from blend.attention import BLEND_ATTENTION
+from blend.attention import BLEND_ATTENTION, AttentionPlan
 from blend.batch import BatchCache
 from blend.cache import BlendCache
 from blend.chunk_kv import ChunkKV, KVMismatchError, hash_ids
 from blend.decode import SamplingParams, sample_next
+from blend.gate import sliding_window, static_refusal
 from blend.rope import RopeShifter, RopeUnsupportedError
+from blend.selection import Gradual, Policy, SelectionContext, get_policy, ranks, select
 
 log = logging.getLogger("ragblend.blend")
-
-Selection = Literal["hkvd", "random"]
-
 
 @dataclass
 class PrefillStats:
@@ -50,17 +56,27 @@ class PrefillStats:
     exact_tokens: int = 0        # of those, the exact prefix (never recomputed)
     recomputed_tokens: int = 0   # cached tokens recomputed after the check layer
     ratio: float = 1.0
+    selection: str | None = None  # the policy that chose the recomputed tokens
     fallback: str | None = None  # why a blend ran as full prefill
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
 class Prefill:
+    """The prompt's cache and next-token logits, and what the selection did (for stats and "explain").
+
+    selected: absolute positions [k] (sorted) of the cached tokens recomputed through every layer.
+    scores:   float [prompt tokens]: the selection policy's score of each candidate (a cached token
+              after the exact prefix); NaN where nothing was scored (the exact prefix, the suffix,
+              and every position when the ratio is 0 or 1, where no choice is made). Higher = more
+              in need of recompute; scales differ between policies.
+    """
     cache: BlendCache
     logits: torch.Tensor           # [V] next-token logits after the prompt
     num_tokens: int
-    selected: torch.Tensor         # absolute positions of cached tokens recomputed after the check layer
+    selected: torch.Tensor
     stats: PrefillStats
+    scores: torch.Tensor
 
 
 class _Clock:
@@ -74,26 +90,81 @@ class _Clock:
         self._last = now
 
 
+class _QuestionAttention:
+    """Attention probe: records the suffix queries' softmax attention over the candidates, per layer
+    and head, averaged over the suffix tokens (so a long question costs no more memory)."""
+
+    def __init__(self, ctx: SelectionContext, suffix_len: int, total: int, layers: range):
+        self.ctx, self.suffix_len, self.layers = ctx, suffix_len, layers
+        query_pos = torch.arange(total - suffix_len, total)
+        self.hidden_keys = torch.arange(total)[None, :] > query_pos[:, None]     # [Ts, N] causal
+
+    def __call__(self, module, query: torch.Tensor, key: torch.Tensor) -> None:
+        # query: [1, Hq, Tq, D] (the suffix is last); key: [1, Hkv, N, D]
+        if module.layer_idx not in self.layers:
+            return
+        q = query[0, :, -self.suffix_len:]                                         # [Hq, Ts, D]
+        k = key[0].repeat_interleave(q.shape[0] // key.shape[1], dim=0)           # [Hq, N, D]
+        logits = (q @ k.transpose(1, 2)) * module.scaling                          # [Hq, Ts, N]
+        probs = logits.masked_fill(self.hidden_keys, float("-inf")).softmax(-1)
+        self.ctx.attention[module.layer_idx] = probs[..., self.ctx.exact:self.ctx.cached].float().mean(1)  # [Hq, n]
+
+
 class Blender:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str, *,
-                 check_layer: int = 1, deviation: Literal["value", "key"] = "value"):
-        if model.config._attn_implementation != BLEND_ATTENTION:
-            model.set_attn_implementation(BLEND_ATTENTION)
+                 check_layer: int = 1, deviation: Literal["value", "key"] = "value", selection: str = "query",
+                 boundary_tokens: int = 0, gradual: Gradual | None = None):
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
         self.decoder = model.model
         config = model.config.get_text_config(decoder=True)
         self.num_layers = config.num_hidden_layers
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.check_layer = min(check_layer, self.num_layers - 1)
-        self.deviation = deviation
+        if not 0 <= check_layer <= self.num_layers - 2:
+            raise ValueError(f"check_layer must be in [0, {self.num_layers - 2}] for this {self.num_layers}-layer "
+                             f"model (the layers after it run the selected tokens), got {check_layer}")
+        self.check_layer, self.deviation = check_layer, deviation
+        self.selection = get_policy(selection).name
+        self.boundary_tokens, self.gradual = boundary_tokens, gradual  # options on any policy (blend.selection)
         self.dtype = next(model.parameters()).dtype
-        try:
-            self.shifter: RopeShifter | None = RopeShifter(model)
-            self.unsupported: str | None = None
-        except RopeUnsupportedError as exc:
-            self.shifter, self.unsupported = None, str(exc)
+        self.sliding_window = sliding_window(model)  # prompts longer than this run in full
+        self.shifter: RopeShifter | None = None
+        self.unsupported: str | None = None   # why this model never blends (None: it does); shown in /health
+        self.unsupported = self._gate()       # (set after the probe, which runs prefill)
+        if self.unsupported:
             log.warning("blending disabled, every prefill runs in full", extra={"reason": self.unsupported})
+
+    def _gate(self) -> str | None:
+        """Check the blend loop can run this model exactly; if not, leave the model its own attention."""
+        own = self.model.config._attn_implementation
+        reason = static_refusal(self.model)
+        if reason is None:
+            try:
+                self.shifter = RopeShifter(self.model)
+            except RopeUnsupportedError as exc:
+                reason = str(exc)
+        if reason is None:
+            self.model.set_attn_implementation(BLEND_ATTENTION)
+            reason = self._probe()
+        if reason and self.model.config._attn_implementation == BLEND_ATTENTION:
+            fallback = own if own != BLEND_ATTENTION else "sdpa" if self.model._supports_sdpa else "eager"
+            self.model.set_attn_implementation(fallback)
+        return reason
+
+    def _probe(self) -> str | None:
+        """A short prompt blended at ratio 1 (an exact prefix, a moved chunk, a suffix) must match the model."""
+        n = max(3, min(12, self.sliding_window or 12))  # within the window, so the probe really blends
+        ids = (torch.arange(n) * 7 % self.model.config.get_text_config(decoder=True).vocab_size).tolist()
+        a, b = n // 3, 2 * n // 3
+        segments = [self.precompute(ids[:a]), self.precompute(ids[a:b])]
+        blended = self.prefill(segments, ids[b:], 1.0).logits
+        own = self.full_prefill(ids).logits
+        tolerance = (1e-4 if self.dtype == torch.float32 else 2e-2) * (1 + float(own.abs().max()))
+        error = float((blended - own).abs().max())
+        if not error <= tolerance:
+            return (f"the blend loop does not reproduce {type(self.model).__name__}'s own forward "
+                    f"(max |logit difference| {error:.3g} on a probe prompt)")
+        return None
 
     # ---- precompute -----------------------------------------------------------------------
 
@@ -119,9 +190,18 @@ class Blender:
 
     # ---- prefill --------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def full_prefill(self, ids: Sequence[int], *, reserve: int = 0) -> Prefill:
-        """Every token through every layer: the same loop, nothing cached."""
-        return self.prefill([], ids, ratio=1.0, reserve=reserve)
+        """Every token through the model's own forward (its own attention, masks and head): the reference.
+        `reserve` leaves room in the cache for that many decoded tokens."""
+        clock = _Clock()
+        ids = list(ids)
+        cache = BlendCache(*self._empty_kv(0, reserve=len(ids) + reserve), length=0)
+        out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+        clock.lap("layers")
+        stats = PrefillStats(len(ids), timings_ms=clock.timings)
+        return Prefill(cache, out.logits[0, -1].float(), len(ids), torch.empty(0, dtype=torch.long), stats,
+                       torch.full((len(ids),), float("nan")))
 
     def prefill(self, segments: Sequence[ChunkKV], suffix_ids: Sequence[int], ratio: float, **options) -> Prefill:
         """The whole prefill at once (see `prefill_steps` for the options)."""
@@ -134,64 +214,130 @@ class Blender:
 
     @torch.inference_mode()
     def prefill_steps(self, segments: Sequence[ChunkKV], suffix_ids: Sequence[int], ratio: float, *,
-                      selection: Selection = "hkvd", seed: int = 0, reserve: int = 0
+                      selection: str | Policy | None = None, seed: int = 0, reserve: int = 0
                       ) -> Generator[None, None, Prefill]:
-        """The blended prefill, yielding after each layer; returns the Prefill. `reserve` leaves room in
-        the cache for that many decoded tokens (the buffer would grow anyway, by a copy)."""
+        """Blend `segments` + the suffix, yielding after each layer; returns the Prefill. `selection` names a
+        policy in blend.selection (default: the Blender's); `reserve` leaves room in the cache for that many
+        decoded tokens (the buffer would grow anyway, by a copy)."""
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the question)")
+        policy = get_policy(selection or self.selection)
         clock = _Clock()
         for seg in segments:
             self._check_segment(seg)
         ids = torch.cat([s.token_ids for s in segments] + [torch.tensor(list(suffix_ids), dtype=torch.int64)])
-        if segments and self.shifter is None:  # cannot move keys: run the same tokens in full
-            result = yield from self.prefill_steps([], ids.tolist(), 1.0, reserve=reserve)
-            result.stats.fallback = self.unsupported
+        reason = self.unsupported or self._window_refusal(ids.numel())
+        if reason:  # the loop would not be exact: run the same tokens through the model's own forward
+            log.debug("full prefill instead of blending", extra={"reason": reason})
+            result = self.full_prefill(ids.tolist(), reserve=reserve)  # one slice: the model's forward is whole
+            result.stats.fallback = reason
             return result
 
         # 1. Layout and cache: cached K/V rotated to their new positions.
         total, cached = ids.numel(), sum(s.num_tokens for s in segments)
-        keys, values = self._empty_kv(total, reserve)                             # [L, H, N + reserve, D]
-        start = 0
+        keys, values = self._empty_kv(total, reserve, fill=False)                 # [L, H, N + reserve, D]
+        keys[:, :, cached:total], values[:, :, cached:total] = 0, 0   # the suffix's slots, written layer by layer
+        bounds, start = [], 0
         for seg in segments:
             end = start + seg.num_tokens
             keys[:, :, start:end] = self.shifter.shift(seg.keys.to(self.dtype), start - seg.position)
             values[:, :, start:end] = seg.values
+            bounds.append((start, end))
             start = end
-        cache = BlendCache(keys, values, length=total)
+        cache = BlendCache(keys, values, length=total)   # the reserve: decode room, never read before written
+        cache.deviation_on = self.deviation
         clock.lap("assemble")
 
-        # 2. The exact prefix needs nothing; the rest of the cached tokens may be repaired.
+        # 2. The exact prefix needs nothing; the rest of the cached tokens (the candidates) may be repaired.
         exact = self._exact_prefix(segments)
         n_select = round(ratio * (cached - exact))
-        suffix_pos = torch.arange(cached, total)
-        # 3. Up to the check layer, run every non-exact token (just the suffix for full reuse).
-        run = torch.arange(exact, total) if n_select else suffix_pos
-        hidden = self.decoder.embed_tokens(ids[run][None])                       # [1, Tq, hidden]
-        key_positions = torch.arange(total)
-        cache.check_layer, cache.deviation_on = self.check_layer, self.deviation
-        selected = torch.arange(exact, cached) if n_select == cached - exact else torch.empty(0, dtype=torch.long)
-        for i, layer in enumerate(self.decoder.layers[: self.num_layers]):
-            if n_select and i == self.check_layer + 1 and n_select < cached - exact:
-                # 4. Keep the top deviations among cached tokens, plus the suffix.
-                selected = self._select(cache.deviation[: cached - exact], n_select, selection, seed) + exact
-                keep = torch.cat([selected, suffix_pos])
-                hidden = hidden[:, keep - exact]
-                run = keep
-                clock.lap("layers_full")
-            cache.write_positions = run
-            position_embeddings = self.decoder.rotary_emb(hidden, position_ids=run[None])
+        stats = PrefillStats(total, cached, exact, n_select, ratio)
+        scores = torch.full((total,), float("nan"))
+        suffix = torch.arange(cached, total)
+        if n_select == 0:     # full reuse: only the question runs
+            hidden = yield from self._layers(self._embed(ids, suffix), suffix, cache, 0, self.num_layers)
+            return self._finish(cache, hidden, clock, torch.empty(0, dtype=torch.long), scores, stats)
+        if n_select == cached - exact:  # every candidate: full prefill
+            run = torch.arange(exact, total)
+            hidden = yield from self._layers(self._embed(ids, run), run, cache, 0, self.num_layers)
+            return self._finish(cache, hidden, clock, run[:n_select], scores, stats)
+
+        # 3. Score the candidates with what the policy reads.
+        ctx = SelectionContext(n_select, exact, cached, [b for b in bounds if b[0] >= exact], self.num_layers,
+                               seed=seed)
+        stats.selection = policy.name
+        if policy.question_layers:  # the question alone over the cached keys (cost ≈ its own length)
+            layers = policy.layer_range(self.num_layers)
+            probe = _QuestionAttention(ctx, len(suffix), total, layers)
+            yield from self._layers(self._embed(ids, suffix), suffix, cache, 0, layers.stop, probe)
+            clock.lap("question_pass")
+        first, run, hidden = 0, None, None
+        if policy.deviation:         # every candidate through layers 0..check_layer
+            run = torch.arange(exact, total)
+            cache.deviation_layers = frozenset({self.check_layer})
+            hidden = yield from self._layers(self._embed(ids, run), run, cache, 0, self.check_layer + 1)
+            ctx.layer, ctx.deviation = self.check_layer, cache.deviations[self.check_layer][:cached - exact]
+            first = self.check_layer + 1
+            clock.lap("layers_full")
+        widen = self.gradual.widen if self.gradual and first + self.gradual.layers < self.num_layers else 1.0
+        ctx.count = min(round(n_select * widen), cached - exact)
+        picked, candidate_scores = select(policy, ctx, self.boundary_tokens)
+        scores[exact:cached] = candidate_scores
+
+        # 4. The selected candidates plus the suffix run the remaining layers.
+        hidden, run, first = self._keep(ids, picked + exact, suffix, hidden, run, first)
+        if ctx.count > n_select:  # gradual filtering: narrow by the deviation a few layers on
+            narrow = first + self.gradual.layers - 1
+            cache.deviation_layers = frozenset({narrow})
+            hidden = yield from self._layers(hidden, run, cache, first, narrow + 1)
+            deviation = cache.deviations[narrow][:ctx.count]
+            keep = (ranks(candidate_scores[picked]) + ranks(deviation)).topk(n_select).indices.sort().values
+            hidden, run, first = self._keep(ids, picked[keep] + exact, suffix, hidden, run, narrow + 1)
+            clock.lap("layers_gradual")
+        hidden = yield from self._layers(hidden, run, cache, first, self.num_layers)
+        return self._finish(cache, hidden, clock, run[:n_select], scores, stats)
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed_tokens(ids[positions][None])                  # [1, T, hidden]
+
+    def _keep(self, ids: torch.Tensor, selected: torch.Tensor, suffix: torch.Tensor, hidden: torch.Tensor | None,
+              run: torch.Tensor | None, first: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(hidden, positions, layer) to go on with just `selected` + the suffix; from layer 0 when
+        no layer has run yet (layer 0's K/V are exact for every token, so nothing is lost)."""
+        keep = torch.cat([selected, suffix])
+        if hidden is None:
+            return self._embed(ids, keep), keep, 0
+        index = torch.searchsorted(run, keep)           # rows of `hidden` (run is sorted)
+        return hidden[:, index], keep, first
+
+    def _layers(self, hidden: torch.Tensor, run: torch.Tensor, cache: BlendCache, start: int, stop: int,
+                probe: Callable | None = None) -> Generator[None, None, torch.Tensor]:
+        """Run decoder layers [start, stop) for the tokens at absolute positions `run` (hidden [1, T, hidden]),
+        yielding after each layer (a scheduler's slice boundary); returns the last hidden states."""
+        cache.write_positions = run
+        plan = AttentionPlan.build(run)  # which keys each query sees: planned once for all these layers
+        position_embeddings = self.decoder.rotary_emb(hidden, position_ids=run[None])
+        for layer in self.decoder.layers[start:stop]:
             hidden = layer(hidden, attention_mask=None, position_ids=run[None], cache=cache,
-                           position_embeddings=position_embeddings,
-                           query_positions=run, key_positions=key_positions)
+                           position_embeddings=position_embeddings, attention_plan=plan, attention_probe=probe)
             yield
-        cache.write_positions = cache.deviation = None
+        return hidden
+
+    def _finish(self, cache: BlendCache, hidden: torch.Tensor, clock: _Clock, selected: torch.Tensor,
+                scores: torch.Tensor, stats: PrefillStats) -> Prefill:
+        cache.write_positions, cache.deviation_layers, cache.deviations = None, frozenset(), {}
         logits = self.model.lm_head(self.decoder.norm(hidden[:, -1]))[0]        # [V]
-        clock.lap("layers_selected" if "layers_full" in clock.timings else "layers")
-        stats = PrefillStats(total, cached, exact, len(selected), ratio, timings_ms=clock.timings)
-        return Prefill(cache, logits.float(), total, selected, stats)
+        clock.lap("layers_selected" if len(clock.timings) > 1 else "layers")
+        stats.timings_ms = clock.timings
+        return Prefill(cache, logits.float(), stats.prompt_tokens, selected, stats, scores)
+
+    def _window_refusal(self, tokens: int) -> str | None:
+        if self.sliding_window is not None and tokens > self.sliding_window:
+            return (f"prompt of {tokens} tokens exceeds the {self.sliding_window}-token sliding window, "
+                    "which the blend attention does not apply")
+        return None
 
     def _exact_prefix(self, segments: Sequence[ChunkKV]) -> int:
         """Tokens of leading segments computed at their own position after exactly what precedes them."""
@@ -203,15 +349,6 @@ class Blender:
             exact += seg.num_tokens
         return exact
 
-    @staticmethod
-    def _select(deviation: torch.Tensor, count: int, selection: Selection, seed: int) -> torch.Tensor:
-        """Indices (sorted) of `count` tokens: highest deviation (HKVD), or random as a baseline."""
-        if selection == "random":
-            picked = torch.randperm(deviation.numel(), generator=torch.Generator().manual_seed(seed))[:count]
-        else:
-            picked = deviation.topk(count).indices
-        return picked.sort().values
-
     def _check_segment(self, seg: ChunkKV) -> None:
         if seg.fingerprint != self.fingerprint:
             raise KVMismatchError(f"chunk KV belongs to model {seg.fingerprint}, not {self.fingerprint}")
@@ -219,10 +356,11 @@ class Blender:
         if tuple(seg.keys.shape) != expected:
             raise KVMismatchError(f"chunk KV has shape {tuple(seg.keys.shape)}, this model needs {expected}")
 
-    def _empty_kv(self, length: int, reserve: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed K/V [L, H, length + reserve, D] (the reserve is decode room, never read before written)."""
+    def _empty_kv(self, length: int, reserve: int = 0, fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [L, H, length + reserve, D], zeroed unless `fill` is False (the reserve is decode room)."""
         shape = (self.num_layers, self.kv_heads, length + reserve, self.head_dim)
-        return torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)
+        make = torch.zeros if fill else torch.empty
+        return make(shape, dtype=self.dtype), make(shape, dtype=self.dtype)
 
     # ---- decode ---------------------------------------------------------------------------
 
@@ -248,7 +386,9 @@ class Blender:
                     ) -> torch.Tensor:
         """One token for each of B requests in one forward: row b reads tokens[b] at positions[b] over
         caches[b] (which it extends). Returns next-token logits [B, V] (float32)."""
-        if self.model.config._attn_implementation != BLEND_ATTENTION:  # a gated model: its own attention, row by row
+        # A gated model, or a row past a sliding window (the ragged attention sees every key): the model's
+        # own forward and mask, row by row.
+        if self.model.config._attn_implementation != BLEND_ATTENTION or self._window_refusal(max(positions) + 1):
             return torch.cat([self._decode_alone(*row) for row in zip(caches, tokens, positions)])
         position_ids = torch.tensor(list(positions))[:, None]                      # [B, 1]
         hidden = self.decoder.embed_tokens(torch.tensor(list(tokens))[:, None])    # [B, 1, hidden]

@@ -91,17 +91,16 @@ def load_model(name: str = EMBEDDED, cache_dir: str | Path = "data/models", dtyp
                attn_implementation: str | None = None) -> LoadedModel:
     """Load `name` ("embedded", a local HF folder, or a hub id) in eval mode.
 
-    `attn_implementation` defaults to the blend attention (see blend.attention), which behaves as
-    sdpa for ordinary forwards.
+    `attn_implementation` defaults to the model's own choice; the Blender switches a model it can
+    blend to the blend attention (see blend.attention, blend.gate), which behaves as sdpa for
+    ordinary forwards.
     """
-    from blend.attention import BLEND_ATTENTION
-
     hf_logging.disable_progress_bar()  # loading takes < 1 s from the cache; the bars are noise
     start = time.perf_counter()
     source = str(convert_embedded(Path(cache_dir))) if name == EMBEDDED else name
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=DTYPES[dtype], attn_implementation=attn_implementation or BLEND_ATTENTION
+        source, dtype=DTYPES[dtype], attn_implementation=attn_implementation
     )
     model.eval()
     fingerprint = model_fingerprint(model, tokenizer)

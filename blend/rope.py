@@ -49,5 +49,6 @@ class RopeShifter:
         angle = delta * self.inv_freq                  # [D/2], float64: large positions stay exact
         angle = torch.cat([angle, angle])[None]        # [1, D] in the rotate_half layout
         cos, sin = angle.cos().to(keys.dtype), angle.sin().to(keys.dtype)
-        _, rotated = self._apply_rotary(keys, keys, cos, sin)  # cos/sin broadcast over [..., T, D]
+        # cos/sin broadcast over [..., T, D]; a one-token "query" keeps the unused half of the work small
+        _, rotated = self._apply_rotary(keys[..., :1, :], keys, cos, sin)
         return rotated

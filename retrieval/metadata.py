@@ -1,49 +1,47 @@
-"""Documents and chunks in SQLite: the source of truth of the retrieval index.
+"""Documents and chunks in SQL, the source of truth of the retrieval index: SQLite (embedded, the
+default) or PostgreSQL (shared by replicas, retrieval/postgres.py). `Metadata` holds every query;
+a backend brings its connections, its DDL and its transactions.
 
-Each chunk row keeps its embedding (float32 bytes), so the FAISS file is only a cache that can
-always be rebuilt from here. Chunk ids come from AUTOINCREMENT and are never reused: the same
-id always means the same vector, so "the index holds exactly the ids of this table" proves the
-index is current. Token ids are stored as little-endian int32 bytes; nothing is pickled.
+Contract (tests/retrieval/test_retrieval_metadata.py runs it against both backends):
+- Each chunk row keeps its embedding (float32 bytes), so a FAISS index is only a cache that can
+  always be rebuilt or caught up from here. Token ids are little-endian int32 bytes; no pickle.
+- Writers are serialized (SQLite's write lock; in PostgreSQL an advisory lock taken first in every
+  write transaction), so chunk ids, which are never reused, grow in commit order: every chunk a
+  reader has not seen has an id above the highest id it has seen. Every removed chunk id is
+  appended to `deletions`, whose `seq` grows the same way. `marks()` reads both high-water marks
+  in one cheap query; `changes_since(marks)` returns what happened after them.
+- `replace_documents` and `delete_document` are one transaction each: all or nothing, also when
+  the writing process is killed.
+- Schema versions: `schema_version` lists the migrations applied; opening applies the missing
+  ones in order under the write lock (replicas starting together migrate once) and refuses a
+  database migrated by a newer ragblend.
+- KV usage (which retrieved chunks were served from which store tier, which were computed) is
+  counted here too: per source in `kv_served`, per KV entry in `kv_usage` (hits, computes, last
+  use). It lives with the chunks, so every replica adds to the same numbers and the CLI reads them.
 """
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
 from retrieval.chunker import Chunk
 
-SCHEMA_VERSION = "1"
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS documents (
-    id TEXT PRIMARY KEY,
-    title TEXT,
-    source TEXT,
-    content_hash TEXT NOT NULL,
-    n_chunks INTEGER NOT NULL,
-    ingested_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS chunks (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    doc_id TEXT NOT NULL REFERENCES documents(id) ON DELETE CASCADE,
-    ordinal INTEGER NOT NULL,
-    text TEXT NOT NULL,
-    token_ids BLOB NOT NULL,
-    n_tokens INTEGER NOT NULL,
-    content_hash TEXT NOT NULL,
-    kv_key TEXT,
-    start_char INTEGER NOT NULL,
-    end_char INTEGER NOT NULL,
-    embedding BLOB NOT NULL,
-    UNIQUE (doc_id, ordinal)
-);
-CREATE INDEX IF NOT EXISTS chunks_kv_key ON chunks (kv_key);
-"""
+log = logging.getLogger("ragblend.retrieval")
+
+DB_FILE = "metadata.sqlite"  # the SQLite default, under the index dir
+_ID_BATCH = 1000  # ids per `IN (...)` list: well under SQLite's and PostgreSQL's parameter limits
+
+
+class SchemaError(RuntimeError):
+    """The database was migrated by a newer ragblend than this one."""
 
 
 @dataclass
@@ -56,128 +54,275 @@ class DocumentInfo:
     ingested_at: float  # unix seconds
 
 
-_CHUNK_COLUMNS = "id, doc_id, ordinal, text, token_ids, content_hash, kv_key, start_char, end_char"
+@dataclass(frozen=True)
+class Marks:
+    """How far a reader has followed the collection: the highest chunk id and deletion seq seen."""
+
+    chunk_id: int = 0
+    deletion: int = 0
 
 
-def _chunk(row: sqlite3.Row) -> Chunk:
-    ids = np.frombuffer(row["token_ids"], dtype="<i4").tolist()
-    return Chunk(row["doc_id"], row["ordinal"], row["text"], ids, row["start_char"], row["end_char"], id=row["id"],
-                 kv_key=row["kv_key"])
+@dataclass
+class Changes:
+    """What was committed after some marks: removed chunk ids, then added chunks with their vectors."""
+
+    marks: Marks  # the marks after these changes
+    deleted: np.ndarray  # [n] int64
+    ids: np.ndarray  # [m] int64
+    vectors: np.ndarray  # [m, dim] float32
 
 
-class Metadata:
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Autocommit mode; writes open their own transaction (see `_transaction`). The owner
-        # serializes access across threads, hence check_same_thread=False.
-        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30.0)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        # WAL + NORMAL: a crash never corrupts the file; a power cut may drop the last commits.
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("PRAGMA foreign_keys=ON")
-        self.db.executescript(_SCHEMA)
-        if self.get_meta("schema") is None:
-            self.set_meta("schema", SCHEMA_VERSION)
+class Connection(Protocol):
+    """What the queries need from a connection: `?` placeholders, rows as tuples."""
 
-    def close(self) -> None:
-        self.db.close()
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any: ...
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Any: ...
 
-    @contextmanager
-    def _transaction(self) -> Iterator[None]:
-        self.db.execute("BEGIN IMMEDIATE")  # take the write lock now, not at the first write
-        try:
-            yield
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
 
-    def data_version(self) -> int:
-        """Changes whenever another connection (another process) commits."""
-        return self.db.execute("PRAGMA data_version").fetchone()[0]
+_DOC_COLUMNS = "id, title, source, content_hash, n_chunks, ingested_at"
+_CHUNK_COLUMNS = "c.id, c.doc_id, c.ordinal, c.text, c.token_ids, c.kv_key, c.start_char, c.end_char"
+
+
+def _chunk(row: Sequence[Any]) -> Chunk:
+    chunk_id, doc_id, ordinal, text, token_ids, kv_key, start, end = row[:8]
+    ids = np.frombuffer(token_ids, dtype="<i4").tolist()
+    return Chunk(doc_id, ordinal, text, ids, start, end, id=chunk_id, kv_key=kv_key)
+
+
+def _vectors(rows: Sequence[Sequence[Any]], dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [n], vectors [n, dim]) from (id, embedding bytes) rows."""
+    ids = np.array([r[0] for r in rows], dtype=np.int64)
+    vectors = np.frombuffer(b"".join(bytes(r[1]) for r in rows), dtype="<f4").reshape(len(rows), dim)
+    return ids, vectors.astype(np.float32)
+
+
+class Metadata(ABC):
+    """Documents, chunks, their change log and KV usage; see the module docstring for the contract."""
+
+    backend: str  # "sqlite" | "postgresql"
+    MIGRATIONS: tuple[tuple[str, ...], ...]  # statements of schema versions 1, 2, ... in order
+
+    # What a backend provides -----------------------------------------------------------------
+    @abstractmethod
+    def _read(self) -> AbstractContextManager[Connection]:
+        """A connection for single-statement reads."""
+
+    @abstractmethod
+    def _snapshot(self) -> AbstractContextManager[Connection]:
+        """A read-only transaction: every statement sees the same committed state."""
+
+    @abstractmethod
+    def _write(self, ordered: bool = True) -> AbstractContextManager[Connection]:
+        """A transaction, committed on exit, rolled back on an exception. `ordered`: serialized with
+        every other ordered writer (anything that adds or removes chunks must be)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def where(self) -> str:
+        """Where the data lives, for messages (never a password)."""
+
+    # Schema ----------------------------------------------------------------------------------
+    VERSION_TABLE = ("CREATE TABLE IF NOT EXISTS schema_version"
+                     " (version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)")
+
+    def _migrate(self) -> None:
+        """Apply the migrations this database lacks, in order, in one transaction."""
+        with self._write() as db:
+            db.execute(self.VERSION_TABLE)
+            current = db.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
+            latest = len(self.MIGRATIONS)
+            if current > latest:
+                raise SchemaError(f"{self.where()} has schema version {current}, newer than this ragblend's "
+                                  f"{latest}: upgrade ragblend")
+            for version in range(current + 1, latest + 1):
+                for statement in self.MIGRATIONS[version - 1]:
+                    db.execute(statement)
+                db.execute("INSERT INTO schema_version (version, applied_at) VALUES (?, ?)", (version, time.time()))
+                log.info("metadata schema migrated", extra={"where": self.where(), "version": version})
+
+    def schema_version(self) -> int:
+        with self._read() as db:
+            return db.execute("SELECT COALESCE(MAX(version), 0) FROM schema_version").fetchone()[0]
 
     def get_meta(self, key: str) -> str | None:
-        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        with self._read() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else row[0]
 
     def set_meta(self, key: str, value: str) -> None:
-        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+        with self._write(ordered=False) as db:
+            db.execute("INSERT INTO meta (key, value) VALUES (?, ?)"
+                       " ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
 
     # Documents -------------------------------------------------------------------------------
     def get_document(self, doc_id: str) -> DocumentInfo | None:
-        row = self.db.execute("SELECT * FROM documents WHERE id = ?", (doc_id,)).fetchone()
-        return None if row is None else DocumentInfo(**dict(row))
+        with self._read() as db:
+            row = db.execute(f"SELECT {_DOC_COLUMNS} FROM documents WHERE id = ?", (doc_id,)).fetchone()
+        return None if row is None else DocumentInfo(*row)
 
     def list_documents(self) -> list[DocumentInfo]:
-        return [DocumentInfo(**dict(row)) for row in self.db.execute("SELECT * FROM documents ORDER BY id")]
+        with self._read() as db:
+            return [DocumentInfo(*row) for row in db.execute(f"SELECT {_DOC_COLUMNS} FROM documents ORDER BY id")]
 
-    def replace_documents(self, docs: Sequence[tuple[DocumentInfo, Sequence[Chunk], np.ndarray]]
-                          ) -> tuple[list[int], list[int], list[str]]:
+    def replace_documents(self, docs: Sequence[tuple[DocumentInfo, Sequence[Chunk], np.ndarray]]) -> list[str]:
         """Insert or replace each (document, its chunks, their embeddings), all in one transaction.
 
-        Returns (new chunk ids, removed chunk ids, kv keys that no chunk references any more).
+        Returns the kv keys that no chunk references any more.
         """
-        new_ids, old_ids, old_keys = [], [], set()
-        with self._transaction():
+        old_keys: set[str] = set()
+        with self._write() as db:
             for doc, chunks, embeddings in docs:
-                removed, keys = self._delete(doc.id)
-                old_ids += removed
-                old_keys.update(keys)
-                self.db.execute("INSERT INTO documents VALUES (?, ?, ?, ?, ?, ?)",
-                                (doc.id, doc.title, doc.source, doc.content_hash, doc.n_chunks, doc.ingested_at))
-                new_ids += [self._insert_chunk(doc.id, chunk, vector)
-                            for chunk, vector in zip(chunks, embeddings, strict=True)]
-            return new_ids, old_ids, sorted(k for k in old_keys if not self.is_referenced(k))
+                old_keys |= self._delete(db, doc.id)
+                db.execute(f"INSERT INTO documents ({_DOC_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
+                           (doc.id, doc.title, doc.source, doc.content_hash, doc.n_chunks, doc.ingested_at))
+                self._insert_chunks(db, doc.id, chunks, embeddings)
+            return self._unreferenced(db, old_keys)
 
-    def _insert_chunk(self, doc_id: str, chunk: Chunk, vector: np.ndarray) -> int:
-        cursor = self.db.execute(
-            "INSERT INTO chunks (doc_id, ordinal, text, token_ids, n_tokens, content_hash, kv_key,"
-            " start_char, end_char, embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (doc_id, chunk.ordinal, chunk.text, np.asarray(chunk.token_ids, dtype="<i4").tobytes(),
-             chunk.n_tokens, chunk.content_hash, chunk.kv_key, chunk.start, chunk.end,
-             np.asarray(vector, dtype="<f4").tobytes()))
-        return cursor.lastrowid
+    def _insert_chunks(self, db: Connection, doc_id: str, chunks: Sequence[Chunk], embeddings: np.ndarray) -> None:
+        rows = [(doc_id, c.ordinal, c.text, np.asarray(c.token_ids, dtype="<i4").tobytes(), c.n_tokens,
+                 c.content_hash, c.kv_key, c.start, c.end, np.asarray(vector, dtype="<f4").tobytes())
+                for c, vector in zip(chunks, embeddings, strict=True)]
+        db.executemany("INSERT INTO chunks (doc_id, ordinal, text, token_ids, n_tokens, content_hash, kv_key,"
+                       " start_char, end_char, embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
-    def delete_document(self, doc_id: str) -> tuple[list[int], list[str]]:
-        """Delete `doc_id` (KeyError if unknown); returns (removed chunk ids, now-unreferenced kv keys)."""
-        with self._transaction():
-            if self.db.execute("SELECT 1 FROM documents WHERE id = ?", (doc_id,)).fetchone() is None:
+    def delete_document(self, doc_id: str) -> list[str]:
+        """Delete `doc_id` (KeyError if unknown); returns the kv keys no chunk references any more."""
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM documents WHERE id = ?", (doc_id,)).fetchone() is None:
                 raise KeyError(doc_id)
-            old_ids, old_keys = self._delete(doc_id)
-            return old_ids, [k for k in old_keys if not self.is_referenced(k)]
+            return self._unreferenced(db, self._delete(db, doc_id))
 
-    def _delete(self, doc_id: str) -> tuple[list[int], list[str]]:
-        rows = self.db.execute("SELECT id, kv_key FROM chunks WHERE doc_id = ?", (doc_id,)).fetchall()
-        self.db.execute("DELETE FROM chunks WHERE doc_id = ?", (doc_id,))
-        self.db.execute("DELETE FROM documents WHERE id = ?", (doc_id,))
-        return [r["id"] for r in rows], sorted({r["kv_key"] for r in rows if r["kv_key"]})
+    @staticmethod
+    def _delete(db: Connection, doc_id: str) -> set[str]:
+        """Remove a document and its chunks, logging each chunk id; returns the chunks' kv keys."""
+        keys = {r[0] for r in db.execute("SELECT kv_key FROM chunks WHERE doc_id = ? AND kv_key IS NOT NULL",
+                                         (doc_id,))}
+        db.execute("INSERT INTO deletions (chunk_id) SELECT id FROM chunks WHERE doc_id = ? ORDER BY id", (doc_id,))
+        db.execute("DELETE FROM chunks WHERE doc_id = ?", (doc_id,))
+        db.execute("DELETE FROM documents WHERE id = ?", (doc_id,))
+        return keys
+
+    @staticmethod
+    def _unreferenced(db: Connection, keys: set[str]) -> list[str]:
+        """The keys no chunk uses any more (two documents, or two versions, can share a chunk's KV);
+        their usage rows go with them."""
+        stale = sorted(k for k in keys if db.execute("SELECT 1 FROM chunks WHERE kv_key = ? LIMIT 1", (k,)).fetchone()
+                       is None)
+        db.executemany("DELETE FROM kv_usage WHERE kv_key = ?", [(k,) for k in stale])
+        return stale
 
     def is_referenced(self, kv_key: str) -> bool:
-        """Whether any chunk uses this KV entry (two documents, or two versions, can share a chunk)."""
-        return self.db.execute("SELECT 1 FROM chunks WHERE kv_key = ? LIMIT 1", (kv_key,)).fetchone() is not None
+        """Whether any chunk uses this KV entry."""
+        with self._read() as db:
+            return db.execute("SELECT 1 FROM chunks WHERE kv_key = ? LIMIT 1", (kv_key,)).fetchone() is not None
 
     # Chunks ----------------------------------------------------------------------------------
     def document_chunks(self, doc_id: str) -> list[Chunk]:
-        rows = self.db.execute(f"SELECT {_CHUNK_COLUMNS} FROM chunks WHERE doc_id = ? ORDER BY ordinal", (doc_id,))
+        with self._read() as db:
+            rows = db.execute(f"SELECT {_CHUNK_COLUMNS} FROM chunks c WHERE c.doc_id = ? ORDER BY c.ordinal",
+                              (doc_id,)).fetchall()
         return [_chunk(row) for row in rows]
 
     def chunks_with_titles(self, ids: Sequence[int]) -> dict[int, tuple[Chunk, str | None]]:
-        if not ids:
+        """The chunks of `ids` that still exist, with their document's title."""
+        if not len(ids):
             return {}
         marks = ",".join("?" * len(ids))
-        rows = self.db.execute(
-            f"SELECT c.id, c.doc_id, c.ordinal, c.text, c.token_ids, c.content_hash, c.kv_key, c.start_char,"
-            f" c.end_char, d.title FROM chunks c JOIN documents d ON d.id = c.doc_id WHERE c.id IN ({marks})",
-            [int(i) for i in ids])
-        return {row["id"]: (_chunk(row), row["title"]) for row in rows}
+        with self._read() as db:
+            rows = db.execute(f"SELECT {_CHUNK_COLUMNS}, d.title FROM chunks c JOIN documents d ON d.id = c.doc_id"
+                              f" WHERE c.id IN ({marks})", [int(i) for i in ids]).fetchall()
+        return {row[0]: (_chunk(row), row[8]) for row in rows}
 
     def chunk_ids(self) -> np.ndarray:
-        return np.array([r[0] for r in self.db.execute("SELECT id FROM chunks ORDER BY id")], dtype=np.int64)
+        with self._read() as db:
+            return np.array([r[0] for r in db.execute("SELECT id FROM chunks ORDER BY id").fetchall()], dtype=np.int64)
 
-    def embeddings(self, dim: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids [n], vectors [n, dim]) of every chunk, to rebuild the FAISS index."""
-        rows = self.db.execute("SELECT id, embedding FROM chunks ORDER BY id").fetchall()
-        ids = np.array([r[0] for r in rows], dtype=np.int64)
-        vectors = np.frombuffer(b"".join(r[1] for r in rows), dtype="<f4").reshape(len(rows), dim)
-        return ids, vectors.astype(np.float32)
+    def count_chunks(self) -> int:
+        with self._read() as db:
+            return db.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
+
+    # Following the collection (a FAISS index per process) ---------------------------------------
+    _MARKS = "SELECT (SELECT COALESCE(MAX(id), 0) FROM chunks), (SELECT COALESCE(MAX(seq), 0) FROM deletions)"
+
+    def marks(self) -> Marks:
+        """The current high-water marks: one cheap query (two index lookups), run before each search."""
+        with self._read() as db:
+            return Marks(*db.execute(self._MARKS).fetchone())
+
+    def snapshot_ids(self) -> tuple[Marks, np.ndarray]:
+        """The marks and every chunk id, at one instant (to line an index up with the table)."""
+        with self._snapshot() as db:
+            marks = Marks(*db.execute(self._MARKS).fetchone())
+            ids = np.array([r[0] for r in db.execute("SELECT id FROM chunks ORDER BY id").fetchall()], dtype=np.int64)
+        return marks, ids
+
+    def vectors(self, ids: Sequence[int], dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids [n], vectors [n, dim]) of those of `ids` that still exist."""
+        rows: list[Sequence[Any]] = []
+        with self._read() as db:
+            for i in range(0, len(ids), _ID_BATCH):
+                batch = [int(x) for x in ids[i:i + _ID_BATCH]]
+                rows += db.execute(f"SELECT id, embedding FROM chunks WHERE id IN ({','.join('?' * len(batch))})"
+                                   f" ORDER BY id", batch).fetchall()
+        return _vectors(rows, dim)
+
+    def changes_since(self, marks: Marks, dim: int) -> Changes:
+        """Chunks deleted and added after `marks`, read at one instant, with the marks they lead to."""
+        with self._snapshot() as db:
+            now = Marks(*db.execute(self._MARKS).fetchone())
+            deleted = [r[0] for r in db.execute("SELECT chunk_id FROM deletions WHERE seq > ? ORDER BY seq",
+                                                (marks.deletion,)).fetchall()]
+            rows = db.execute("SELECT id, embedding FROM chunks WHERE id > ? ORDER BY id", (marks.chunk_id,)).fetchall()
+        return Changes(now, np.array(deleted, dtype=np.int64), *_vectors(rows, dim))
+
+    # KV usage ----------------------------------------------------------------------------------
+    def record_usage(self, served: Mapping[str, int], per_key: Mapping[str, tuple[int, int, float]]) -> None:
+        """Add counts of retrieved chunks: per source (a store tier, or "computed"), and per kv key
+        (hits, computes, last use in unix seconds). Keys in sorted order, so concurrent writers
+        lock rows in the same order and never deadlock."""
+        with self._write(ordered=False) as db:
+            db.executemany("INSERT INTO kv_served (source, chunks) VALUES (?, ?) ON CONFLICT (source)"
+                           " DO UPDATE SET chunks = kv_served.chunks + excluded.chunks", sorted(served.items()))
+            db.executemany(
+                "INSERT INTO kv_usage (kv_key, hits, computes, last_used) VALUES (?, ?, ?, ?) ON CONFLICT (kv_key)"
+                " DO UPDATE SET hits = kv_usage.hits + excluded.hits, computes = kv_usage.computes + excluded.computes,"
+                " last_used = CASE WHEN excluded.last_used > kv_usage.last_used THEN excluded.last_used"
+                " ELSE kv_usage.last_used END",
+                [(key, *per_key[key]) for key in sorted(per_key)])
+
+    def usage(self, top: int = 10) -> dict[str, Any]:
+        """Retrieved chunks per source, and the `top` most hit KV entries (with a chunk that uses each)."""
+        with self._snapshot() as db:
+            served = {source: n for source, n in db.execute("SELECT source, chunks FROM kv_served ORDER BY source")}
+            tracked = db.execute("SELECT COUNT(*) FROM kv_usage").fetchone()[0]
+            rows = db.execute(
+                "SELECT u.kv_key, u.hits, u.computes, u.last_used,"
+                " (SELECT MIN(c.doc_id) FROM chunks c WHERE c.kv_key = u.kv_key)"
+                " FROM kv_usage u ORDER BY u.hits DESC, u.last_used DESC, u.kv_key LIMIT ?", (top,)).fetchall()
+        return {"served": served, "entries_used": tracked,
+                "top": [{"kv_key": k, "hits": h, "computes": c, "last_used": t, "doc_id": d} for k, h, c, t, d in rows]}
+
+    def kv_usage(self, kv_key: str) -> tuple[int, int, float] | None:
+        """(hits, computes, last use) of one KV entry, None if never retrieved."""
+        with self._read() as db:
+            row = db.execute("SELECT hits, computes, last_used FROM kv_usage WHERE kv_key = ?", (kv_key,)).fetchone()
+        return None if row is None else tuple(row)
+
+
+def open_metadata(database_url: str | None, index_dir: Path) -> Metadata:
+    """The metadata a URL names: None (SQLite under `index_dir`), sqlite:///path, or postgresql://..."""
+    from retrieval.sqlite import SQLiteMetadata
+
+    if database_url is None:
+        return SQLiteMetadata(Path(index_dir) / DB_FILE)
+    if database_url.startswith("sqlite:///"):
+        return SQLiteMetadata(Path(database_url.removeprefix("sqlite:///")))
+    if database_url.startswith(("postgresql://", "postgres://")):
+        from retrieval.postgres import PostgresMetadata
+
+        return PostgresMetadata(database_url)
+    raise ValueError(f"unsupported database URL {database_url.split(':')[0]}://...: use sqlite:///PATH or "
+                     f"postgresql://USER:PASSWORD@HOST:PORT/DB")
+

@@ -1,9 +1,12 @@
-"""The retrieval index as one object: SQLite metadata (truth) + FAISS vectors (a rebuildable cache).
+"""The retrieval index as one object: metadata (the truth, SQLite or PostgreSQL) + a FAISS index
+(this process's cache of the chunk vectors).
 
-Write order: the metadata transaction commits first, then the FAISS file is rewritten (temp file
-+ rename). A crash in between leaves an index whose ids differ from the metadata; opening
-notices and rebuilds the index from the embeddings stored in SQLite. Another process's commits
-(`ragblend ingest` while the server runs) are noticed the same way before each search.
+The index follows the metadata's change log (retrieval/metadata.py): before each search one cheap
+query reads the high-water marks (highest chunk id, highest deletion seq); when they moved, only
+the chunks added and deleted since are applied. Whoever committed them: this process,
+`ragblend ingest`, another replica on the same PostgreSQL. Writes commit to the metadata first,
+then catch the index up the same way and save it (temp file + rename). Opening lines a saved
+index up with the table by id difference, so a stale or torn file costs only what changed.
 One instance may be shared by threads: an internal lock serializes index and metadata access.
 """
 from __future__ import annotations
@@ -21,12 +24,12 @@ import numpy as np
 from retrieval.chunker import Chunk, sha256_text
 from retrieval.embedder import Embedder
 from retrieval.index import IndexKind, VectorIndex
-from retrieval.metadata import DocumentInfo, Metadata
+from retrieval.metadata import DB_FILE, DocumentInfo, Marks, Metadata
+from retrieval.sqlite import SQLiteMetadata
 
 log = logging.getLogger("ragblend.retrieval")
 
 Order = Literal["score", "document"]
-DB_FILE = "metadata.sqlite"
 INDEX_FILE = "chunks.faiss"
 
 
@@ -49,18 +52,22 @@ def embedding_text(text: str, title: str | None) -> str:
 
 
 class Retriever:
+    """Search and update one collection. `metadata` defaults to SQLite under `index_dir` (then owned
+    and closed here); the FAISS file always lives in `index_dir`, one per process or replica."""
+
     def __init__(self, index_dir: Path, embedder: Embedder, kind: IndexKind = "flat", order: Order = "score",
-                 top_k: int = 4) -> None:
+                 top_k: int = 4, metadata: Metadata | None = None) -> None:
         self.embedder, self.kind, self.order, self.top_k = embedder, kind, order, top_k
         self.index_path = Path(index_dir) / INDEX_FILE
-        self.metadata = Metadata(Path(index_dir) / DB_FILE)
+        self._owns_metadata = metadata is None
+        self.metadata = metadata if metadata is not None else SQLiteMetadata(Path(index_dir) / DB_FILE)
         self._lock = threading.RLock()
         self._check_embedder()
-        self.index = self._load_index()
-        self._version = self.metadata.data_version()
+        self.index, self._marks = self._open_index()
 
     def close(self) -> None:
-        self.metadata.close()
+        if self._owns_metadata:
+            self.metadata.close()
 
     def __len__(self) -> int:
         return len(self.index)
@@ -73,24 +80,22 @@ class Retriever:
             self.refresh()
             scores, ids = self.index.search(vector, top_k or self.top_k)
             rows = self.metadata.chunks_with_titles(ids.tolist())
-        hits = [Hit(*rows[chunk_id], score) for score, chunk_id in zip(scores.tolist(), ids.tolist())]
+        # A chunk another replica deleted since the refresh has no row any more: it is left out.
+        hits = [Hit(*rows[chunk_id], score) for score, chunk_id in zip(scores.tolist(), ids.tolist())
+                if chunk_id in rows]
         return _document_order(hits) if (order or self.order) == "document" else hits
 
     def list_documents(self) -> list[DocumentInfo]:
-        with self._lock:
-            return self.metadata.list_documents()
+        return self.metadata.list_documents()
 
     def get_document(self, doc_id: str) -> DocumentInfo | None:
-        with self._lock:
-            return self.metadata.get_document(doc_id)
+        return self.metadata.get_document(doc_id)
 
     def document_chunks(self, doc_id: str) -> list[Chunk]:
-        with self._lock:
-            return self.metadata.document_chunks(doc_id)
+        return self.metadata.document_chunks(doc_id)
 
     def is_referenced(self, kv_key: str) -> bool:
-        with self._lock:
-            return self.metadata.is_referenced(kv_key)
+        return self.metadata.is_referenced(kv_key)
 
     # Updates ---------------------------------------------------------------------------------
     def embed_chunks(self, chunks: Sequence[Chunk], title: str | None,
@@ -120,65 +125,82 @@ class Retriever:
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate document ids in one commit: {sorted(i for i in ids if ids.count(i) > 1)}")
         with self._lock:
-            self.refresh()
-            new_ids, old_ids, stale_keys = self.metadata.replace_documents(docs)
-            vectors = np.concatenate([e for _, _, e in docs]) if docs else np.zeros((0, self.embedder.dim))
-            self._update_index(np.array(old_ids, np.int64), np.array(new_ids, np.int64), vectors)
+            stale_keys = self.metadata.replace_documents(docs)
+            self._follow_write()
         return stale_keys
 
     def delete_document(self, doc_id: str) -> list[str]:
         """Remove `doc_id` (KeyError if unknown); returns the kv keys no chunk uses any more."""
         with self._lock:
-            self.refresh()
-            old_ids, stale_keys = self.metadata.delete_document(doc_id)
-            self._update_index(np.array(old_ids, np.int64), np.zeros(0, np.int64), np.zeros((0, self.embedder.dim)))
+            stale_keys = self.metadata.delete_document(doc_id)
+            self._follow_write()
         return stale_keys
 
-    def _update_index(self, removed: np.ndarray, added: np.ndarray, vectors: np.ndarray) -> None:
-        try:
-            if self.index.remove(removed):
-                self.index.add(added, vectors)
-            else:  # HNSW cannot delete: rebuild from the (already committed) metadata
-                self.index = self._rebuild()
-            self.index.save(self.index_path)
-        except BaseException:
-            self.index = self._load_index()  # metadata is committed: bring the index back in line
-            raise
+    def _follow_write(self) -> None:
+        """After our own commit: catch the index up (from the log, like anyone's commit) and save it.
+        If either fails the commit still stands: the next refresh, or the next open, catches up."""
+        self.refresh()
+        self.index.save(self.index_path)
 
     # Consistency -----------------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Reload the index if another process committed since we last looked (a cheap check)."""
+    def refresh(self) -> bool:
+        """Apply what was committed since we last looked; False (after one cheap query) if nothing was."""
         with self._lock:
-            version = self.metadata.data_version()
-            if version != self._version:
-                self.index, self._version = self._load_index(), version
+            if self.metadata.marks() == self._marks:
+                return False
+            changes = self.metadata.changes_since(self._marks, self.embedder.dim)
+            if not self.index.remove(changes.deleted):  # HNSW cannot delete: rebuild from the table
+                self.index, self._marks, _ = self._synced(VectorIndex(self.embedder.dim, self.kind))
+                return True
+            self.index.add(changes.ids, changes.vectors)
+            self._marks = changes.marks
+            log.debug("index caught up", extra={"added": len(changes.ids), "deleted": len(changes.deleted)})
+            return True
 
-    def _load_index(self) -> VectorIndex:
-        """The saved index if it holds exactly the metadata's chunk ids, else a rebuilt one."""
+    def _open_index(self) -> tuple[VectorIndex, Marks]:
+        """The saved index lined up with the table (saved again if that changed it), or a new one."""
+        index, marks, changed = self._synced(self._load_saved())
+        if changed or not self.index_path.exists():
+            index.save(self.index_path)
+        return index, marks
+
+    def _load_saved(self) -> VectorIndex:
+        empty = VectorIndex(self.embedder.dim, self.kind)
         try:
             index = VectorIndex.load(self.index_path)
-            if (index.kind, index.dim) == (self.kind, self.embedder.dim) and \
-                    np.array_equal(np.sort(index.ids()), self.metadata.chunk_ids()):
-                return index
-            log.warning("index out of date, rebuilding", extra={"path": str(self.index_path)})
         except FileNotFoundError:
-            pass
+            return empty
         except (RuntimeError, TypeError) as exc:  # a torn or foreign file
             log.warning("index unreadable, rebuilding", extra={"path": str(self.index_path), "error": str(exc)})
-        index = self._rebuild()
-        index.save(self.index_path)
+            return empty
+        if (index.kind, index.dim) != (self.kind, self.embedder.dim):
+            log.warning("index of another kind, rebuilding", extra={"path": str(self.index_path)})
+            return empty
         return index
 
-    def _rebuild(self) -> VectorIndex:
-        ids, vectors = self.metadata.embeddings(self.embedder.dim)
-        return VectorIndex.build(self.embedder.dim, self.kind, ids, vectors)
+    def _synced(self, index: VectorIndex) -> tuple[VectorIndex, Marks, bool]:
+        """`index` holding exactly the table's chunk ids (only the difference is removed and fetched),
+        the marks it is at, and whether it changed."""
+        marks, ids = self.metadata.snapshot_ids()  # sorted
+        have = index.ids()
+        if len(np.unique(have)) != len(have):  # not something we wrote: start over
+            index, have = VectorIndex(self.embedder.dim, self.kind), have[:0]
+        extra, missing = np.setdiff1d(have, ids), np.setdiff1d(ids, have)
+        if not index.remove(extra):
+            index, missing = VectorIndex(self.embedder.dim, self.kind), ids
+        index.add(*self.metadata.vectors(missing, self.embedder.dim))
+        changed = bool(len(extra) or len(missing))
+        if changed:
+            log.info("index lined up with the metadata", extra={"path": str(self.index_path),
+                                                               "removed": len(extra), "added": len(missing)})
+        return index, marks, changed
 
     def _check_embedder(self) -> None:
         identity = f"{self.embedder.name} dim={self.embedder.dim}"
         stored = self.metadata.get_meta("embedder")
-        if stored is not None and stored != identity and len(self.metadata.chunk_ids()):
-            raise IndexMismatchError(f"the index in {self.index_path.parent} was built with embedder {stored!r}, "
-                                     f"not {identity!r}: configure that embedder or delete the folder and re-ingest")
+        if stored is not None and stored != identity and self.metadata.count_chunks():
+            raise IndexMismatchError(f"the index in {self.metadata.where()} was built with embedder {stored!r}, "
+                                     f"not {identity!r}: configure that embedder or delete it and re-ingest")
         if stored != identity:
             self.metadata.set_meta("embedder", identity)
 

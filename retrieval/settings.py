@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 
 class EmbedderSettings(BaseModel):
@@ -21,3 +21,14 @@ class RetrievalSettings(BaseModel):
     top_k: int = Field(4, ge=1)
     order: Literal["score", "document"] = "score"
     index: Literal["flat", "hnsw"] = "flat"
+    # Where documents, chunks and embeddings live: None = SQLite under <data_dir>/index (one
+    # machine); postgresql://USER:PASSWORD@HOST:PORT/DB = shared by every replica.
+    database_url: str | None = None
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_database(cls, url: str | None) -> str | None:
+        if url is None or url.startswith(("sqlite:///", "postgresql://", "postgres://")):
+            return url
+        raise ValueError("database_url must start with postgresql:// (or sqlite:///PATH); leave it empty for the "
+                         "embedded SQLite")

@@ -4,7 +4,10 @@ Redis is an optimisation, never a dependency: a connection error or timeout is a
 dropped write), counted in stats and logged once per outage. After a failure the tier is skipped
 for `backoff_s`, so a dead Redis costs one timeout per back-off window rather than one per
 request; the first call after the window retries, and redis-py reconnects by itself.
-Capacity and eviction are Redis's business (maxmemory policy, optional TTL).
+Capacity and eviction are Redis's business: run it with a `maxmemory` and an LRU (or LFU)
+policy, e.g. `--maxmemory 8gb --maxmemory-policy allkeys-lru`. An evicted entry is a miss like
+any other: the KV is recomputed and put back. `stats()` reports the server's memory, limit,
+policy and evictions.
 """
 from __future__ import annotations
 
@@ -143,7 +146,12 @@ class RedisTier:
         self._client.close()
 
     def stats(self) -> dict[str, Any]:
+        """Ours: errors, outages, skipped calls. The server's (None when unreachable): keys in this
+        database, memory used and its limit and policy, evictions since it started."""
+        info = self._call({}, self._client.info)
+        keys = info.get(f"db{self._client.connection_pool.connection_kwargs.get('db', 0)}", {}).get("keys")
         with self._lock:
-            return {"entries": None, "bytes": None, "evictions": None,  # Redis's own business
+            return {"entries": keys, "bytes": info.get("used_memory"), "evictions": info.get("evicted_keys"),
+                    "maxmemory": info.get("maxmemory"), "policy": info.get("maxmemory_policy"),
                     "errors": self._errors, "outages": self._outages, "skipped": self._skipped,
                     "available": self._up and time.monotonic() >= self._down_until}

@@ -38,3 +38,20 @@ def settings(tmp_path):
     from app.config import load_settings
 
     return load_settings(data_dir=tmp_path / "data", model={"cache_dir": str(MODEL_CACHE)})
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """One throwaway PostgreSQL cluster per session (tests.servers.PostgresServer)."""
+    from tests.servers import PostgresServer, postgres_bin
+
+    if postgres_bin() is None:
+        pytest.skip("PostgreSQL not installed (apt-get install postgresql)")
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_url(postgres_server) -> str:
+    """The URL of a new, empty PostgreSQL database."""
+    return postgres_server.database()

@@ -1,12 +1,15 @@
-"""Real servers for tests and benchmarks, started on free loopback ports: redis-server."""
+"""Real servers for tests and benchmarks, started on free loopback ports: redis-server and PostgreSQL."""
 from __future__ import annotations
 
+import glob
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 
 import redis
 
@@ -21,12 +24,14 @@ class RedisServer:
     """`redis-server` on 127.0.0.1 without persistence; stop() kills it like a crash, and
     start() brings it back (empty) on the same port."""
 
-    def __init__(self, port: int | None = None, password: str | None = None) -> None:
+    def __init__(self, port: int | None = None, password: str | None = None, maxmemory: str | None = None,
+                 policy: str = "allkeys-lru") -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError("redis-server not found (apt-get install redis-server)")
         self.port = port or free_port()
         self.password = password
+        self.maxmemory, self.policy = maxmemory, policy  # e.g. "4mb": evicts by `policy` past it
         self._dir = tempfile.TemporaryDirectory(prefix="ragblend-redis-")
         self._proc: subprocess.Popen | None = None
 
@@ -46,6 +51,8 @@ class RedisServer:
                 "--appendonly", "no", "--dir", self._dir.name]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.maxmemory:
+            args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy]
         self._proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         with self.client() as client:
@@ -80,3 +87,77 @@ class RedisServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self._dir.cleanup()
+
+
+def postgres_bin() -> Path | None:
+    """The folder of initdb/pg_ctl: on the PATH, else Debian's /usr/lib/postgresql/<newest>/bin."""
+    if found := shutil.which("initdb"):
+        return Path(found).parent
+    folders = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name))
+    return Path(folders[-1]) if folders else None
+
+
+class PostgresServer:
+    """A throwaway PostgreSQL cluster (initdb in a temp dir) on 127.0.0.1, trust auth, user
+    `postgres`; fsync off (a test needs no durability against power loss, only against a killed
+    client). initdb and postgres refuse to run as root, so as root (CI) they run as `nobody`.
+    `database()` makes a fresh database per test."""
+
+    USER = "postgres"
+
+    def __init__(self, port: int | None = None) -> None:
+        self.bin = postgres_bin()
+        if self.bin is None:
+            raise FileNotFoundError("PostgreSQL not found (apt-get install postgresql)")
+        self.port = port or free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="ragblend-pg-"))
+        self._as_user: list[str] = []
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "nobody")
+            self._as_user = ["runuser", "-u", "nobody", "--"]
+        self._databases = 0
+
+    @property
+    def data(self) -> Path:
+        return self.dir / "data"
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql://{self.USER}@127.0.0.1:{self.port}/{dbname}"
+
+    def _run(self, tool: str, *args: str) -> None:
+        result = subprocess.run([*self._as_user, str(self.bin / tool), *args], capture_output=True, text=True)
+        if result.returncode:
+            log = (self.dir / "log").read_text() if (self.dir / "log").exists() else ""
+            raise RuntimeError(f"{tool} failed ({result.returncode}): {result.stderr.strip()} {log[-2000:]}")
+
+    def start(self) -> PostgresServer:
+        if not self.data.exists():
+            self._run("initdb", "-D", str(self.data), "-U", self.USER, "--auth=trust", "-E", "UTF8", "--no-sync")
+        options = (f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off "
+                   f"-c synchronous_commit=off -c full_page_writes=off")
+        self._run("pg_ctl", "-D", str(self.data), "-o", options, "-l", str(self.dir / "log"), "-w", "-t", "60",
+                  "start")
+        return self
+
+    def database(self) -> str:
+        """The URL of a new, empty database."""
+        import psycopg
+
+        self._databases += 1
+        name = f"test_{self._databases}"
+        with psycopg.connect(self.url(), autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {name}")
+        return self.url(name)
+
+    def stop(self) -> None:
+        if (self.data / "postmaster.pid").exists():
+            self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def __enter__(self) -> PostgresServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.stop()
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)

@@ -18,7 +18,8 @@ from tests.helpers import shared_tokenizer
 LIGHTHOUSES = {
     "cape-dorrin": ("Cape Dorrin Lighthouse",
                     "Cape Dorrin Lighthouse was built in 1902 by the engineer Walter Hesk on the island of Tollan. "
-                    "Its lamp shines red and can be seen 18 kilometres out at sea. The keeper's cottage is now a café."),
+                    "Its lamp shines red and can be seen 18 kilometres out at sea. "
+                    "The keeper's cottage is now a café."),
 }
 
 

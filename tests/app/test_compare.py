@@ -15,7 +15,7 @@ from app.config import load_settings
 REPO = Path(__file__).resolve().parents[2]
 MUSIQUE = REPO.parent / "shared" / "data" / "musique_dev.json"
 RATIOS = [0.0, 0.5, 1.0]
-MODES = ["full", "reuse", "blend@0.5", "blend@1", "random@0.5"]
+MODES = ["full", "reuse", "query@0.5", "hkvd@0.5", "random@0.5", "blend@1"]
 QUALITY = ("kl", "top1", "same_answer", "f1", "em", "rouge_l", "ttft_s", "ttft_ratio")
 
 
@@ -33,7 +33,11 @@ def test_squad_normalisation_and_scores():
 
 def test_modes():
     assert [m.name for m in build_modes([1, 0.15, 0, 0.3])] == [
-        "full", "reuse", "blend@0.15", "blend@0.3", "blend@1", "random@0.15", "random@0.3"]
+        "full", "reuse", "hkvd@0.15", "hkvd@0.3", "random@0.15", "random@0.3", "blend@1"]
+    modes = build_modes([0.15], ["query", "hybrid"])
+    assert [(m.name, m.selection) for m in modes] == [
+        ("full", "hkvd"), ("query@0.15", "query"), ("hybrid@0.15", "hybrid"), ("hkvd@0.15", "hkvd"),
+        ("random@0.15", "random")]
 
 
 # ---- the harness on the real model -------------------------------------------------------------
@@ -54,7 +58,8 @@ def compare(tmp_path: Path, dataset: Path, out: Path, limit: int, resume: bool =
             expect: int = 0) -> dict:
     settings = load_settings(data_dir=tmp_path, model={"cache_dir": str(REPO / "data" / "models")})
     code = run_compare(settings, dataset, limit=limit, passages=3, ratios=RATIOS, out=out, precompute=None,
-                       codec=None, max_tokens=max_tokens, resume=resume, progress=False, threads=1)
+                       codec=None, max_tokens=max_tokens, resume=resume, progress=False, threads=1,
+                       selections=["query"])
     assert code == expect
     return json.loads((out / REPORT_JSON).read_text())
 
@@ -67,9 +72,9 @@ def test_compare_report_and_resume(tmp_path, tiny_dataset, monkeypatch):
     # Structure: model, config, commit, per-question and aggregate results of every mode.
     assert report["model"]["fingerprint"] and report["commit"] and report["prompt"]["head_hash"]
     assert {k: report["config"][k] for k in ("ratios", "passages", "precompute", "codec", "check_layer",
-                                             "deviation")} == {"ratios": RATIOS, "passages": 3, "precompute": "head",
-                                                               "codec": "fp16", "check_layer": 1,
-                                                               "deviation": "value"}
+                                             "deviation", "selections")} == {
+        "ratios": RATIOS, "passages": 3, "precompute": "head", "codec": "fp16", "check_layer": 1,
+        "deviation": "value", "selections": ["query"]}
     assert [q["index"] for q in report["questions"]] == [0, 1]
     assert set(report["aggregate"]) == set(MODES)
     for q in report["questions"]:
@@ -87,11 +92,16 @@ def test_compare_report_and_resume(tmp_path, tiny_dataset, monkeypatch):
     assert exact["kl"] < 1e-4 and exact["top1"] == 1.0 and exact["same_answer"] == 1.0
     for q in report["questions"]:
         assert q["modes"]["reuse"]["recomputed_tokens"] == 0
-        assert q["modes"]["blend@0.5"]["recomputed_tokens"] == q["modes"]["random@0.5"]["recomputed_tokens"] > 0
+        recomputed = {q["modes"][m]["recomputed_tokens"] for m in ("query@0.5", "hkvd@0.5", "random@0.5")}
+        assert len(recomputed) == 1 and recomputed.pop() > 0
+    # Win counts against hkvd at the same ratio, checked against the per-question KLs.
+    wins = sum(q["modes"]["query@0.5"]["kl"] < q["modes"]["hkvd@0.5"]["kl"] for q in report["questions"])
+    assert report["aggregate"]["query@0.5"]["wins_vs_hkvd"] == wins
+    assert "wins_vs_hkvd" not in report["aggregate"]["hkvd@0.5"]
 
     # Outputs a person reads.
     assert (out / "quality_vs_ttft.png").stat().st_size > 10_000
-    assert "| blend@0.5 |" in (out / "report.md").read_text()
+    assert "| query@0.5 |" in (out / "report.md").read_text()
 
     # Resume kept question 0 as measured; a second resume computes nothing.
     assert report["questions"][0] == first["questions"][0]

@@ -1,9 +1,11 @@
 """Settings precedence, the compose file against the settings, the CLI's error paths."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -39,6 +41,24 @@ def test_invalid_values_are_rejected(tmp_path, monkeypatch):
         load_settings(bad)
     with pytest.raises(ValueError, match="not found"):
         load_settings(tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match="unknown selection policy 'best'.*hkvd"):
+        load_settings(blend={"selection": "best"})
+    with pytest.raises(ValueError, match="check_layer"):
+        load_settings(blend={"check_layer": -1})
+
+
+def test_check_layer_beyond_the_model_is_a_config_error(tmp_path, smollm):
+    from app.components import Components
+
+    for layer, ok in [(0, True), (28, True), (29, False), (30, False)]:
+        parts = Components(load_settings(data_dir=tmp_path, blend={"check_layer": layer}))
+        parts.llm = smollm
+        if ok:
+            assert parts.blender.check_layer == layer
+        else:
+            with pytest.raises(ValueError, match=r"invalid blend settings: check_layer must be in \[0, 28\] .*got "
+                                                  f"{layer}"):
+                parts.blender
 
 
 def _env_names(model: type, prefix: str) -> set[str]:
@@ -54,23 +74,80 @@ def _env_names(model: type, prefix: str) -> set[str]:
 
 
 def test_compose_file_matches_settings(monkeypatch):
+    """Two replicas behind nginx, sharing PostgreSQL and a bounded Redis: names, env, health, volumes."""
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"app", "redis"}
-    app, redis = services["app"], services["redis"]
-    assert app["build"] == "." and (REPO / "Dockerfile").exists()
-    env = app["environment"]
+    assert set(services) == {"app-1", "app-2", "lb", "postgres", "redis"}
+    assert all("healthcheck" in service for service in services.values())
+    apps = [services["app-1"], services["app-2"]]
+    assert apps[0]["environment"] == apps[1]["environment"]
+    env = apps[0]["environment"]
     assert set(env) <= _env_names(Settings, ENV_PREFIX), "compose sets env vars the app does not read"
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
     settings = load_settings()
-    assert settings.store.redis_url.startswith("redis://redis:")  # the service name resolves in compose
-    assert f"{settings.server.port}:{settings.server.port}" in app["ports"]
-    assert any(v.endswith(f":{settings.data_dir}") for v in app["volumes"]), "data dir must be a volume"
-    assert "redis" in app["depends_on"]
-    assert redis["image"].startswith("redis") and "--appendonly" in redis["command"]
-    assert redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
-    assert any(v.endswith(":/data") for v in redis["volumes"])
+
+    # The service names resolve inside compose; the database is the one postgres creates.
+    database = urlsplit(settings.retrieval.database_url)
+    postgres = services["postgres"]
+    assert database.scheme == "postgresql" and (database.hostname, database.port) == ("postgres", 5432)
+    pg_env = postgres["environment"]
+    assert (database.username, database.password, database.path[1:]) == \
+        (pg_env["POSTGRES_USER"], pg_env["POSTGRES_PASSWORD"], pg_env["POSTGRES_DB"])
+    assert "pg_isready" in postgres["healthcheck"]["test"]
+    assert any(v.endswith(":/var/lib/postgresql/data") for v in postgres["volumes"])
+    redis_url = urlsplit(settings.store.redis_url)
+    assert (redis_url.scheme, redis_url.hostname) == ("redis", "redis")
+
+    # Redis is a bounded LRU cache.
+    redis = services["redis"]
+    command = redis["command"]
+    assert redis["image"].startswith("redis") and command[0] == "redis-server"
+    assert command[command.index("--maxmemory") + 1] not in ("0", "0b")
+    assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert "ping" in redis["healthcheck"]["test"]
+
+    # Each replica: built from this repo, its own data volume, waits for healthy dependencies,
+    # healthy once /health answers on the port it serves.
+    port = settings.server.port
+    assert settings.server.host == "0.0.0.0"
+    data_volumes = set()
+    for app in apps:
+        assert app["build"] == "." and "ports" not in app  # reached through the load balancer only
+        assert {name: dep["condition"] for name, dep in app["depends_on"].items()} == \
+            {"postgres": "service_healthy", "redis": "service_healthy"}
+        [volume] = [v for v in app["volumes"] if v.endswith(f":{settings.data_dir}")]
+        data_volumes.add(volume.split(":")[0])
+        assert f"127.0.0.1:{port}/health" in " ".join(app["healthcheck"]["test"])
+    assert len(data_volumes) == 2 and data_volumes <= set(compose["volumes"])
+
+    # The load balancer: nginx, in front of exactly the two replicas.
+    lb = services["lb"]
+    assert lb["image"].startswith("nginx:") and set(lb["depends_on"]) == {"app-1", "app-2"}
+    [mount] = [v for v in lb["volumes"] if v.endswith(":/etc/nginx/nginx.conf:ro")]
+    nginx = (REPO / mount.split(":")[0]).read_text()
+    assert sorted(re.findall(r"^\s*server\s+([\w.-]+:\d+)", nginx, re.MULTILINE)) == \
+        [f"app-1:{port}", f"app-2:{port}"]
+    assert "proxy_buffering off" in nginx  # streamed answers
+    body_limit = int(re.search(r"client_max_body_size\s+(\d+)m;", nginx).group(1)) << 20
+    assert body_limit >= settings.limits.max_body_bytes
+    listen = re.search(r"listen\s+(\d+);", nginx).group(1)
+    assert lb["ports"] == [f"{port}:{listen}"]
+
+
+def test_dockerfile_copies_every_package():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    packages = re.search(r"include = \[([^]]*)\]", (REPO / "pyproject.toml").read_text()).group(1)
+    for package in re.findall(r'"(\w+)\*"', packages):
+        assert f"COPY {package} {package}" in dockerfile, f"the image lacks the {package} package"
+
+
+def test_database_url_must_name_a_known_database(monkeypatch):
+    monkeypatch.setenv("RAGBLEND_RETRIEVAL__DATABASE_URL", "mysql://u:p@h/db")
+    with pytest.raises(ValueError, match="postgresql://"):
+        load_settings()
+    monkeypatch.setenv("RAGBLEND_RETRIEVAL__DATABASE_URL", "postgresql://u:p@db:5432/rag")
+    assert load_settings().retrieval.database_url == "postgresql://u:p@db:5432/rag"
 
 
 @pytest.mark.parametrize("args, message", [

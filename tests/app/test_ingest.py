@@ -185,10 +185,11 @@ def ragblend(env: dict[str, str], *args: str):
 def inspect(env: dict[str, str]) -> tuple[dict[str, list[str]], set[str]]:
     """(doc id -> its chunks' kv keys, the chunk kv keys in the on-disk store), read back from disk."""
     settings = test_settings(Path(env["RAGBLEND_DATA_DIR"]))
-    retriever = Components(settings).retriever
+    parts = Components(settings)
+    retriever = parts.retriever
     docs = {d.id: [c.kv_key for c in retriever.document_chunks(d.id)] for d in retriever.list_documents()}
     assert sorted(retriever.index.ids()) == sorted(retriever.metadata.chunk_ids())
-    retriever.close()
+    parts.close()
     with build_store(settings.store, settings.kv_dir, shared_llm().fingerprint) as store:
         [disk] = [t for t in store.tiers if t.name == "disk"]  # this process's memory tier is empty
         held = set(disk.keys())

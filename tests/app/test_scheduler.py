@@ -4,7 +4,6 @@ query waits at most one model task (an upload's chunk) behind an upload, and sto
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 import time
 

@@ -88,6 +88,17 @@ def test_query_stream_blends_two_passages(client, corpus):
     # The second passage sits after a different neighbour than at ingest: some of it is recomputed.
     assert stats["mode"] == "blend" and stats["recompute_ratio"] == 0.3 and stats["ttft_ms"] > 0
     assert 0 < stats["recomputed_tokens"] < stats["cached_tokens"] < stats["prompt_tokens"]
+    assert stats["selection"] == "query"  # blend.selection
+
+
+@pytest.mark.parametrize("selection", ["hkvd", "random"])
+def test_query_selection_per_request(client, corpus, selection):
+    question = corpus.questions[1][0]
+    body = {"question": question, "max_tokens": 2, "top_k": 2, "recompute_ratio": 0.3, "selection": selection}
+    response = client.post("/v1/query", json=body)
+    assert response.status_code == 200, response.text
+    stats = response.json()["stats"]
+    assert stats["selection"] == selection and 0 < stats["recomputed_tokens"] < stats["cached_tokens"]
 
 
 def test_chat_completion_shape_and_usage(client, corpus):
@@ -169,6 +180,7 @@ BAD_INPUTS = [
     ("/v1/query", {"question": "q", "recompute_ratio": 1.5}, "recompute_ratio"),
     ("/v1/query", {"question": "q", "recompute_ratio": -0.1}, "recompute_ratio"),
     ("/v1/query", {"question": "q", "mode": "fast"}, "mode"),
+    ("/v1/query", {"question": "q", "selection": "best"}, "selection"),
     ("/v1/query", {"question": "q", "temperature": "hot"}, "temperature"),
     ("/v1/query", {"question": "q", "topk": 3}, "topk"),
     ("/v1/query", ["question"], "body"),

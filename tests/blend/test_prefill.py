@@ -136,3 +136,12 @@ def test_context_kv_must_match_context_ids():
     direct = blender.precompute(CHUNKS[0], HEAD)
     assert via_kv.context_hash == direct.context_hash == hash_ids(HEAD) and via_kv.position == len(HEAD)
     assert torch.allclose(via_kv.keys, direct.keys, atol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [4.05e-184, 1e-30, 1e-6])
+def test_a_vanishing_temperature_samples_greedily(temperature):
+    from blend.decode import sample_next
+
+    logits = torch.tensor([1.0, 30.0, -5.0, 29.9])
+    params = SamplingParams(temperature=temperature)
+    assert [sample_next(logits, params, torch.Generator().manual_seed(s)) for s in range(5)] == [1] * 5

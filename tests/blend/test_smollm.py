@@ -90,3 +90,16 @@ def test_sampling_is_seeded_and_varies(smollm, blender):
 
     assert sample(1) == sample(1)
     assert len({tuple(sample(s)) for s in range(4)}) > 1
+
+
+def test_planned_attention_changes_nothing_at_15_percent(blender, prompt, musique, monkeypatch):
+    """The whole blend at 15% with the planned attention equals it with sdpa over an explicit mask."""
+    import blend.attention
+
+    segments, suffix, _ = build(blender, prompt, musique[1], passages=3)
+    planned = blender.prefill(segments, suffix, ratio=0.15)
+    monkeypatch.setattr(blend.attention, "planned_attention", lambda q, k, v, plan, scale=None:
+                        blend.attention.dense_attention(q, k, v, plan.positions, scale))
+    dense = blender.prefill(segments, suffix, ratio=0.15)
+    assert torch.equal(planned.selected, dense.selected)
+    assert (planned.logits - dense.logits).abs().max() < 1e-3

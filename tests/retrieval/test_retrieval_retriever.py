@@ -1,4 +1,5 @@
-"""Retriever: search, document order, updates, and recovery of the FAISS file from SQLite."""
+"""Retriever: search, document order, updates, recovery of the FAISS file from the metadata, and
+replicas following each other through one database (SQLite and PostgreSQL alike)."""
 from __future__ import annotations
 
 import sqlite3
@@ -6,7 +7,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from retrieval import Chunker, IndexMismatchError, Retriever, VectorIndex
+from retrieval import Chunker, IndexMismatchError, Retriever, VectorIndex, open_metadata
 from retrieval.retriever import DB_FILE, INDEX_FILE
 
 DOCS = {
@@ -34,12 +35,26 @@ def add(retriever: Retriever, chunker: Chunker, doc_id: str, title: str, text: s
 
 
 @pytest.fixture
-def retriever(tmp_path, embedder, chunker):
-    r = Retriever(tmp_path, embedder)
+def open_retriever(database_url, embedder):
+    """open(index_dir, kind="flat") -> a Retriever on the test's database (a process or replica with
+    its own FAISS file in `index_dir`); all closed at the end."""
+    opened = []
+
+    def open_(index_dir, kind="flat", embedder=embedder):
+        metadata = open_metadata(database_url, index_dir)
+        opened.append(metadata)
+        return Retriever(index_dir, embedder, kind=kind, metadata=metadata)
+    yield open_
+    for metadata in opened:
+        metadata.close()
+
+
+@pytest.fixture
+def retriever(tmp_path, open_retriever, chunker):
+    r = open_retriever(tmp_path)
     for doc_id, (title, text) in DOCS.items():
         add(r, chunker, doc_id, title, text)
-    yield r
-    r.close()
+    return r
 
 
 def test_search_finds_the_answering_chunk(retriever):
@@ -65,7 +80,7 @@ def test_document_order_groups_a_document_in_reading_order(retriever):
         assert ordinals == sorted(ordinals)
 
 
-def test_replace_and_delete_keep_metadata_and_index_in_step(tmp_path, retriever, chunker):
+def test_replace_and_delete_keep_metadata_and_index_in_step(tmp_path, retriever, chunker, open_retriever):
     old_ids = [c.id for c in retriever.document_chunks("bread")]
     # Chunk 0's key is shared with the new version: only chunk 1's key becomes unreferenced.
     stale = add(retriever, chunker, "bread", "Harbour oat bread", "Bake rye bread at 220 degrees for 50 minutes.",
@@ -82,13 +97,13 @@ def test_replace_and_delete_keep_metadata_and_index_in_step(tmp_path, retriever,
     assert retriever.get_document("gears") is None and retriever.get_document("bread").n_chunks == 1
     assert sorted(retriever.index.ids()) == sorted(retriever.metadata.chunk_ids())
 
-    reopened = Retriever(tmp_path, retriever.embedder)
+    reopened = open_retriever(tmp_path)
     assert sorted(reopened.index.ids()) == sorted(retriever.metadata.chunk_ids())
     assert reopened.document_chunks("lighthouse")[0].token_ids == retriever.document_chunks("lighthouse")[0].token_ids
-    reopened.close()
 
 
-def test_crash_between_metadata_commit_and_index_write_is_repaired(tmp_path, retriever, chunker, monkeypatch):
+def test_crash_between_metadata_commit_and_index_write_is_repaired(tmp_path, retriever, chunker, monkeypatch,
+                                                                   open_retriever):
     def killed(self, path):
         raise KeyboardInterrupt  # the process dies after the commit, before the new file is in place
 
@@ -99,52 +114,72 @@ def test_crash_between_metadata_commit_and_index_write_is_repaired(tmp_path, ret
         retriever.delete_document("gears")
     monkeypatch.undo()
 
-    reopened = Retriever(tmp_path, retriever.embedder)  # the file still holds the old ids: rebuilt
+    # The live retriever caught up in memory; the file still holds the old ids.
+    assert retriever.search("When are spring tides?", top_k=1)[0].chunk.doc_id == "tides"
+    reopened = open_retriever(tmp_path)  # lines the file up with the table: only the difference is fetched
     assert sorted(d.id for d in reopened.list_documents()) == ["bread", "lighthouse", "tides"]
     assert sorted(reopened.index.ids()) == sorted(reopened.metadata.chunk_ids())
     assert reopened.search("When are spring tides?", top_k=1)[0].chunk.doc_id == "tides"
     assert sorted(VectorIndex.load(tmp_path / INDEX_FILE).ids()) == sorted(reopened.metadata.chunk_ids())
-    reopened.close()
 
 
-def test_torn_index_file_is_rebuilt(tmp_path, retriever):
+def test_torn_index_file_is_rebuilt(tmp_path, retriever, open_retriever):
     (tmp_path / INDEX_FILE).write_bytes(b"\x00" * 100)
-    reopened = Retriever(tmp_path, retriever.embedder)
+    reopened = open_retriever(tmp_path)
     assert len(reopened) == 6 and reopened.search("derailleur", top_k=1)[0].chunk.doc_id == "gears"
-    reopened.close()
 
 
-def test_another_process_commit_is_seen_before_the_next_search(tmp_path, retriever, chunker):
-    writer = Retriever(tmp_path, retriever.embedder)  # e.g. `ragblend ingest` while the server runs
+def test_another_replica_commit_is_caught_up_before_the_next_search(tmp_path, retriever, chunker, open_retriever,
+                                                                    monkeypatch):
+    # Another replica with its own FAISS file (or `ragblend ingest` next to the server).
+    writer = open_retriever(tmp_path / "other")
+    assert len(writer) == len(retriever) == 6
+    index = retriever.index
     add(writer, chunker, "tides", "Tides", "Spring tides come at new and full moon.")
     writer.delete_document("gears")
-    writer.close()
+
+    def no_rebuild(*args):
+        raise AssertionError("catching up must not rebuild the index")
+    monkeypatch.setattr(Retriever, "_synced", no_rebuild)
+    monkeypatch.setattr(VectorIndex, "build", no_rebuild)
     assert retriever.search("When are spring tides?", top_k=1)[0].chunk.doc_id == "tides"
     assert "gears" not in {h.chunk.doc_id for h in retriever.search("derailleur chain cog", top_k=6)}
+    assert retriever.index is index and sorted(index.ids()) == sorted(writer.index.ids())
+    assert not retriever.refresh()  # nothing changed since: one cheap check, no work
 
 
-def test_hnsw_index_rebuilds_on_delete(tmp_path, embedder, chunker):
-    r = Retriever(tmp_path, embedder, kind="hnsw")
+def test_a_chunk_deleted_between_catch_up_and_lookup_is_left_out(retriever, monkeypatch):
+    monkeypatch.setattr(Retriever, "refresh", lambda self: False)  # the deletion lands after the catch-up
+    retriever.metadata.delete_document("gears")
+    hits = retriever.search("derailleur chain cog", top_k=6)
+    assert len(hits) == 4 and "gears" not in {h.chunk.doc_id for h in hits}
+
+
+def test_hnsw_index_rebuilds_on_delete(tmp_path, chunker, open_retriever):
+    r = open_retriever(tmp_path, kind="hnsw")
     for doc_id, (title, text) in DOCS.items():
         add(r, chunker, doc_id, title, text)
+    other = open_retriever(tmp_path / "other", kind="hnsw")
     r.delete_document("lighthouse")
     assert len(r) == 4 and r.index.kind == "hnsw"
     assert r.search("How tall is the lighthouse?", top_k=4)[0].chunk.doc_id != "lighthouse"
-    r.close()
-    flat = Retriever(tmp_path, embedder, kind="flat")  # switching kinds rebuilds from SQLite
+    assert other.search("How tall is the lighthouse?", top_k=4)[0].chunk.doc_id != "lighthouse" and len(other) == 4
+    flat = open_retriever(tmp_path, kind="flat")  # switching kinds rebuilds from the metadata
     assert flat.index.kind == "flat" and len(flat) == 4
-    flat.close()
 
 
-def test_another_embedder_is_refused(tmp_path, retriever):
+def test_another_embedder_is_refused(tmp_path, retriever, open_retriever):
     class Other:
         name, dim = "other-model", retriever.embedder.dim
 
     with pytest.raises(IndexMismatchError, match="other-model"):
-        Retriever(tmp_path, Other())
+        open_retriever(tmp_path / "other", embedder=Other())
 
 
-def test_metadata_stores_no_pickle(tmp_path, retriever):
+def test_metadata_stores_no_pickle(tmp_path, embedder, chunker):
+    retriever = Retriever(tmp_path, embedder)  # the default: SQLite in the index dir
+    add(retriever, chunker, "gears", *DOCS["gears"])
+    retriever.close()
     db = sqlite3.connect(tmp_path / DB_FILE)
     blob, n_tokens, embedding = db.execute("SELECT token_ids, n_tokens, embedding FROM chunks LIMIT 1").fetchone()
     assert len(blob) == 4 * n_tokens and len(embedding) == 4 * retriever.embedder.dim

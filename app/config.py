@@ -32,6 +32,9 @@ class BlendSettings(BaseModel):
     # time a query retrieves it (ingest only chunks and embeds; the store keeps what is used).
     precompute_at: Literal["ingest", "first_use"] = "ingest"
     selection: str = "query"  # chosen by measurement: BENCHMARKS.md
+    # Read retrieved chunks' KV from the store a layer at a time on a loader thread, while the
+    # earlier layers compute (blend.pipeline); false loads every chunk whole before the prefill.
+    pipeline: bool = True
 
     @field_validator("selection")
     @classmethod

@@ -28,6 +28,7 @@ from app.explain import Explain, explain_prompt
 from app.scheduler import DecodeStep, Offload, run_alone
 from blend import ChunkKV, Prefill, SamplingParams, TextStream
 from blend.decode import sample_next
+from blend.pipeline import LayerSource
 from blend.prompt import exchange_starts
 from retrieval.retriever import Hit
 
@@ -111,7 +112,7 @@ class _Piece:
     kind: Literal["head", "conversation", "passage"]
     ids: list[int]
     context_ids: list[int]
-    kv: ChunkKV | None = None
+    kv: ChunkKV | LayerSource | None = None  # a passage's stored KV may be opened layer by layer
     tier: str | None = None  # where the KV came from; None until read, "computed" if computed here
 
 
@@ -161,10 +162,6 @@ class RagEngine:
                     before = [p.kv for p in plan.pieces[:i]] if piece.kind == "conversation" else []
                     piece.kv, piece.tier = parts.kv_cache.compute(piece.ids, piece.context_ids, before), "computed"
                     yield
-            passages = [p for p in plan.pieces if p.kind == "passage"]
-            stats.store_hits = dict(Counter(p.tier for p in passages))
-            for piece in passages:  # where each retrieved chunk's KV came from (app.usage)
-                parts.kv_cache.served(piece.ids, piece.tier)
         stats.kv_load_ms += _ms(t)
 
         # 3. Prefill, a layer per slice.
@@ -175,9 +172,14 @@ class RagEngine:
         else:
             ratio = 0.0 if params.mode == "reuse" else (
                 self.settings.blend.ratio if params.ratio is None else params.ratio)
-            prefill = yield from parts.blender.prefill_steps([p.kv for p in plan.pieces], plan.suffix, ratio,
-                                                             selection=params.selection, reserve=max_tokens)
+            prefill = yield from parts.blender.prefill_steps(
+                [p.kv for p in plan.pieces], plan.suffix, ratio, selection=params.selection, reserve=max_tokens,
+                pipeline=self.settings.blend.pipeline, recompute=lambda i: self._recompute(plan.pieces[i]))
             stats.selection = params.selection or parts.blender.selection
+            passages = [p for p in plan.pieces if p.kind == "passage"]
+            stats.store_hits = dict(Counter(p.tier for p in passages))
+            for piece in passages:  # where each retrieved chunk's KV came from (app.usage)
+                parts.kv_cache.served(piece.ids, piece.tier)
         stats.prefill_ms = _ms(t)
         _fill_prefill_stats(stats, prefill, params.mode, plan)
 
@@ -239,10 +241,17 @@ class RagEngine:
             before = before + ids
         pieces += [_Piece("passage", ids, parts.kv_cache.context_ids) for ids in passages]
         if params.mode != "full":
-            for piece in pieces:
-                piece.kv, piece.tier = parts.kv_cache.lookup(piece.ids, piece.context_ids)
+            for piece in pieces:  # passages opened layer-wise when pipelined (the prefill reads and closes them)
+                read = parts.kv_cache.open if piece.kind == "passage" and self.settings.blend.pipeline \
+                    else parts.kv_cache.lookup
+                piece.kv, piece.tier = read(piece.ids, piece.context_ids)
         stats.kv_load_ms = _ms(t)
         return _Plan(hits, pieces, suffix, turns, len(params.turns) - len(turns))
+
+    def _recompute(self, piece: _Piece) -> ChunkKV:
+        """A piece whose stored KV failed to load mid-prefill (damaged, gone): computed (and stored) afresh."""
+        piece.tier = "computed"
+        return self.parts.kv_cache.compute(piece.ids, piece.context_ids)
 
     def _fit(self, params: QueryParams, fixed: int) -> tuple[tuple[tuple[str, str], ...], list[list[int]]]:
         """The newest exchanges whose conversation fits the context next to everything else, as token pieces.

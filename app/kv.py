@@ -16,6 +16,7 @@ import torch
 
 from app.usage import COMPUTED
 from blend import Blender, ChunkKV, PromptFormat, hash_ids
+from blend.pipeline import LayerSource
 from store import TieredStore, decode, encode, kv_key
 
 log = logging.getLogger("ragblend.kv")
@@ -83,6 +84,18 @@ class ChunkKVCache:
         if kv is not None and kv.token_ids.tolist() == ids:
             return kv, tier
         return None, None
+
+    def open(self, ids: Sequence[int], context_ids: Sequence[int]) -> tuple[LayerSource | None, str | None]:
+        """The stored KV of `ids` after `context_ids` opened for per-layer reads (a pipelined prefill reads
+        and closes it), and its tier; (None, None) on a miss. Reads only the entry's head."""
+        ids = list(ids)
+        entry = self.store.open(kv_key(self.blender.fingerprint, hash_ids(list(context_ids)), ids))
+        if entry is None:
+            return None, None
+        if entry.token_ids.tolist() != ids:
+            entry.close()
+            return None, None
+        return entry, entry.tier
 
     def compute(self, ids: Sequence[int], context_ids: Sequence[int], before: Sequence[ChunkKV] = ()) -> ChunkKV:
         """Precompute and store the KV of `ids` after `context_ids`; returns it as a store hit would.

@@ -10,6 +10,8 @@ buffer: decoding a token writes one slot instead of copying the whole cache (Dyn
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -32,11 +34,15 @@ class BlendCache(DynamicCache):
         self.deviation_layers: frozenset[int] = frozenset()
         self.deviation_on = "value"
         self.deviations: dict[int, torch.Tensor] = {}  # layer -> [len(write_positions)]
+        # Called with layer i before a prefill reads layer i's cached K/V (pipelined loading waits there).
+        self.before_read: Callable[[int], None] | None = None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states/value_states: [1, H, Tq, D] for the tokens at write_positions (or new tokens to append)
         if self.write_positions is None:
             return self.append(layer_idx, key_states, value_states)
+        if self.before_read is not None:
+            self.before_read(layer_idx)
         layer = self.layers[layer_idx]
         if layer_idx in self.deviation_layers:
             fresh, cached = (value_states, layer.values) if self.deviation_on == "value" else (key_states, layer.keys)

@@ -44,6 +44,7 @@ from blend.cache import BlendCache
 from blend.chunk_kv import ChunkKV, KVMismatchError, hash_ids
 from blend.decode import SamplingParams, sample_next
 from blend.gate import sliding_window, static_refusal
+from blend.pipeline import ChunkMiss, KVLayers, LayerLoader, LayerSource, as_source
 from blend.rope import RopeShifter, RopeUnsupportedError
 from blend.selection import Gradual, Policy, SelectionContext, get_policy, ranks, select
 
@@ -59,6 +60,9 @@ class PrefillStats:
     selection: str | None = None  # the policy that chose the recomputed tokens
     fallback: str | None = None  # why a blend ran as full prefill
     timings_ms: dict[str, float] = field(default_factory=dict)
+    pipelined: bool = False      # chunk layers loaded by a thread while earlier layers computed
+    load_wait_ms: float = 0.0    # time the layers waited for their cached K/V (not hidden by compute)
+    reloaded_chunks: int = 0     # chunks whose KV failed to load mid-prefill: recomputed, prefill redone
 
 
 @dataclass
@@ -212,22 +216,54 @@ class Blender:
             except StopIteration as done:
                 return done.value
 
-    @torch.inference_mode()
-    def prefill_steps(self, segments: Sequence[ChunkKV], suffix_ids: Sequence[int], ratio: float, *,
-                      selection: str | Policy | None = None, seed: int = 0, reserve: int = 0
-                      ) -> Generator[None, None, Prefill]:
+    def prefill_steps(self, segments: Sequence[ChunkKV | LayerSource], suffix_ids: Sequence[int], ratio: float, *,
+                      selection: str | Policy | None = None, seed: int = 0, reserve: int = 0,
+                      pipeline: bool = False, recompute: Callable[[int], ChunkKV] | None = None,
+                      load_events: list | None = None) -> Generator[None, None, Prefill]:
         """Blend `segments` + the suffix, yielding after each layer; returns the Prefill. `selection` names a
         policy in blend.selection (default: the Blender's); `reserve` leaves room in the cache for that many
-        decoded tokens (the buffer would grow anyway, by a copy)."""
+        decoded tokens (the buffer would grow anyway, by a copy).
+
+        Segments are ChunkKVs or LayerSources (blend.pipeline: a store entry read layer by layer); the
+        prefill closes every LayerSource it is given. `pipeline`: a loader thread reads layer i+1 while
+        layer i computes (same logits as loading every layer first). A segment that fails to load is a
+        miss: `recompute(index)` gives its ChunkKV and the prefill starts again (without `recompute`,
+        ChunkMiss is raised)."""
+        sources = [as_source(s) for s in segments]
+        opened = list(sources)  # every source handed to us, replaced ones included: all closed at the end
+        reloaded = 0
+        try:
+            while True:
+                try:
+                    result = yield from self._blend_steps(sources, suffix_ids, ratio, selection, seed, reserve,
+                                                          pipeline, load_events)
+                    result.stats.reloaded_chunks = reloaded
+                    return result
+                except ChunkMiss as miss:
+                    if recompute is None:
+                        raise
+                    log.warning("chunk KV failed to load, recomputing it", extra={"chunk": miss.index,
+                                                                                  "reason": str(miss.cause)})
+                    sources[miss.index].close()
+                    sources[miss.index] = KVLayers(recompute(miss.index))
+                    reloaded += 1
+        finally:
+            for source in opened + sources:
+                source.close()
+
+    @torch.inference_mode()
+    def _blend_steps(self, sources: list[LayerSource], suffix_ids: Sequence[int], ratio: float,
+                     selection: str | Policy | None, seed: int, reserve: int, pipeline: bool,
+                     load_events: list | None) -> Generator[None, None, Prefill]:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the question)")
         policy = get_policy(selection or self.selection)
         clock = _Clock()
-        for seg in segments:
+        for seg in sources:
             self._check_segment(seg)
-        ids = torch.cat([s.token_ids for s in segments] + [torch.tensor(list(suffix_ids), dtype=torch.int64)])
+        ids = torch.cat([s.token_ids for s in sources] + [torch.tensor(list(suffix_ids), dtype=torch.int64)])
         reason = self.unsupported or self._window_refusal(ids.numel())
         if reason:  # the loop would not be exact: run the same tokens through the model's own forward
             log.debug("full prefill instead of blending", extra={"reason": reason})
@@ -235,21 +271,34 @@ class Blender:
             result.stats.fallback = reason
             return result
 
-        # 1. Layout and cache: cached K/V rotated to their new positions.
-        total, cached = ids.numel(), sum(s.num_tokens for s in segments)
+        # 1. Layout and cache: cached K/V rotated to their new positions, a layer at a time (blend.pipeline).
+        total = ids.numel()
+        bounds, start = [], 0
+        for seg in sources:
+            bounds.append((start, start + len(seg.token_ids)))
+            start += len(seg.token_ids)
+        cached = start
         keys, values = self._empty_kv(total, reserve, fill=False)                 # [L, H, N + reserve, D]
         keys[:, :, cached:total], values[:, :, cached:total] = 0, 0   # the suffix's slots, written layer by layer
-        bounds, start = [], 0
-        for seg in segments:
-            end = start + seg.num_tokens
-            keys[:, :, start:end] = self.shifter.shift(seg.keys.to(self.dtype), start - seg.position)
-            values[:, :, start:end] = seg.values
-            bounds.append((start, end))
-            start = end
-        cache = BlendCache(keys, values, length=total)   # the reserve: decode room, never read before written
-        cache.deviation_on = self.deviation
-        clock.lap("assemble")
+        loader = LayerLoader(sources, bounds, keys, values, self.shifter.shift, pipelined=pipeline,
+                             events=load_events)
+        try:
+            cache = BlendCache(keys, values, length=total)   # the reserve: decode room, never read before written
+            cache.deviation_on = self.deviation
+            cache.before_read = loader.wait
+            clock.lap("assemble")
+            result = yield from self._blend(ids, sources, bounds, cache, ratio, policy, seed, clock)
+        finally:
+            loader.close()
+        cache.before_read = None
+        result.stats.pipelined, result.stats.load_wait_ms = pipeline, round(loader.wait_s * 1000, 3)
+        return result
 
+    def _blend(self, ids: torch.Tensor, segments: list[LayerSource], bounds: list[tuple[int, int]],
+               cache: BlendCache, ratio: float, policy: Policy, seed: int, clock: _Clock
+               ) -> Generator[None, None, Prefill]:
+        """Steps 2-4 over the laid-out cache (its layers may still be loading)."""
+        total, cached = ids.numel(), bounds[-1][1] if bounds else 0
         # 2. The exact prefix needs nothing; the rest of the cached tokens (the candidates) may be repaired.
         exact = self._exact_prefix(segments)
         n_select = round(ratio * (cached - exact))
@@ -339,22 +388,22 @@ class Blender:
                     "which the blend attention does not apply")
         return None
 
-    def _exact_prefix(self, segments: Sequence[ChunkKV]) -> int:
+    def _exact_prefix(self, segments: Sequence[LayerSource]) -> int:
         """Tokens of leading segments computed at their own position after exactly what precedes them."""
         exact, before = 0, []
         for seg in segments:
             if seg.position != exact or seg.context_hash != hash_ids(before):
                 break
             before += seg.token_ids.tolist()
-            exact += seg.num_tokens
+            exact += len(seg.token_ids)
         return exact
 
-    def _check_segment(self, seg: ChunkKV) -> None:
+    def _check_segment(self, seg: LayerSource) -> None:
         if seg.fingerprint != self.fingerprint:
             raise KVMismatchError(f"chunk KV belongs to model {seg.fingerprint}, not {self.fingerprint}")
-        expected = (self.num_layers, self.kv_heads, seg.num_tokens, self.head_dim)
-        if tuple(seg.keys.shape) != expected:
-            raise KVMismatchError(f"chunk KV has shape {tuple(seg.keys.shape)}, this model needs {expected}")
+        expected = (self.num_layers, self.kv_heads, len(seg.token_ids), self.head_dim)
+        if tuple(seg.shape) != expected:
+            raise KVMismatchError(f"chunk KV has shape {tuple(seg.shape)}, this model needs {expected}")
 
     def _empty_kv(self, length: int, reserve: int = 0, fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [L, H, length + reserve, D], zeroed unless `fill` is False (the reserve is decode room)."""

@@ -1,0 +1,168 @@
+"""Layer-wise KV loading for the blended prefill: each chunk's K/V reaches the cache a layer at a time.
+
+A LayerSource is one chunk's cached K/V read layer by layer: a store entry opened for per-layer
+reads (store.LayeredEntry fits the protocol as it is) or an in-memory ChunkKV (KVLayers: the prompt
+head, a fresh precompute after a miss). The LayerLoader writes layer i of every chunk into the
+prompt cache's buffer, keys RoPE-shifted to the chunk's place, in the model's dtype and on its device.
+
+Pipelined, the loader runs on its own thread and stays at most `ahead` layers in front of the
+prefill: while layer i computes, layer i+1 is read, checked, decoded and shifted (all of which
+release the GIL). The prefill calls `wait(i)` before layer i reads its cached K/V
+(BlendCache.before_read), so it never sees a layer that is not there yet. Not pipelined, every
+layer is loaded before the prefill starts: the same copies in the same order, so the same logits.
+
+A layer that cannot be read (damaged, gone) makes its chunk a miss: `wait` raises ChunkMiss and
+the prefill recomputes that chunk and starts again (Blender.prefill_steps `recompute`).
+On CUDA the copies run on a side stream (pinned host layers, non-blocking copies) and `wait` makes
+the compute stream wait for that layer's event instead of the host.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from blend.chunk_kv import ChunkKV
+
+log = logging.getLogger("ragblend.blend")
+
+
+class LayerSource(Protocol):
+    """One chunk's K/V, layer by layer. `layer(i)` -> (keys [H, T, D], values [H, T, D]), keys rotated
+    for positions `position ..`; may raise (a store's LayerReadError): the chunk is then a miss."""
+
+    token_ids: torch.Tensor   # [T] int64
+    position: int
+    context_hash: str
+    fingerprint: str
+    shape: tuple[int, int, int, int]   # [L, H, T, D]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def close(self) -> None: ...
+
+
+class KVLayers:
+    """An in-memory ChunkKV as a LayerSource."""
+
+    def __init__(self, kv: ChunkKV):
+        self.kv = kv
+        self.token_ids, self.position = kv.token_ids, kv.position
+        self.context_hash, self.fingerprint = kv.context_hash, kv.fingerprint
+        self.shape = tuple(kv.keys.shape)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv.keys[i], self.kv.values[i]
+
+    def close(self) -> None:
+        pass
+
+
+def as_source(segment: ChunkKV | LayerSource) -> LayerSource:
+    return KVLayers(segment) if isinstance(segment, ChunkKV) else segment
+
+
+class ChunkMiss(RuntimeError):
+    """Chunk `index` could not be loaded (`cause` says why): recompute it, never use its KV."""
+
+    def __init__(self, index: int, cause: BaseException):
+        super().__init__(f"chunk {index} could not be loaded: {cause}")
+        self.index, self.cause = index, cause
+
+
+class LayerLoader:
+    """Fills the slots `bounds[j]` of `keys`/`values` [L, H, N, D] with chunk j's layers, layer by layer.
+
+    `shift(keys, delta)` rotates keys by delta positions; `events` (when a list) receives
+    ("load", layer, start_s, end_s) per layer loaded, for tests and benchmarks.
+    """
+
+    def __init__(self, sources: Sequence[LayerSource], bounds: Sequence[tuple[int, int]], keys: torch.Tensor,
+                 values: torch.Tensor, shift: Callable[[torch.Tensor, int], torch.Tensor], *,
+                 pipelined: bool, ahead: int = 2, events: list | None = None):
+        self.sources, self.bounds, self.keys, self.values, self.shift = sources, bounds, keys, values, shift
+        self.num_layers, self.ahead, self.events = keys.shape[0], max(1, ahead), events
+        self.wait_s = 0.0           # time the prefill spent waiting for layers
+        self._cond = threading.Condition()
+        self._loaded = 0            # layers 0.._loaded-1 are in the cache
+        self._wanted = -1           # the highest layer the prefill has asked for
+        self._error: BaseException | None = None
+        self._stop = False
+        self._cuda = keys.is_cuda
+        self._stream = torch.cuda.Stream(keys.device) if self._cuda else None
+        self._ready: list = []      # CUDA: an event per loaded layer
+        self._thread: threading.Thread | None = None
+        if pipelined and sources:
+            self._thread = threading.Thread(target=self._run, name="ragblend-kv-loader", daemon=True)
+            self._thread.start()
+        else:
+            self._run()
+
+    # ---- the prefill's side ----
+
+    def wait(self, i: int) -> None:
+        """Return once layer i of every chunk is in the cache; ChunkMiss if a chunk failed (at any layer)."""
+        start = time.perf_counter()
+        with self._cond:
+            if i > self._wanted:
+                self._wanted = i
+                self._cond.notify_all()
+            self._cond.wait_for(lambda: self._loaded > min(i, self.num_layers - 1) or self._error is not None)
+            error = self._error
+        self.wait_s += time.perf_counter() - start
+        if error is not None:
+            raise error
+        if self._cuda:  # the copies were queued on the side stream: compute waits for them, the host does not
+            torch.cuda.current_stream(self.keys.device).wait_event(self._ready[i])
+
+    def close(self) -> None:
+        """Stop loading (the prefill is done or was abandoned) and wait for the thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---- the loader's side ----
+
+    def _run(self) -> None:
+        with torch.inference_mode(), torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+            for i in range(self.num_layers):
+                with self._cond:  # bounded read-ahead: at most `ahead` layers past what the prefill asked for
+                    self._cond.wait_for(lambda: self._stop or i <= self._wanted + self.ahead
+                                        or self._thread is None)
+                    if self._stop:
+                        return
+                try:
+                    self._load(i)
+                except BaseException as exc:  # noqa: BLE001 - handed to the prefill, which decides
+                    with self._cond:
+                        self._error = exc
+                        self._cond.notify_all()
+                    return
+                with self._cond:
+                    self._loaded = i + 1
+                    self._cond.notify_all()
+
+    def _load(self, i: int) -> None:
+        start = time.perf_counter()
+        dtype, device = self.keys.dtype, self.keys.device
+        for j, (source, (lo, hi)) in enumerate(zip(self.sources, self.bounds)):
+            try:
+                k, v = source.layer(i)                                           # [H, T, D] each
+            except Exception as exc:
+                raise ChunkMiss(j, exc) from exc
+            k = k.to(device, non_blocking=True)
+            # keys: [H, T, D], rotated from the chunk's own positions to lo..hi-1
+            self.keys[i, :, lo:hi] = self.shift(k.to(dtype), lo - source.position)
+            self.values[i, :, lo:hi] = v.to(device, non_blocking=True)
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            self._ready.append(event)
+        if self.events is not None:
+            self.events.append(("load", i, start, time.perf_counter()))
+

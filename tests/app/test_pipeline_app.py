@@ -1,0 +1,33 @@
+"""blend.pipeline in the app: passages read layer by layer give the same answers; a damaged layer is recomputed."""
+from __future__ import annotations
+
+import pytest
+
+from app.engine import QueryParams, QueryStats
+from store.serialize import parse_head
+
+pytestmark = pytest.mark.slow
+
+
+def test_pipelined_and_whole_loading_answer_alike_and_a_damaged_layer_is_recomputed(corpus, engine_with):
+    question = corpus.questions[0][0]
+    _, whole = engine_with(blend={"pipeline": False}, store={"memory_bytes": 0})   # disk only
+    _, piped = engine_with(blend={"pipeline": True}, store={"memory_bytes": 0})
+    params = QueryParams(question, max_tokens=8)
+    a, b = whole.answer(params), piped.answer(params)
+    assert b.stats.store_hits == {"disk": 2} and a.stats.store_hits == {"disk": 2}
+    assert (b.answer, b.stats.recomputed_tokens) == (a.answer, a.stats.recomputed_tokens)
+
+    # Damage layer 5 of the first passage on disk: the pipelined prefill finds it mid-way, recomputes it.
+    plan = whole._plan(params, 8, QueryStats("blend"))
+    passage = next(p for p in plan.pieces if p.kind == "passage")
+    path = piped.parts.store.tiers[0]._cache.peek_file(piped.parts.kv_cache.key(passage.ids))
+    data = bytearray(open(path, "rb").read())
+    offset, length = parse_head(bytes(data)).layer_range(5)
+    data[offset + length // 2] ^= 0x20
+    open(path, "wb").write(bytes(data))
+
+    c = piped.answer(params)
+    assert c.stats.store_hits == {"computed": 1, "disk": 1}
+    assert c.answer == a.answer and piped.parts.store.stats()["corrupt"] == 1
+    assert piped.answer(params).stats.store_hits == {"disk": 2}   # stored again, whole

@@ -23,7 +23,7 @@ class Components:
     @cached_property
     def llm(self) -> LoadedModel:
         m = self.settings.model
-        return load_model(m.name, cache_dir=self.settings.model_cache_dir, dtype=m.dtype)
+        return load_model(m.name, cache_dir=self.settings.model_cache_dir, dtype=m.dtype, device=m.device)
 
     @property
     def tokenizer(self):

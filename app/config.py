@@ -1,6 +1,7 @@
 """Typed settings: configs/default.yaml < a --config file < RAGBLEND_* environment variables."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +19,15 @@ ENV_NESTED_DELIMITER = "__"
 
 class ModelSettings(BaseModel):
     name: str = "embedded"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "cpu"  # auto (CUDA if present) | cpu | cuda | cuda:N
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        if value not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", value):
+            raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
     cache_dir: Path | None = None
     system_prompt: str = "Answer the question with a short phrase, using only the passages."
 

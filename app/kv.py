@@ -89,7 +89,8 @@ class ChunkKVCache:
         """The stored KV of `ids` after `context_ids` opened for per-layer reads (a pipelined prefill reads
         and closes it), and its tier; (None, None) on a miss. Reads only the entry's head."""
         ids = list(ids)
-        entry = self.store.open(kv_key(self.blender.fingerprint, hash_ids(list(context_ids)), ids))
+        key = kv_key(self.blender.fingerprint, hash_ids(list(context_ids)), ids)
+        entry = self.store.open(key, pin_memory=self.blender.device.type == "cuda")  # pinned: async copies
         if entry is None:
             return None, None
         if entry.token_ids.tolist() != ids:

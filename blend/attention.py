@@ -73,8 +73,8 @@ class AttentionPlan:
             inside = bisect.bisect_left(pos, start)   # first query that sees key `start`
             after = bisect.bisect_left(pos, end - 1)  # first query that sees the whole window
             if after > inside:  # each of these sees key `start` at least, so no row is fully masked
-                hidden = torch.arange(start, end)[None, :] > positions[inside:after, None]
-                mask = torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+                hidden = torch.arange(start, end, device=positions.device)[None, :] > positions[inside:after, None]
+                mask = torch.zeros(hidden.shape, device=positions.device).masked_fill_(hidden, float("-inf"))
                 pieces.append(Piece(slice(inside, after), slice(start, end), mask=mask))
             if after < count:
                 pieces.append(Piece(slice(after, count), slice(start, end)))

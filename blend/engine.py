@@ -98,10 +98,10 @@ class _QuestionAttention:
     """Attention probe: records the suffix queries' softmax attention over the candidates, per layer
     and head, averaged over the suffix tokens (so a long question costs no more memory)."""
 
-    def __init__(self, ctx: SelectionContext, suffix_len: int, total: int, layers: range):
+    def __init__(self, ctx: SelectionContext, suffix_len: int, total: int, layers: range, device: torch.device):
         self.ctx, self.suffix_len, self.layers = ctx, suffix_len, layers
-        query_pos = torch.arange(total - suffix_len, total)
-        self.hidden_keys = torch.arange(total)[None, :] > query_pos[:, None]     # [Ts, N] causal
+        query_pos = torch.arange(total - suffix_len, total, device=device)
+        self.hidden_keys = torch.arange(total, device=device)[None, :] > query_pos[:, None]     # [Ts, N] causal
 
     def __call__(self, module, query: torch.Tensor, key: torch.Tensor) -> None:
         # query: [1, Hq, Tq, D] (the suffix is last); key: [1, Hkv, N, D]
@@ -111,7 +111,8 @@ class _QuestionAttention:
         k = key[0].repeat_interleave(q.shape[0] // key.shape[1], dim=0)           # [Hq, N, D]
         logits = (q @ k.transpose(1, 2)) * module.scaling                          # [Hq, Ts, N]
         probs = logits.masked_fill(self.hidden_keys, float("-inf")).softmax(-1)
-        self.ctx.attention[module.layer_idx] = probs[..., self.ctx.exact:self.ctx.cached].float().mean(1)  # [Hq, n]
+        # [Hq, n], on the host: selection works on small per-token scores
+        self.ctx.attention[module.layer_idx] = probs[..., self.ctx.exact:self.ctx.cached].float().mean(1).cpu()
 
 
 class Blender:
@@ -131,6 +132,7 @@ class Blender:
         self.selection = get_policy(selection).name
         self.boundary_tokens, self.gradual = boundary_tokens, gradual  # options on any policy (blend.selection)
         self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device  # every tensor the blend path makes lives here
         self.sliding_window = sliding_window(model)  # prompts longer than this run in full
         self.shifter: RopeShifter | None = None
         self.unsupported: str | None = None   # why this model never blends (None: it does); shown in /health
@@ -186,8 +188,9 @@ class Blender:
             cache, new_ids = BlendCache(keys, values, length=start), ids
         else:
             cache, new_ids = BlendCache(*self._empty_kv(0, reserve=start + len(ids)), length=0), context_ids + ids
-        positions = torch.arange(len(context_ids) + len(ids))[None, -len(new_ids):]
-        self.decoder(input_ids=torch.tensor([new_ids]), position_ids=positions, cache=cache, use_cache=True)
+        positions = torch.arange(len(context_ids) + len(ids), device=self.device)[None, -len(new_ids):]
+        self.decoder(input_ids=torch.tensor([new_ids], device=self.device), position_ids=positions, cache=cache,
+                     use_cache=True)
         keys = torch.stack([layer.keys[0, :, start:] for layer in cache.layers])   # [L, H, T, D]
         values = torch.stack([layer.values[0, :, start:] for layer in cache.layers])
         return ChunkKV(keys, values, torch.tensor(ids), start, hash_ids(context_ids), self.fingerprint)
@@ -201,10 +204,11 @@ class Blender:
         clock = _Clock()
         ids = list(ids)
         cache = BlendCache(*self._empty_kv(0, reserve=len(ids) + reserve), length=0)
-        out = self.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True,
+                         logits_to_keep=1)
         clock.lap("layers")
         stats = PrefillStats(len(ids), timings_ms=clock.timings)
-        return Prefill(cache, out.logits[0, -1].float(), len(ids), torch.empty(0, dtype=torch.long), stats,
+        return Prefill(cache, out.logits[0, -1].float().cpu(), len(ids), torch.empty(0, dtype=torch.long), stats,
                        torch.full((len(ids),), float("nan")))
 
     def prefill(self, segments: Sequence[ChunkKV], suffix_ids: Sequence[int], ratio: float, **options) -> Prefill:
@@ -264,6 +268,7 @@ class Blender:
         for seg in sources:
             self._check_segment(seg)
         ids = torch.cat([s.token_ids for s in sources] + [torch.tensor(list(suffix_ids), dtype=torch.int64)])
+        ids = ids.to(self.device)
         reason = self.unsupported or self._window_refusal(ids.numel())
         if reason:  # the loop would not be exact: run the same tokens through the model's own forward
             log.debug("full prefill instead of blending", extra={"reason": reason})
@@ -304,12 +309,12 @@ class Blender:
         n_select = round(ratio * (cached - exact))
         stats = PrefillStats(total, cached, exact, n_select, ratio)
         scores = torch.full((total,), float("nan"))
-        suffix = torch.arange(cached, total)
+        suffix = torch.arange(cached, total, device=self.device)
         if n_select == 0:     # full reuse: only the question runs
             hidden = yield from self._layers(self._embed(ids, suffix), suffix, cache, 0, self.num_layers)
             return self._finish(cache, hidden, clock, torch.empty(0, dtype=torch.long), scores, stats)
         if n_select == cached - exact:  # every candidate: full prefill
-            run = torch.arange(exact, total)
+            run = torch.arange(exact, total, device=self.device)
             hidden = yield from self._layers(self._embed(ids, run), run, cache, 0, self.num_layers)
             return self._finish(cache, hidden, clock, run[:n_select], scores, stats)
 
@@ -319,15 +324,15 @@ class Blender:
         stats.selection = policy.name
         if policy.question_layers:  # the question alone over the cached keys (cost ≈ its own length)
             layers = policy.layer_range(self.num_layers)
-            probe = _QuestionAttention(ctx, len(suffix), total, layers)
+            probe = _QuestionAttention(ctx, len(suffix), total, layers, self.device)
             yield from self._layers(self._embed(ids, suffix), suffix, cache, 0, layers.stop, probe)
             clock.lap("question_pass")
         first, run, hidden = 0, None, None
         if policy.deviation:         # every candidate through layers 0..check_layer
-            run = torch.arange(exact, total)
+            run = torch.arange(exact, total, device=self.device)
             cache.deviation_layers = frozenset({self.check_layer})
             hidden = yield from self._layers(self._embed(ids, run), run, cache, 0, self.check_layer + 1)
-            ctx.layer, ctx.deviation = self.check_layer, cache.deviations[self.check_layer][:cached - exact]
+            ctx.layer, ctx.deviation = self.check_layer, cache.deviations[self.check_layer][:cached - exact].cpu()
             first = self.check_layer + 1
             clock.lap("layers_full")
         widen = self.gradual.widen if self.gradual and first + self.gradual.layers < self.num_layers else 1.0
@@ -341,7 +346,7 @@ class Blender:
             narrow = first + self.gradual.layers - 1
             cache.deviation_layers = frozenset({narrow})
             hidden = yield from self._layers(hidden, run, cache, first, narrow + 1)
-            deviation = cache.deviations[narrow][:ctx.count]
+            deviation = cache.deviations[narrow][:ctx.count].cpu()
             keep = (ranks(candidate_scores[picked]) + ranks(deviation)).topk(n_select).indices.sort().values
             hidden, run, first = self._keep(ids, picked[keep] + exact, suffix, hidden, run, narrow + 1)
             clock.lap("layers_gradual")
@@ -355,7 +360,7 @@ class Blender:
               run: torch.Tensor | None, first: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(hidden, positions, layer) to go on with just `selected` + the suffix; from layer 0 when
         no layer has run yet (layer 0's K/V are exact for every token, so nothing is lost)."""
-        keep = torch.cat([selected, suffix])
+        keep = torch.cat([selected.to(suffix.device), suffix])
         if hidden is None:
             return self._embed(ids, keep), keep, 0
         index = torch.searchsorted(run, keep)           # rows of `hidden` (run is sorted)
@@ -377,10 +382,10 @@ class Blender:
     def _finish(self, cache: BlendCache, hidden: torch.Tensor, clock: _Clock, selected: torch.Tensor,
                 scores: torch.Tensor, stats: PrefillStats) -> Prefill:
         cache.write_positions, cache.deviation_layers, cache.deviations = None, frozenset(), {}
-        logits = self.model.lm_head(self.decoder.norm(hidden[:, -1]))[0]        # [V]
+        logits = self.model.lm_head(self.decoder.norm(hidden[:, -1]))[0]        # [V], on the host below
         clock.lap("layers_selected" if len(clock.timings) > 1 else "layers")
         stats.timings_ms = clock.timings
-        return Prefill(cache, logits.float(), stats.prompt_tokens, selected, stats, scores)
+        return Prefill(cache, logits.float().cpu(), stats.prompt_tokens, selected.cpu(), stats, scores)
 
     def _window_refusal(self, tokens: int) -> str | None:
         if self.sliding_window is not None and tokens > self.sliding_window:
@@ -409,7 +414,7 @@ class Blender:
         """K/V [L, H, length + reserve, D], zeroed unless `fill` is False (the reserve is decode room)."""
         shape = (self.num_layers, self.kv_heads, length + reserve, self.head_dim)
         make = torch.zeros if fill else torch.empty
-        return make(shape, dtype=self.dtype), make(shape, dtype=self.dtype)
+        return make(shape, dtype=self.dtype, device=self.device), make(shape, dtype=self.dtype, device=self.device)
 
     # ---- decode ---------------------------------------------------------------------------
 
@@ -439,19 +444,19 @@ class Blender:
         # own forward and mask, row by row.
         if self.model.config._attn_implementation != BLEND_ATTENTION or self._window_refusal(max(positions) + 1):
             return torch.cat([self._decode_alone(*row) for row in zip(caches, tokens, positions)])
-        position_ids = torch.tensor(list(positions))[:, None]                      # [B, 1]
-        hidden = self.decoder.embed_tokens(torch.tensor(list(tokens))[:, None])    # [B, 1, hidden]
+        position_ids = torch.tensor(list(positions), device=self.device)[:, None]                   # [B, 1]
+        hidden = self.decoder.embed_tokens(torch.tensor(list(tokens), device=self.device)[:, None])  # [B, 1, hidden]
         position_embeddings = self.decoder.rotary_emb(hidden, position_ids=position_ids)
         cache = BatchCache(caches)
         for layer in self.decoder.layers[: self.num_layers]:
             hidden = layer(hidden, attention_mask=None, position_ids=position_ids, cache=cache,
                            position_embeddings=position_embeddings)
-        return self.model.lm_head(self.decoder.norm(hidden[:, -1])).float()      # [B, V]
+        return self.model.lm_head(self.decoder.norm(hidden[:, -1])).float().cpu()      # [B, V]
 
     def _decode_alone(self, cache: BlendCache, token: int, position: int) -> torch.Tensor:
-        out = self.model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), cache=cache,
-                         use_cache=True)
-        return out.logits[:, -1].float()                                           # [1, V]
+        out = self.model(input_ids=torch.tensor([[token]], device=self.device),
+                         position_ids=torch.tensor([[position]], device=self.device), cache=cache, use_cache=True)
+        return out.logits[:, -1].float().cpu()                                     # [1, V]
 
     @torch.inference_mode()
     def teacher_force(self, prefill: Prefill, target_ids: Sequence[int]) -> torch.Tensor:
@@ -459,7 +464,7 @@ class Blender:
         target = list(target_ids)
         if len(target) <= 1:
             return prefill.logits[None, :][: len(target)]
-        positions = torch.arange(prefill.num_tokens, prefill.num_tokens + len(target) - 1)[None]
-        out = self.model(input_ids=torch.tensor([target[:-1]]), position_ids=positions, cache=prefill.cache,
-                         use_cache=True)
-        return torch.cat([prefill.logits[None], out.logits[0].float()])
+        positions = torch.arange(prefill.num_tokens, prefill.num_tokens + len(target) - 1, device=self.device)[None]
+        out = self.model(input_ids=torch.tensor([target[:-1]], device=self.device), position_ids=positions,
+                         cache=prefill.cache, use_cache=True)
+        return torch.cat([prefill.logits[None], out.logits[0].float().cpu()])

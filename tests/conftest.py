@@ -30,7 +30,7 @@ def smollm():
     """The real embedded SmolLM2-135M-Instruct (LoadedModel), shared by the whole session."""
     from blend import load_model
 
-    return load_model("embedded", cache_dir=MODEL_CACHE)
+    return load_model("embedded", cache_dir=MODEL_CACHE, device=os.environ.get("RAGBLEND_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture

@@ -1,6 +1,8 @@
 """Tiny randomly initialised Llama / Mistral / Qwen2 models (no weights) for fast blend tests."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -9,6 +11,8 @@ from blend import BLEND_ATTENTION, Blender
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024)
+# bench/device_check.sh runs some blend tests with RAGBLEND_TEST_DEVICE=cuda; CPU is the tested default.
+TEST_DEVICE = torch.device(os.environ.get("RAGBLEND_TEST_DEVICE", "cpu"))
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
@@ -21,7 +25,7 @@ def tiny_model(arch: str, **overrides):
     torch.manual_seed(0)
     config = config_cls(**{**TINY, **extra, **overrides})
     config._attn_implementation = BLEND_ATTENTION
-    model = model_cls(config).eval()
+    model = model_cls(config).to(TEST_DEVICE).eval()
     # Random init gives near-uniform logits; widen the weights so attention patterns matter.
     with torch.no_grad():
         for p in model.parameters():

@@ -1,0 +1,164 @@
+"""TTFT with the chunks' KV in memory, on disk, in Redis and in a 100 MB/s tier, pipelined vs not.
+
+One run on MuSiQue passages (default 5, ~3k tokens) with SmolLM2 prints JSON:
+    {"prompt_tokens", "kv_mb", "ratio", "ttft_s": {tier: {"pipelined", "whole"}},
+     "vs_memory": {tier: {"pipelined", "whole"}}, "load_wait_ms": {...}, "commit", "loadavg_*", ...}
+Each tier is a TieredStore holding only that tier, every passage's KV stored in it beforehand (as
+ingest does). TTFT = open the stored entries + blended prefill (blend.ratio, default 0.15) + the first
+token. "whole": every layer of every chunk is read before the prefill starts (today's loading);
+"pipelined": a loader thread reads layer i+1 while layer i computes (blend.pipeline). "limited" is a
+benchmark-only memory tier whose reads are throttled to --bandwidth MB/s (a remote store stand-in).
+vs_memory = TTFT / the memory tier's pipelined TTFT; medians over interleaved repeats.
+Starts its own redis-server (tests.servers.RedisServer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from app.components import Components  # noqa: E402
+from app.config import load_settings  # noqa: E402
+from store import DiskTier, MemoryTier, RedisTier, TieredStore  # noqa: E402
+from tests.servers import RedisServer  # noqa: E402
+
+
+class LimitedTier(MemoryTier):
+    """Memory tier whose range reads take at least nbytes / bandwidth (sleeping the rest): a remote
+    store at a set bandwidth. Benchmark-only."""
+
+    name = "limited"
+    trusted = False  # bytes from "elsewhere": checked, as a real remote tier's are
+
+    def __init__(self, bandwidth_bps: float):
+        super().__init__(1 << 32)
+        self.bandwidth = bandwidth_bps
+
+    def reader(self, key):
+        inner = super().reader(key)
+        if inner is None:
+            return None
+        bandwidth = self.bandwidth
+
+        class Throttled:
+            def read(self, offset, length):
+                start = time.perf_counter()
+                data = inner.read(offset, length)
+                time.sleep(max(0.0, len(data) / bandwidth - (time.perf_counter() - start)))
+                return data
+
+            def close(self):
+                inner.close()
+
+        return Throttled()
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", type=Path, default=REPO.parent / "shared/data/musique_dev.json")
+    parser.add_argument("--question", type=int, default=0)
+    parser.add_argument("--passages", type=int, default=5)
+    parser.add_argument("--ratio", type=float, default=0.15)
+    parser.add_argument("--selection", default=None, help="a blend.selection policy (default: blend.selection)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bandwidth", type=float, default=100.0, help="MB/s of the limited tier")
+    parser.add_argument("--tiers", default="memory,disk,redis,limited")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    item = json.loads(args.dataset.read_text())[args.question]
+    load_before = os.getloadavg()
+
+    with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis_server:
+        settings = load_settings(data_dir=tmp, model={"cache_dir": str(REPO / "data/models")},
+                                 store={"memory_bytes": 0, "disk_bytes": 0})
+        parts = Components(settings)
+        blender, kv_cache = parts.blender, parts.kv_cache
+        head = kv_cache.head()
+        suffix = kv_cache.prompt.suffix_ids(item["question"])
+        passages = [kv_cache.prompt.text_passage_ids(c["text"], c["title"]) for c in item["ctxs"][:args.passages]]
+        log(f"precomputing {len(passages)} passages")
+        kvs = [kv_cache.blender.precompute(ids, kv_cache.context_ids, context=head) for ids in passages]
+        keys = [kv_cache.key(ids) for ids in passages]
+        make = {"memory": lambda: MemoryTier(1 << 32), "disk": lambda: DiskTier(Path(tmp) / "disk", 1 << 32),
+                "redis": lambda: RedisTier(redis_server.url, timeout_s=10.0),
+                "limited": lambda: LimitedTier(args.bandwidth * 1e6)}
+        stores = {name: TieredStore([make[name]()], codec=settings.store.codec, fingerprint=blender.fingerprint)
+                  for name in args.tiers.split(",")}
+        for store in stores.values():
+            for key, kv in zip(keys, kvs):
+                store.put(key, kv)
+            store.flush()
+        prompt_tokens = head.num_tokens + sum(map(len, passages)) + len(suffix)
+        kv_bytes = sum(stores[next(iter(stores))].open(k).nbytes for k in keys)
+
+        def ttft(tier: str, pipeline: bool) -> tuple[float, float]:
+            store = stores[tier]
+            start = time.perf_counter()
+            entries = [store.open(k) for k in keys]
+            prefill = blender.prefill([head, *entries], suffix, args.ratio, pipeline=pipeline,
+                                      selection=args.selection)
+            int(prefill.logits.argmax())
+            return time.perf_counter() - start, prefill.stats.load_wait_ms
+
+        ttft("memory" if "memory" in stores else next(iter(stores)), True)  # warm-up
+        runs = [(t, p) for t in stores for p in (True, False)]
+        times: dict = {run: [] for run in runs}
+        waits: dict = {run: [] for run in runs}
+        for r in range(args.repeats):
+            for run in runs:  # interleaved, so noise hits every case alike
+                seconds, wait_ms = ttft(*run)
+                times[run].append(seconds)
+                waits[run].append(wait_ms)
+                log(f"repeat {r + 1}/{args.repeats} {run[0]:>7} {'pipelined' if run[1] else 'whole':>9}: "
+                    f"{seconds:.3f}s (waited {wait_ms:.0f} ms for layers)")
+        for store in stores.values():
+            store.close()
+        parts.close()
+
+    name = {True: "pipelined", False: "whole"}
+    median = {run: statistics.median(t) for run, t in times.items()}
+    memory = median.get(("memory", True))
+    print(json.dumps({
+        "passages": len(passages), "prompt_tokens": prompt_tokens, "kv_mb": round(kv_bytes / 1e6, 1),
+        "codec": settings.store.codec, "ratio": args.ratio, "selection": args.selection or settings.blend.selection,
+        "bandwidth_mb_s": args.bandwidth,
+        "repeats": args.repeats,
+        "ttft_s": {t: {name[p]: round(median[(t, p)], 4) for p in (True, False)} for t in stores},
+        "vs_memory": None if memory is None else
+        {t: {name[p]: round(median[(t, p)] / memory, 3) for p in (True, False)} for t in stores},
+        "load_wait_ms": {t: {name[p]: round(statistics.median(waits[(t, p)]), 1) for p in (True, False)}
+                         for t in stores},
+        "controller": "not built (blend.ratio: auto is not implemented on this branch)",
+        "threads": torch.get_num_threads(), "commit": commit(),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

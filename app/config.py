@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, field_validator
@@ -33,7 +33,10 @@ class ModelSettings(BaseModel):
 
 
 class BlendSettings(BaseModel):
-    ratio: float = Field(0.15, ge=0.0, le=1.0)
+    # A share of cached tokens to recompute, or "auto": the loading controller (blend.controller) picks
+    # r >= ratio_floor per request so that loading each layer's KV hides behind the layer's compute.
+    ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = 0.15
+    ratio_floor: float = Field(0.15, ge=0.0, le=1.0)  # the quality floor under ratio: auto
     check_layer: int = Field(1, ge=0)  # at most the model's layers - 2: checked when the Blender is built
     deviation: Literal["value", "key"] = "value"
     precompute: Literal["head", "zero"] = "head"

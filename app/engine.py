@@ -27,6 +27,7 @@ from app.config import Settings
 from app.explain import Explain, explain_prompt
 from app.scheduler import DecodeStep, Offload, run_alone
 from blend import ChunkKV, Prefill, SamplingParams, TextStream
+from blend.controller import Calibration, ChunkCost, plan_loading
 from blend.decode import sample_next
 from blend.pipeline import LayerSource
 from blend.prompt import exchange_starts
@@ -91,6 +92,8 @@ class QueryStats:
     conversation_tokens: int = 0  # earlier turns in the prompt
     conversation_cached_tokens: int = 0  # of those, read from the store
     dropped_messages: int = 0  # earlier messages left out: the conversation did not fit the context
+    load_wait_ms: float = 0.0  # prefill time spent waiting for chunk KV layers (loading not hidden by compute)
+    loading: dict | None = None  # blend.ratio auto: the controller's ratio, chunks recomputed from text, and why
 
 
 @dataclass
@@ -129,6 +132,7 @@ class RagEngine:
     def __init__(self, settings: Settings, components: Components | None = None):
         self.settings = settings
         self.parts = components or Components(settings)
+        self.calibration = Calibration()  # measured recompute cost and tier bandwidths (blend.ratio: auto)
 
     def answer(self, params: QueryParams) -> QueryResult:
         results = [event for event in self.stream(params) if isinstance(event, QueryResult)]
@@ -170,8 +174,11 @@ class RagEngine:
             prompt_ids = [i for p in plan.pieces for i in p.ids] + plan.suffix
             prefill = yield from parts.blender.prefill_steps([], prompt_ids, 1.0, reserve=max_tokens)
         else:
-            ratio = 0.0 if params.mode == "reuse" else (
-                self.settings.blend.ratio if params.ratio is None else params.ratio)
+            ratio = 0.0 if params.mode == "reuse" else params.ratio
+            if ratio is None and self.settings.blend.ratio == "auto":
+                ratio = yield from self._controlled_ratio(plan, stats)
+            elif ratio is None:
+                ratio = self.settings.blend.ratio
             prefill = yield from parts.blender.prefill_steps(
                 [p.kv for p in plan.pieces], plan.suffix, ratio, selection=params.selection, reserve=max_tokens,
                 pipeline=self.settings.blend.pipeline, recompute=lambda i: self._recompute(plan.pieces[i]))
@@ -182,6 +189,10 @@ class RagEngine:
                 parts.kv_cache.served(piece.ids, piece.tier)
         stats.prefill_ms = _ms(t)
         _fill_prefill_stats(stats, prefill, params.mode, plan)
+        if params.mode == "blend" and prefill.stats.fallback is None:  # live compute cost, for the controller
+            tokens = (prefill.stats.recomputed_tokens + len(plan.suffix)) * parts.blender.num_layers
+            self.calibration.observe_compute(tokens, (stats.prefill_ms - stats.load_wait_ms) / 1000)
+            self._observe_tiers()
 
         # 4. Decode: one token per step, the scheduler batching this request's steps with the others'.
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
@@ -247,6 +258,31 @@ class RagEngine:
                 piece.kv, piece.tier = read(piece.ids, piece.context_ids)
         stats.kv_load_ms = _ms(t)
         return _Plan(hits, pieces, suffix, turns, len(params.turns) - len(turns))
+
+    def _controlled_ratio(self, plan: _Plan, stats: QueryStats) -> Generator[None, None, float]:
+        """blend.ratio auto: the loading controller's ratio for this prompt; passages it finds cheaper to
+        recompute from text than to load are recomputed here (a slice each)."""
+        floor, cal = self.settings.blend.ratio_floor, self.calibration
+        if cal.recompute_s is None:
+            stats.loading = {"ratio": floor, "recompute_from_text": [], "reason": "not calibrated yet: the floor"}
+            return floor
+        chunks = [ChunkCost(len(p.ids), p.tier or "computed", getattr(p.kv, "layer_nbytes", 0)) for p in plan.pieces]
+        choice = plan_loading(chunks, floor=floor, suffix_tokens=len(plan.suffix),
+                              num_layers=self.parts.blender.num_layers, recompute_s=cal.recompute_s,
+                              bandwidth=cal.bandwidth)
+        for piece, load in zip(plan.pieces, choice.load):
+            if not load and not isinstance(piece.kv, ChunkKV):
+                piece.kv.close()
+                piece.kv = self._recompute(piece)
+                yield
+        stats.loading = choice.as_dict() | cal.snapshot()
+        return choice.ratio
+
+    def _observe_tiers(self) -> None:
+        """Each tier's bandwidth from the store's per-layer read stats (mean over its reads so far)."""
+        for tier, t in self.parts.store.stats()["tiers"].items():
+            if t.get("layer_reads"):
+                self.calibration.observe_tier(tier, t["layer_bytes"] / t["layer_reads"], t["layer_ms_mean"])
 
     def _recompute(self, piece: _Piece) -> ChunkKV:
         """A piece whose stored KV failed to load mid-prefill (damaged, gone): computed (and stored) afresh."""
@@ -317,6 +353,7 @@ def _fill_prefill_stats(stats: QueryStats, prefill: Prefill, mode: str, plan: _P
     stats.recomputed_tokens = s.recomputed_tokens
     stats.recompute_ratio = 1.0 if mode == "full" else s.ratio
     stats.fallback = s.fallback
+    stats.load_wait_ms = s.load_wait_ms
     conversation = [p for p in plan.pieces if p.kind == "conversation"]
     stats.conversation_tokens = sum(len(p.ids) for p in conversation)
     stats.dropped_messages = plan.dropped

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from app.engine import QueryStats
 
@@ -27,11 +27,19 @@ class _StoreCollector:
                                    labels=["tier"])
         misses = CounterMetricFamily("ragblend:kv_store_misses", "Chunk KV lookups a store tier missed.",
                                      labels=["tier"])
+        # What the loading controller (blend.ratio: auto) sees: mean read + check + decode rate of one layer.
+        bandwidth = GaugeMetricFamily("ragblend:kv_tier_layer_bandwidth_bytes_per_second",
+                                      "Per-layer KV read bandwidth of a store tier (mean over its layer reads).",
+                                      labels=["tier"])
         for tier, counts in stats.get("tiers", {}).items():
             hits.add_metric([tier], counts.get("hits", 0))
             misses.add_metric([tier], counts.get("misses", 0))
+            if counts.get("layer_reads") and counts.get("layer_ms_mean"):
+                per_layer = counts["layer_bytes"] / counts["layer_reads"]
+                bandwidth.add_metric([tier], per_layer / (counts["layer_ms_mean"] / 1e3))
         yield hits
         yield misses
+        yield bandwidth
 
 
 class _DecodeStepCollector:

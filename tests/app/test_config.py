@@ -175,3 +175,13 @@ def test_cli_bad_config_is_one_line(tmp_path):
                             capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_blend_ratio_is_a_share_or_auto(tmp_path):
+    from app.config import load_settings
+
+    assert load_settings(data_dir=tmp_path, blend={"ratio": "auto"}).blend.ratio == "auto"
+    assert load_settings(data_dir=tmp_path, blend={"ratio": 0.3}).blend.ratio == 0.3
+    for bad in ("fast", 1.5):
+        with pytest.raises(ValueError):
+            load_settings(data_dir=tmp_path, blend={"ratio": bad})

@@ -31,3 +31,23 @@ def test_pipelined_and_whole_loading_answer_alike_and_a_damaged_layer_is_recompu
     assert c.stats.store_hits == {"computed": 1, "disk": 1}
     assert c.answer == a.answer and piped.parts.store.stats()["corrupt"] == 1
     assert piped.answer(params).stats.store_hits == {"disk": 2}   # stored again, whole
+
+
+def test_ratio_auto_follows_the_loading_controller(corpus, engine_with):
+    _, engine = engine_with(blend={"ratio": "auto", "ratio_floor": 0.2}, store={"memory_bytes": 0})
+    params = QueryParams(corpus.questions[1][0], max_tokens=4)
+    first = engine.answer(params)   # nothing measured yet: the floor
+    assert first.stats.loading["reason"].startswith("not calibrated") and first.stats.recompute_ratio == 0.2
+    assert engine.calibration.recompute_s > 0 and engine.calibration.bandwidth["disk"] > 0
+
+    second = engine.answer(params)  # disk loads hide behind compute here: the floor, with the reason
+    loading = second.stats.loading
+    assert loading["ratio"] >= 0.2 and second.stats.recompute_ratio == pytest.approx(loading["ratio"], abs=1e-3)
+    assert loading["recompute_from_text"] == [] and "tier_bandwidth_mb_s" in loading
+
+    engine.calibration.alpha = 0.0                  # freeze what it learnt...
+    engine.calibration.bandwidth["disk"] = 1000.0   # ...and pretend the disk reads 1 kB/s
+    third = engine.answer(params)
+    assert third.stats.loading["recompute_from_text"] == [1, 2]   # both passages (0 is the prompt head)
+    assert "recomputed from text" in third.stats.loading["reason"]
+    assert third.stats.store_hits == {"computed": 2} and third.stats.recompute_ratio == 0.2

@@ -359,4 +359,6 @@ def test_parallel_clients_all_get_their_answer_and_are_counted(live_server, corp
     assert metric(after, "ragblend:prompt_tokens_total") > metric(before, "ragblend:prompt_tokens_total")
     assert metric(after, "ragblend:prompt_tokens_cached_total") > 0
     assert metric(after, 'ragblend:kv_store_hits_total{tier="memory"}') > 0
+    # passages are read layer by layer (blend.pipeline): the tier's layer bandwidth is measured
+    assert metric(after, 'ragblend:kv_tier_layer_bandwidth_bytes_per_second{tier="memory"}') > 0
     assert metric(after, "ragblend:num_requests_waiting") == 0

@@ -27,10 +27,11 @@ from app.config import Settings
 from app.explain import Explain, explain_prompt
 from app.scheduler import DecodeStep, Offload, run_alone
 from blend import ChunkKV, Prefill, SamplingParams, TextStream
-from blend.controller import Calibration, ChunkCost, plan_loading
+from blend.controller import Calibration, ChunkCost, overlap_share, plan_loading
 from blend.decode import sample_next
 from blend.pipeline import LayerSource
 from blend.prompt import exchange_starts
+from blend.selection import get_policy
 from retrieval.retriever import Hit
 
 Mode = Literal["blend", "full", "reuse"]
@@ -176,7 +177,7 @@ class RagEngine:
         else:
             ratio = 0.0 if params.mode == "reuse" else params.ratio
             if ratio is None and self.settings.blend.ratio == "auto":
-                ratio = yield from self._controlled_ratio(plan, stats)
+                ratio = yield from self._controlled_ratio(params, plan, stats)
             elif ratio is None:
                 ratio = self.settings.blend.ratio
             prefill = yield from parts.blender.prefill_steps(
@@ -259,7 +260,8 @@ class RagEngine:
         stats.kv_load_ms = _ms(t)
         return _Plan(hits, pieces, suffix, turns, len(params.turns) - len(turns))
 
-    def _controlled_ratio(self, plan: _Plan, stats: QueryStats) -> Generator[None, None, float]:
+    def _controlled_ratio(self, params: QueryParams, plan: _Plan, stats: QueryStats
+                          ) -> Generator[None, None, float]:
         """blend.ratio auto: the loading controller's ratio for this prompt; passages it finds cheaper to
         recompute from text than to load are recomputed here (a slice each)."""
         floor, cal = self.settings.blend.ratio_floor, self.calibration
@@ -267,9 +269,11 @@ class RagEngine:
             stats.loading = {"ratio": floor, "recompute_from_text": [], "reason": "not calibrated yet: the floor"}
             return floor
         chunks = [ChunkCost(len(p.ids), p.tier or "computed", getattr(p.kv, "layer_nbytes", 0)) for p in plan.pieces]
-        choice = plan_loading(chunks, floor=floor, suffix_tokens=len(plan.suffix),
-                              num_layers=self.parts.blender.num_layers, recompute_s=cal.recompute_s,
-                              bandwidth=cal.bandwidth)
+        layers = self.parts.blender.num_layers
+        policy = get_policy(params.selection or self.parts.blender.selection)
+        choice = plan_loading(chunks, floor=floor, suffix_tokens=len(plan.suffix), num_layers=layers,
+                              recompute_s=cal.recompute_s, bandwidth=cal.bandwidth,
+                              overlap=overlap_share(policy.question_layers and policy.layer_range(layers), layers))
         for piece, load in zip(plan.pieces, choice.load):
             if not load and not isinstance(piece.kv, ChunkKV):
                 piece.kv.close()

@@ -1,13 +1,15 @@
 """TTFT with the chunks' KV in memory, on disk, in Redis and in a 100 MB/s tier, pipelined vs not.
 
 One run on MuSiQue passages (default 5, ~3k tokens) with SmolLM2 prints JSON:
-    {"prompt_tokens", "kv_mb", "ratio", "ttft_s": {tier: {"pipelined", "whole"}},
-     "vs_memory": {tier: {"pipelined", "whole"}}, "load_wait_ms": {...}, "commit", "loadavg_*", ...}
+    {"prompt_tokens", "kv_mb", "ratio", "ttft_s": {tier: {"pipelined", "whole", "auto"}},
+     "vs_memory": {tier: {...}}, "load_wait_ms": {...}, "controller": {tier: its last plan}, "commit", ...}
 Each tier is a TieredStore holding only that tier, every passage's KV stored in it beforehand (as
 ingest does). TTFT = open the stored entries + blended prefill (blend.ratio, default 0.15) + the first
 token. "whole": every layer of every chunk is read before the prefill starts (today's loading);
 "pipelined": a loader thread reads layer i+1 while layer i computes (blend.pipeline). "limited" is a
 benchmark-only memory tier whose reads are throttled to --bandwidth MB/s (a remote store stand-in).
+"auto": pipelined, with the loading controller (blend.controller, as blend.ratio: auto) choosing the
+ratio (>= --ratio) and which chunks to recompute from text, from costs measured during the run.
 vs_memory = TTFT / the memory tier's pipelined TTFT; medians over interleaved repeats.
 Starts its own redis-server (tests.servers.RedisServer).
 """
@@ -30,8 +32,13 @@ sys.path.insert(0, str(REPO))
 
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
+from blend.controller import Calibration, ChunkCost, overlap_share, plan_loading  # noqa: E402
+from blend.selection import get_policy  # noqa: E402
 from store import DiskTier, MemoryTier, RedisTier, TieredStore  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
+
+
+HOW = ("pipelined", "whole", "auto")
 
 
 class LimitedTier(MemoryTier):
@@ -116,17 +123,38 @@ def main() -> None:
         prompt_tokens = head.num_tokens + sum(map(len, passages)) + len(suffix)
         kv_bytes = sum(stores[next(iter(stores))].open(k).nbytes for k in keys)
 
-        def ttft(tier: str, pipeline: bool) -> tuple[float, float]:
+        calibration, plans = Calibration(), {}
+        policy = get_policy(args.selection or blender.selection)
+        layers = policy.layer_range(blender.num_layers)
+
+        def ttft(tier: str, how: str) -> tuple[float, float]:
             store = stores[tier]
             start = time.perf_counter()
-            entries = [store.open(k) for k in keys]
-            prefill = blender.prefill([head, *entries], suffix, args.ratio, pipeline=pipeline,
-                                      selection=args.selection)
+            segments, ratio = [head, *(store.open(k) for k in keys)], args.ratio
+            if how == "auto" and calibration.recompute_s is not None:
+                plan = plan_loading([ChunkCost(len(e.token_ids), tier, e.layer_nbytes) for e in segments[1:]],
+                                    floor=args.ratio, suffix_tokens=len(suffix), num_layers=blender.num_layers,
+                                    recompute_s=calibration.recompute_s, bandwidth=calibration.bandwidth,
+                                    overlap=overlap_share(policy.question_layers and layers, blender.num_layers))
+                for i, load in enumerate(plan.load):
+                    if not load:  # recompute from text instead (what ChunkKVCache.compute does)
+                        segments[i + 1].close()
+                        segments[i + 1] = blender.precompute(passages[i], kv_cache.context_ids, context=head)
+                ratio, plans[tier] = plan.ratio, plan.as_dict()
+            compute_start = time.perf_counter()
+            prefill = blender.prefill(segments, suffix, ratio, pipeline=how != "whole", selection=args.selection)
             int(prefill.logits.argmax())
-            return time.perf_counter() - start, prefill.stats.load_wait_ms
+            end = time.perf_counter()
+            if how != "whole":  # live costs, as the engine keeps them
+                through = (prefill.stats.recomputed_tokens + len(suffix)) * blender.num_layers
+                calibration.observe_compute(through, end - compute_start - prefill.stats.load_wait_ms / 1e3)
+                t = store.stats()["tiers"][tier]
+                calibration.observe_tier(tier, t["layer_bytes"] / t["layer_reads"], t["layer_ms_mean"])
+            return end - start, prefill.stats.load_wait_ms
 
-        ttft("memory" if "memory" in stores else next(iter(stores)), True)  # warm-up
-        runs = [(t, p) for t in stores for p in (True, False)]
+        for tier in stores:  # warm-up, and the controller's first measurements
+            ttft(tier, "pipelined")
+        runs = [(t, how) for t in stores for how in HOW]
         times: dict = {run: [] for run in runs}
         waits: dict = {run: [] for run in runs}
         for r in range(args.repeats):
@@ -134,26 +162,24 @@ def main() -> None:
                 seconds, wait_ms = ttft(*run)
                 times[run].append(seconds)
                 waits[run].append(wait_ms)
-                log(f"repeat {r + 1}/{args.repeats} {run[0]:>7} {'pipelined' if run[1] else 'whole':>9}: "
+                log(f"repeat {r + 1}/{args.repeats} {run[0]:>7} {run[1]:>9}: "
                     f"{seconds:.3f}s (waited {wait_ms:.0f} ms for layers)")
         for store in stores.values():
             store.close()
         parts.close()
 
-    name = {True: "pipelined", False: "whole"}
     median = {run: statistics.median(t) for run, t in times.items()}
-    memory = median.get(("memory", True))
+    memory = median.get(("memory", "pipelined"))
     print(json.dumps({
         "passages": len(passages), "prompt_tokens": prompt_tokens, "kv_mb": round(kv_bytes / 1e6, 1),
         "codec": settings.store.codec, "ratio": args.ratio, "selection": args.selection or settings.blend.selection,
         "bandwidth_mb_s": args.bandwidth,
         "repeats": args.repeats,
-        "ttft_s": {t: {name[p]: round(median[(t, p)], 4) for p in (True, False)} for t in stores},
+        "ttft_s": {t: {how: round(median[(t, how)], 4) for how in HOW} for t in stores},
         "vs_memory": None if memory is None else
-        {t: {name[p]: round(median[(t, p)] / memory, 3) for p in (True, False)} for t in stores},
-        "load_wait_ms": {t: {name[p]: round(statistics.median(waits[(t, p)]), 1) for p in (True, False)}
-                         for t in stores},
-        "controller": "not built (blend.ratio: auto is not implemented on this branch)",
+        {t: {how: round(median[(t, how)] / memory, 3) for how in HOW} for t in stores},
+        "load_wait_ms": {t: {how: round(statistics.median(waits[(t, how)]), 1) for how in HOW} for t in stores},
+        "controller": plans, "calibration": calibration.snapshot(),
         "threads": torch.get_num_threads(), "commit": commit(),
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],

@@ -9,6 +9,9 @@ A pure function (`plan_loading`) of numbers, so it is tested without a model:
   than the compute of one layer: `cost * (r * cached tokens + question tokens)`. The controller
   picks the smallest r >= the floor (blend.ratio, the quality floor) that hides the load; more
   recompute costs nothing then (the layer would wait for its KV anyway) and repairs more tokens.
+  A policy with a question pass (blend.selection "query") needs its layers' KV before the main
+  pass starts: only the rest (`overlap`, the share of layers after the question pass) can hide
+  behind the main pass, so the compute that pays for itself is `overlap` x the load.
 
 `Calibration` keeps the measured inputs: the per-token-per-layer recompute cost (from prefill
 timings) and each tier's bandwidth (from the store's per-layer read stats), as moving averages.
@@ -41,11 +44,12 @@ class LoadPlan:
 
 
 def plan_loading(chunks: list[ChunkCost], *, floor: float, suffix_tokens: int, num_layers: int,
-                 recompute_s: float, bandwidth: dict[str, float]) -> LoadPlan:
+                 recompute_s: float, bandwidth: dict[str, float], overlap: float = 1.0) -> LoadPlan:
     """The ratio (>= floor) and per-chunk load/recompute choice for one prompt.
 
     recompute_s: seconds for one token through one layer; bandwidth: bytes/s per tier (a tier not
-    in it is taken as free to read).
+    in it is taken as free to read); overlap: share of the load that can hide behind the main pass
+    (see `overlap_share`).
     """
     if not 0.0 <= floor <= 1.0:
         raise ValueError(f"the ratio floor must be in [0, 1], got {floor}")
@@ -66,13 +70,22 @@ def plan_loading(chunks: list[ChunkCost], *, floor: float, suffix_tokens: int, n
     def compute(r: float) -> float:
         return recompute_s * (r * cached + suffix_tokens)
 
-    if compute(floor) >= per_layer_load or cached == 0:
+    target = per_layer_load * overlap  # compute per layer that runs while loads are still arriving
+    if compute(floor) >= target or cached == 0:
         ratio, why = floor, "loading hidden at the floor ratio"
     else:
-        ratio = min(1.0, (per_layer_load / recompute_s - suffix_tokens) / cached)
+        ratio = min(1.0, (target / recompute_s - suffix_tokens) / cached)
         why = (f"ratio raised from {floor} so each layer's compute covers its load" if ratio < 1.0 else
                "loading dominates even at ratio 1")
     return LoadPlan(ratio, load, "; ".join([why, *text]), per_layer_load * 1e3, compute(ratio) * 1e3)
+
+
+def overlap_share(question_layers: range | None, num_layers: int) -> float:
+    """Share of the layers whose load can overlap the main pass: all of them, or, after a question pass
+    over layers [0, stop), the layers after it (those before it were needed first)."""
+    if not question_layers:
+        return 1.0
+    return max(0.0, (num_layers - question_layers.stop) / num_layers)
 
 
 @dataclass

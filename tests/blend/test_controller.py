@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from blend.controller import Calibration, ChunkCost, plan_loading
+from blend.controller import Calibration, ChunkCost, overlap_share, plan_loading
 
 LAYERS, COST = 30, 20e-6          # 20 µs per token per layer (SmolLM2 on this CPU, roughly)
 LAYER_BYTES_PER_TOKEN = 768       # SmolLM2 fp16: 2 * 3 heads * 64 dims * 2 bytes
@@ -30,6 +30,16 @@ def test_loading_that_dominates_raises_the_ratio_just_enough():
     assert 0.15 < p.ratio < 1.0 and all(p.load)
     assert p.compute_ms_per_layer == pytest.approx(p.load_ms_per_layer)  # the smallest ratio that hides it
     assert "raised" in p.reason
+
+
+def test_a_question_pass_leaves_less_load_to_hide():
+    chunks, bandwidth = [chunk(600, "remote")] * 5, {"remote": 100e6}
+    whole = plan(chunks, bandwidth)
+    share = overlap_share(range(0, 24), LAYERS)   # the query policy's question pass: layers 0..23 first
+    assert share == pytest.approx(0.2) and overlap_share(None, LAYERS) == 1.0
+    after_question = plan_loading(chunks, floor=0.15, suffix_tokens=20, num_layers=LAYERS, recompute_s=COST,
+                                  bandwidth=bandwidth, overlap=share)
+    assert after_question.ratio < whole.ratio and after_question.ratio >= 0.15
 
 
 def test_a_chunk_in_a_tier_slower_than_recomputing_it_is_recomputed_from_text():

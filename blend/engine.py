@@ -3,7 +3,9 @@
 Contract:
     precompute(ids, context_ids) -> ChunkKV        a chunk's K/V, computed after `context_ids`
     prefill(segments, suffix_ids, ratio) -> Prefill
-        segments: cached ChunkKVs laid out in order; the suffix is always computed fresh.
+        segments: cached ChunkKVs laid out in order, or LayerSources (a store entry read a layer at a
+        time; with pipeline=True a loader thread reads layer i+1 while layer i computes: blend.pipeline);
+        the suffix is always computed fresh.
         ratio 1 reproduces full prefill, ratio 0 is full reuse (shifted KV concatenated).
     prefill_steps(...) -> Generator[None, None, Prefill]
         the same prefill, resumable: it yields after each layer, so a scheduler can run other

@@ -32,7 +32,6 @@ import copy
 import json
 import logging
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -45,7 +44,7 @@ from app.answer_metrics import answer_scores
 from app.config import Settings
 from blend import Blender, ChunkKV, Prefill, PromptFormat, SamplingParams, hash_ids
 from blend.selection import get_policy
-from common import write_atomic
+from common import git_commit, write_atomic
 
 log = logging.getLogger("ragblend.compare")
 
@@ -293,15 +292,6 @@ def plot(agg: dict[str, dict[str, float]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 # ---- the run ------------------------------------------------------------------------------------

@@ -331,12 +331,17 @@ class RagEngine:
     # ---- after the answer: the next turn's conversation KV -----------------------------------------
 
     def _explain(self, plan: _Plan, prefill: Prefill, max_tokens: int) -> Explain:
-        b = self.settings.blend
         head = [i for p in plan.pieces if p.kind != "passage" for i in p.ids]  # the head and any conversation
         passages = [p.ids for p in plan.pieces if p.kind == "passage"]
         return explain_prompt(self.parts.tokenizer, head, passages, plan.suffix, prefill,
-                              score=f"squared L2 deviation of the {b.deviation}s at layer {b.check_layer}",
-                              max_tokens=max_tokens)
+                              score=self._score_meaning(prefill), max_tokens=max_tokens)
+
+    def _score_meaning(self, prefill: Prefill) -> str:
+        """What the scores of the policy that ran measure (its docstring), for the page's legend."""
+        b = self.settings.blend
+        policy = get_policy(prefill.stats.selection or b.selection)
+        detail = f" (the {b.deviation}s at layer {b.check_layer})" if policy.deviation else ""
+        return f"{policy.name}: {policy.doc}{detail}"
 
     def _remember(self, params: QueryParams, plan: _Plan, answer: str) -> None:
         """Store the KV of the exchange just answered, laid out as the next turn will lay it out: after

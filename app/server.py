@@ -51,7 +51,7 @@ from app.engine import QueryParams, QueryResult, RagEngine
 from app.errors import HANDLED, ApiError, as_api_error, handle_error
 from app.ingest import SUFFIXES, IngestCancelled, Ingestor, SourceDocument, read_documents
 from app.metrics import Metrics
-from app.middleware import CountRequests, LimitBody, RequireApiKey
+from app.middleware import HEALTH_PATHS, CountRequests, LimitBody, RequireApiKey
 from app.page import PUBLIC_PATHS, PUBLIC_PREFIX, page_routes
 from app.scheduler import Scheduler
 from app.worker import Job, QueueFull, Worker, WorkerStopped
@@ -597,7 +597,7 @@ def create_app(settings: Settings, engine: RagEngine | None = None) -> FastAPI:
     for exc_type in HANDLED:
         app.add_exception_handler(exc_type, handle_error)
     app.add_middleware(LimitBody, max_bytes=settings.limits.max_body_bytes)
-    app.add_middleware(RequireApiKey, api_key=settings.server.api_key, public=("/health", *PUBLIC_PATHS),
+    app.add_middleware(RequireApiKey, api_key=settings.server.api_key, public=(*HEALTH_PATHS, *PUBLIC_PATHS),
                        public_prefix=PUBLIC_PREFIX)
     # outermost: sees every status
     app.add_middleware(CountRequests, metrics=svc.metrics, routes=[*router.routes, *page])

@@ -27,10 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
 
-from app.config import load_settings
-from app.explain import explain_prompt
-from app.server import create_app
-from blend import Prefill, PrefillStats
+from app.config import load_settings  # noqa: E402
+from app.explain import explain_prompt  # noqa: E402
+from app.server import create_app  # noqa: E402
+from blend import Prefill, PrefillStats  # noqa: E402
 
 
 def median(values: list[float]) -> float:

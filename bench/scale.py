@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import git_commit  # noqa: E402
 from retrieval import Chunk, DocumentInfo, Retriever, VectorIndex  # noqa: E402
 from retrieval.postgres import PostgresMetadata  # noqa: E402
 from tests.servers import PostgresServer  # noqa: E402
@@ -135,8 +135,7 @@ def main() -> None:
         metadata.close()
         writer.close()
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = git_commit()
     print(json.dumps({
         "commit": commit, "loadavg_1m": round(os.getloadavg()[0], 2), "kind": args.kind,
         "base_chunks": args.base, "inserted_chunks": args.insert, "dim": DIM,

@@ -32,6 +32,9 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from common import git_commit  # noqa: E402
+
 DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
 SERVERS = {"batched": 8, "one_at_a_time": 1}  # server.max_batch
 
@@ -135,14 +138,6 @@ def ingest(url: str, items: list[dict], passages: int) -> int:
     return chunks
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", type=Path, default=DATASET)
@@ -197,7 +192,7 @@ def main() -> None:
 
     batched, single = results["batched"], results["one_at_a_time"]
     print(json.dumps({
-        "commit": commit(), "loadavg_before": [round(x, 2) for x in load_before],
+        "commit": git_commit(), "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "questions": len(items), "passages": sum(len(i["ctxs"][: args.passages]) for i in items),
         "chunks": chunks, "ingest_s": round(ingest_s, 1), "top_k": args.top_k, "max_tokens": args.max_tokens,

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
+from common import git_commit  # noqa: E402
 
 SWEEP_PASSAGES = (2, 5, 10, 14)
 SWEEP_MODES = "reuse,blend@0.15,blend@0.3,blend@1"
@@ -87,14 +87,6 @@ def measure(blender, kv_cache, item: dict, pool: list[dict], passages: int, mode
     }
 
 
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", type=Path, default=REPO.parent / "shared/data/musique_dev.json")
@@ -123,7 +115,7 @@ def main() -> None:
             runs = [measure(parts.blender, parts.kv_cache, item, pool, n, modes, args.repeats) for n in counts]
         finally:
             parts.close()
-    info = {"threads": torch.get_num_threads(), "fingerprint": parts.llm.fingerprint, "commit": commit(),
+    info = {"threads": torch.get_num_threads(), "fingerprint": parts.llm.fingerprint, "commit": git_commit(),
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()]}
     if args.sweep:

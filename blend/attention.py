@@ -100,20 +100,20 @@ def planned_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     out = lse = None
     for piece in plan.pieces:
         mask = None if piece.mask is None else piece.mask.to(query.dtype)
-        o, l = _flash_cpu(query[:, :, piece.queries], key[:, :, piece.keys], value[:, :, piece.keys],
-                          is_causal=piece.causal, attn_mask=mask, scale=scale)   # o: [B, H, T, D]; l: [B, H, T]
+        o, o_lse = _flash_cpu(query[:, :, piece.queries], key[:, :, piece.keys], value[:, :, piece.keys],
+                          is_causal=piece.causal, attn_mask=mask, scale=scale)   # o: [B, H, T, D]; o_lse: [B, H, T]
         if out is None:
-            out, lse = o.float(), l   # accumulate in float32 (lse already is)
+            out, lse = o.float(), o_lse   # accumulate in float32 (lse already is)
         else:
-            _merge(out[:, :, piece.queries], lse[:, :, piece.queries], o, l)
+            _merge(out[:, :, piece.queries], lse[:, :, piece.queries], o, o_lse)
     # The kernel lays its output out as [B, T, H, D], so this transpose is already contiguous.
     return out.to(query.dtype).transpose(1, 2)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, l: torch.Tensor) -> None:
-    """Fold a piece (o, l) into the running (out, lse) in place: softmax over the union of their keys."""
-    total = torch.logaddexp(lse, l)                                    # [B, H, T]
-    out.mul_((lse - total).exp_().unsqueeze(-1)).addcmul_(o, (l - total).exp_().unsqueeze(-1))
+def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.Tensor) -> None:
+    """Fold a piece (o, o_lse) into the running (out, lse) in place: softmax over the union of their keys."""
+    total = torch.logaddexp(lse, o_lse)                                    # [B, H, T]
+    out.mul_((lse - total).exp_().unsqueeze(-1)).addcmul_(o, (o_lse - total).exp_().unsqueeze(-1))
     lse.copy_(total)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -111,3 +112,23 @@ def assert_same_kv(got: ChunkKV, want: ChunkKV, codec: str = "fp16") -> None:
         x = x.float()
         half_step = x.abs().amax(dim=dim, keepdim=True) / 127 / 2
         assert ((x - y).abs() <= half_step * (1 + 1e-4)).all()
+
+
+def run_in_threads(target: Callable[[int], None], count: int) -> None:
+    """Run target(0..count-1) in `count` threads at once; re-raise the first error (a thread's own
+    assertion would otherwise be lost)."""
+    errors: list[BaseException] = []
+
+    def guarded(index: int) -> None:
+        try:
+            target(index)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]

@@ -46,12 +46,19 @@ def test_blend_explain_matches_the_stats(client):
     assert QUESTION in "".join(t["text"] for t in tokens[chunks[-1]["start"]:])
 
     # Scores: none on the exact prefix or the question; every other cached token scored, the
-    # recomputed ones the highest (HKVD).
+    # recomputed ones the highest.
     exact, cached = x["exact_tokens"], x["cached_tokens"]
     assert all(t["score"] is None and not t["selected"] for t in tokens[:exact] + tokens[cached:])
     scored = tokens[exact:cached]
     assert all(t["score"] is not None and t["score"] >= 0 for t in scored)
     assert min(t["score"] for t in scored if t["selected"]) >= max(t["score"] for t in scored if not t["selected"])
+
+
+def test_the_score_legend_names_the_policy_that_ran(client):
+    for selection in ("hkvd", "query"):
+        x = query(client, recompute_ratio=0.3, top_k=2, explain=True, selection=selection)["explain"]
+        assert x["score"].startswith(f"{selection}: "), x["score"]
+    assert "layer 1" in query(client, recompute_ratio=0.3, explain=True, selection="hkvd")["explain"]["score"]
 
 
 def test_full_and_reuse_recompute_nothing_and_score_nothing(client):

@@ -1,14 +1,13 @@
 """Per-layer reads: TieredStore.open -> LayeredEntry.layer(i) from every tier, damage, promotion, threads."""
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
 
 from store import CODECS, DiskTier, LayeredEntry, LayerReadError, MemoryTier, RedisTier, StoreClosedError, TieredStore
 from store.serialize import OPEN_BYTES, parse_head
-from tests.helpers import assert_same_kv, random_kv
+from tests.helpers import assert_same_kv, random_kv, run_in_threads
 
 FP = "model-a"
 SHAPE = (9, 2, 13, 8)  # nine layers, so layer 7 is neither first nor last
@@ -188,23 +187,14 @@ def test_layers_can_be_read_from_several_threads(tmp_path, redis_url):
     key, kv = random_kv(10, shape=SHAPE)
     store.put(key, kv)
     whole = store.get(key)
-    errors = []
     with store.open(key) as entry:
         def read(start: int) -> None:
-            try:
-                for n in range(40):
-                    i = (start + n) % entry.num_layers
-                    keys, values = entry.layer(i)
-                    assert torch.equal(keys, whole.keys[i]) and torch.equal(values, whole.values[i])
-            except BaseException as exc:  # surfaced below
-                errors.append(exc)
+            for n in range(40):
+                i = (start + n) % entry.num_layers
+                keys, values = entry.layer(i)
+                assert torch.equal(keys, whole.keys[i]) and torch.equal(values, whole.values[i])
 
-        threads = [threading.Thread(target=read, args=(s,)) for s in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    assert not errors, errors[0]
+        run_in_threads(read, 4)
     store.close()
 
 

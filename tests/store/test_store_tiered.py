@@ -12,7 +12,7 @@ import pytest
 
 from store import (CODECS, DiskTier, KVMismatchError, MemoryTier, RedisTier, StoreClosedError, StoreSettings,
                    TieredStore, build_store, encode)
-from tests.helpers import assert_same_kv, random_kv
+from tests.helpers import assert_same_kv, random_kv, run_in_threads
 
 FP = "model-a"
 
@@ -204,35 +204,27 @@ def test_concurrent_gets_and_puts_never_see_partial_entries(tmp_path, redis_url)
     entries = dict(random_kv(i, shape=(2, 2, 33, 8)) for i in range(8))
     entry_bytes = len(encode(next(iter(entries.values()))))
     store = make_store(tmp_path, redis_url, memory_bytes=3 * entry_bytes, disk_bytes=4 * entry_bytes)
-    keys, errors, seen = list(entries), [], []
+    keys, seen = list(entries), []
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(80):
-                key = rng.choice(keys)
-                if (draw := rng.random()) < 0.4:
-                    store.put(key, entries[key])
-                elif draw < 0.6:
-                    with store.open(key) or contextlib.nullcontext() as entry:
-                        if entry is not None:
-                            assert_same_kv(entry.read_all(), entries[key])
-                            seen.append(key)
-                else:
-                    got = store.get(key)
-                    if got is not None:
-                        assert_same_kv(got, entries[key])
+        for _ in range(80):
+            key = rng.choice(keys)
+            if (draw := rng.random()) < 0.4:
+                store.put(key, entries[key])
+            elif draw < 0.6:
+                with store.open(key) or contextlib.nullcontext() as entry:
+                    if entry is not None:
+                        assert_same_kv(entry.read_all(), entries[key])
                         seen.append(key)
-        except BaseException as exc:  # surfaced below; a thread's assert would be lost
-            errors.append(exc)
+            else:
+                got = store.get(key)
+                if got is not None:
+                    assert_same_kv(got, entries[key])
+                    seen.append(key)
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(worker, 4)
     store.close()
-    assert not errors, errors[0]
     assert seen and store.stats()["corrupt"] == 0
     files = list((tmp_path / "r1").rglob("*.val"))
     assert len(files) == store.tiers[1].stats()["entries"]  # nothing written but not indexed

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from blend import Blender, load_model  # noqa: E402
+from common import git_commit  # noqa: E402
 from store import DiskTier, MemoryTier, TieredStore, kv_key  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -108,8 +108,7 @@ def main() -> None:
     device = torch.device("cuda")
     result = {"gpu": True, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "blend_tests_rc": args.tests_rc, "models": {}}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    result["commit"] = commit.stdout.strip() or "unknown"
+    result["commit"] = git_commit()
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("smollm2", "llama3-8b-shape"):
             log(f"loading {name}")

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
 from blend.controller import Calibration, ChunkCost, overlap_share, plan_loading  # noqa: E402
 from blend.selection import get_policy  # noqa: E402
+from common import git_commit  # noqa: E402
 from store import DiskTier, MemoryTier, RedisTier, TieredStore  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 
@@ -73,14 +73,6 @@ class LimitedTier(MemoryTier):
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
@@ -180,7 +172,7 @@ def main() -> None:
         {t: {how: round(median[(t, how)] / memory, 3) for how in HOW} for t in stores},
         "load_wait_ms": {t: {how: round(statistics.median(waits[(t, how)]), 1) for how in HOW} for t in stores},
         "controller": plans, "calibration": calibration.snapshot(),
-        "threads": torch.get_num_threads(), "commit": commit(),
+        "threads": torch.get_num_threads(), "commit": git_commit(),
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }, indent=2))

@@ -65,6 +65,7 @@ class ServerSettings(BaseModel):
     request_timeout_s: float = Field(120.0, gt=0)
     max_batch: int = Field(8, ge=1)  # requests decoded together (slots on the model thread)
     prefill_slice_ms: float = Field(100.0, gt=0)  # prefill work between two decode steps (at least one layer)
+    prefill_share: float = Field(0.75, gt=0, lt=1)  # ... and at least this share of the thread while streams decode
     stuck_after_s: float = Field(120.0, gt=0)  # /health is 503 once the model thread is on one piece this long
     shutdown_grace_s: float = Field(5.0, ge=0)  # running queries may finish within this at shutdown
 

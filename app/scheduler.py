@@ -101,8 +101,10 @@ class _Task:
 
 class Scheduler:
     def __init__(self, decode_step: DecodeFn, *, max_batch: int, queue_size: int, slice_s: float = 0.1,
-                 offload_threads: int = 1):
+                 prefill_share: float = 0.75, offload_threads: int = 1):
         self.decode_step, self.max_batch, self.queue_size, self.slice_s = decode_step, max_batch, queue_size, slice_s
+        self.prefill_share = prefill_share
+        self._last_decode_s = 0.0  # how long the last batched step took
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()   # guarded by _cond
         self._tasks: deque[_Task] = deque()   # guarded by _cond
@@ -276,11 +278,16 @@ class Scheduler:
             self._finish(slot)
 
     def _prefill_slice(self) -> bool:
-        """Advance the oldest request that is neither decoding nor offloaded, for up to one slice."""
+        """Advance the oldest request that is neither decoding nor offloaded, for up to one slice.
+
+        A slice lasts at least `slice_s` and long enough to give prefills `prefill_share` of the thread
+        next to the decode steps: a prefill that crawls at one layer per token would let the streams
+        already answering finish before it joins them, and nothing would ever be decoded together."""
         slot = next((s for s in self._slots if s.state == "ready"), None)
         if slot is None:
             return False
-        deadline = time.monotonic() + self.slice_s
+        share = self.prefill_share / (1 - self.prefill_share)
+        deadline = time.monotonic() + max(self.slice_s, self._last_decode_s * share)
         with self._working(slot.label):
             while self._advance(slot) and time.monotonic() < deadline:
                 pass
@@ -307,9 +314,11 @@ class Scheduler:
         steps = [s.step for s in slots]
         self.decode_steps[len(steps)] += 1
         with self._working(f"decode step ({len(slots)} rows)"):
+            start = time.monotonic()
             try:
                 rows = list(self.decode_step([s.cache for s in steps], [s.token for s in steps],
                                              [s.position for s in steps]))
+                self._last_decode_s = time.monotonic() - start
             except Exception:  # find the row at fault: each alone, from its cache as it was (position tokens)
                 rows = []
                 for step in steps:

@@ -95,7 +95,7 @@ class Service:
             _warm_up(engine)
             s = self.settings.server
             scheduler = Scheduler(engine.parts.blender.decode_step, max_batch=s.max_batch, queue_size=s.queue_size,
-                                  slice_s=s.prefill_slice_ms / 1000)
+                                  slice_s=s.prefill_slice_ms / 1000, prefill_share=s.prefill_share)
             self.ingestor, self.engine, self.scheduler = engine.parts.ingestor, engine, scheduler
             scheduler.start()
             if self.stopping is None:

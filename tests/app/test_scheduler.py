@@ -28,11 +28,14 @@ class Decoder:
 
     def __init__(self, step_s: float = 0.01):
         self.batches: list[list[str]] = []
+        self.spans: list[tuple[float, float]] = []  # (start, end) of each step, time.monotonic()
         self.step_s = step_s
 
     def __call__(self, caches, tokens, positions):
         self.batches.append([c.name for c in caches])
+        start = time.monotonic()
         time.sleep(self.step_s)  # a forward takes time: requests arriving meanwhile join the next step
+        self.spans.append((start, time.monotonic()))
         for cache, token in zip(caches, tokens):
             cache.tokens.append(token)
         if any(c.poison for c in caches):
@@ -40,13 +43,18 @@ class Decoder:
         return [token + 1 for token in tokens]
 
 
-def counting(name: str, n: int, *, first: int = 0, poison: bool = False, prefill_slices: int = 0, log=None):
-    """A program: some prefill slices, then n tokens counting up from `first`, one decode step each."""
+def counting(name: str, n: int, *, first: int = 0, poison: bool = False, prefill_slices: int = 0, log=None,
+             slice_s: float = 0.0, slice_times=None):
+    """A program: some prefill slices (each taking `slice_s`; their end times go to `slice_times`), then n
+    tokens counting up from `first`, one decode step each."""
     def program(cancelled):
         cache, token = Row(name, poison), first
         for _ in range(prefill_slices):
+            time.sleep(slice_s)
             if log is not None:
                 log.append(("slice", name))
+            if slice_times is not None:
+                slice_times.append(time.monotonic())
             yield None
         for step in range(n):
             yield f"{name}:{token}"
@@ -99,6 +107,30 @@ def test_requests_joining_and_leaving_each_get_their_own_tokens(decoder):
     assert c == [f"c:{200 + i}" for i in range(6)] + ["c:done"]
     assert max(len(batch) for batch in decoder.batches) >= 2  # shared steps
     assert sum(len(batch) for batch in decoder.batches) == 7 + 2 + 5  # one row per token after the first
+
+
+@pytest.mark.parametrize("share", [0.5, 0.75])
+def test_a_prefill_gets_its_share_of_the_thread_next_to_decoding_streams(share):
+    """Between two decode steps of a stream, a waiting prefill runs share/(1-share) times as long as the
+    step took (not one short slice per token), so it joins the batch while the stream still answers."""
+    decoder, slice_times = Decoder(step_s=0.04), []
+    scheduler = make(decoder, slice_s=0.001, prefill_share=share)
+
+    async def main():
+        streaming = asyncio.create_task(collect(scheduler.submit(counting("a", 80))))
+        await asyncio.sleep(0.2)  # "a" is decoding
+        joining = collect(scheduler.submit(counting("b", 4, prefill_slices=60, slice_s=0.005, slice_times=slice_times)))
+        return await asyncio.gather(streaming, joining)
+
+    a, b = run(main())
+    assert scheduler.stop()
+    assert a[-1] == "a:done" and b[-1] == "b:done"
+    first, last = slice_times[0], slice_times[-1]
+    during = [span for span in decoder.spans if first <= span[0] and span[1] <= last]  # steps amid b's prefill
+    assert len(during) >= 2
+    gaps = [(after[0] - before[1]) / (before[1] - before[0]) for before, after in zip(during, during[1:])]
+    assert min(gaps) >= 0.95 * share / (1 - share), gaps
+    assert any(len(batch) == 2 for batch in decoder.batches)  # b joined a's steps
 
 
 def test_max_batch_bounds_the_slots_and_the_queue_bounds_the_wait(decoder):

@@ -53,7 +53,8 @@ def start_server(data_dir: str, port: int, max_batch: int, queue_size: int, thre
     env = {**os.environ, "RAGBLEND_DATA_DIR": data_dir, "RAGBLEND_MODEL__CACHE_DIR": str(REPO / "data" / "models"),
            "RAGBLEND_SERVER__QUEUE_SIZE": str(queue_size), "RAGBLEND_SERVER__MAX_BATCH": str(max_batch),
            "RAGBLEND_CHUNKING__TARGET_TOKENS": "1024", "RAGBLEND_CHUNKING__MAX_TOKENS": "1024",
-           "RAGBLEND_LIMITS__MAX_NEW_TOKENS": "1024"}
+           "RAGBLEND_LIMITS__MAX_NEW_TOKENS": "1024",
+           "RAGBLEND_SERVER__REQUEST_TIMEOUT_S": "3600"}  # a client here waits out the queue, however long
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],

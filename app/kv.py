@@ -52,6 +52,10 @@ class ChunkKVCache:
         """The store key of a passage's KV (microseconds: a hash of the ids)."""
         return kv_key(self.blender.fingerprint, self._context_hash, list(ids))
 
+    def _key(self, ids: Sequence[int], context_ids: Sequence[int]) -> str:
+        """The store key of the KV of `ids` computed after `context_ids` (any piece)."""
+        return kv_key(self.blender.fingerprint, hash_ids(list(context_ids)), list(ids))
+
     def get_or_compute(self, ids: Sequence[int]) -> tuple[ChunkKV, str]:
         """A retrieved passage's KV and where it came from: a tier name or "computed" (then stored:
         an entry Redis evicted, or one never precomputed, is back for the next query)."""
@@ -80,7 +84,7 @@ class ChunkKVCache:
         ids = list(ids)
         if not context_ids and ids == self.head_ids and self._head is not None:
             return self._head, "memory"
-        kv, tier = self.store.get_with_tier(kv_key(self.blender.fingerprint, hash_ids(list(context_ids)), ids))
+        kv, tier = self.store.get_with_tier(self._key(ids, context_ids))
         if kv is not None and kv.token_ids.tolist() == ids:
             return kv, tier
         return None, None
@@ -89,8 +93,8 @@ class ChunkKVCache:
         """The stored KV of `ids` after `context_ids` opened for per-layer reads (a pipelined prefill reads
         and closes it), and its tier; (None, None) on a miss. Reads only the entry's head."""
         ids = list(ids)
-        key = kv_key(self.blender.fingerprint, hash_ids(list(context_ids)), ids)
-        entry = self.store.open(key, pin_memory=self.blender.device.type == "cuda")  # pinned: async copies
+        pinned = self.blender.device.type == "cuda"  # pinned host memory: the copies to the GPU need not block
+        entry = self.store.open(self._key(ids, context_ids), pin_memory=pinned)
         if entry is None:
             return None, None
         if entry.token_ids.tolist() != ids:
@@ -108,17 +112,14 @@ class ChunkKVCache:
         else:
             context = _joined(before, self.blender.dtype) if before else None
             kv = self.blender.precompute(ids, context_ids, context=context)
-        self.store.put(kv_key(self.blender.fingerprint, hash_ids(context_ids), ids), kv)
+        self.store.put(self._key(ids, context_ids), kv)
         return self._as_stored(kv)
 
     def _load(self, ids: list[int], context_ids: list[int]) -> tuple[ChunkKV, str]:
-        key = kv_key(self.blender.fingerprint, hash_ids(context_ids), ids)
-        kv, tier = self.store.get_with_tier(key)
-        if kv is not None and kv.token_ids.tolist() == ids:
+        kv, tier = self.lookup(ids, context_ids)
+        if kv is not None:
             return kv, tier
-        kv = self._compute(ids, context_ids)
-        self.store.put(key, kv)
-        return self._as_stored(kv), COMPUTED
+        return self.compute(ids, context_ids), COMPUTED
 
     def _as_stored(self, kv: ChunkKV) -> ChunkKV:
         """What a later hit will read back (the codec's fp16/int8 values), so a question gets the same

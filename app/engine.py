@@ -283,8 +283,8 @@ class RagEngine:
         return choice.ratio
 
     def _observe_tiers(self) -> None:
-        """Each tier's bandwidth from the store's per-layer read stats (mean over its reads so far)."""
-        for tier, t in self.parts.store.stats()["tiers"].items():
+        """Each tier's bandwidth from the store's per-layer read counts (mean over its reads so far)."""
+        for tier, t in self.parts.store.counts().items():
             if t.get("layer_reads"):
                 self.calibration.observe_tier(tier, t["layer_bytes"] / t["layer_reads"], t["layer_ms_mean"])
 

@@ -376,13 +376,21 @@ class TieredStore:
             c.layer_bytes += nbytes
             c.layer_s_total += seconds
 
-    def stats(self) -> dict[str, Any]:
-        """Totals, plus per tier: hits, misses, corrupt, stale, load_ms_mean/last, layer_reads,
-        layer_bytes, layer_ms_mean and the tier's own entries, bytes, evictions, errors (None
-        where a tier can't know, e.g. Redis sizes). Lookups by get and by open both count."""
+    def counts(self) -> dict[str, dict[str, Any]]:
+        """Per tier, this process's lookups: hits, misses, corrupt, stale, load_ms_mean/last, layer_reads,
+        layer_bytes, layer_ms_mean. In-memory counters only (no tier is asked): cheap on a hot path."""
         with self._lock:
-            totals = dict(self._totals)
-            counts = {name: c.as_dict() for name, c in self._counts.items()}
+            return self._count_dicts()
+
+    def _count_dicts(self) -> dict[str, dict[str, Any]]:
+        # under _lock
+        return {name: c.as_dict() for name, c in self._counts.items()}
+
+    def stats(self) -> dict[str, Any]:
+        """Totals, plus per tier its `counts()` and the tier's own entries, bytes, evictions, errors
+        (None where a tier can't know, e.g. Redis sizes). Lookups by get and by open both count."""
+        with self._lock:  # totals and counts from one moment
+            totals, counts = dict(self._totals), self._count_dicts()
         tiers = {t.name: t.stats() | counts[t.name] for t in self.tiers}
         return {"codec": self.codec, "fingerprint": self.fingerprint, **totals,
                 "write_queue": self._queue.qsize(), "tiers": tiers}

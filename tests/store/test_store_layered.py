@@ -62,6 +62,7 @@ def test_every_layer_round_trips_from_every_tier(tmp_path, redis_url, codec, onl
     assert stats["layer_reads"] == 18 and stats["layer_ms_mean"] > 0
     section = parse_head(store.tiers[0].get(key)).layer_range(0)[1]
     assert stats["layer_bytes"] == 18 * section
+    assert store.counts()[only].items() <= stats.items()  # the same counters, without asking the tiers
     store.close()
 
 

@@ -235,8 +235,7 @@ class Blender:
         layer i computes (same logits as loading every layer first). A segment that fails to load is a
         miss: `recompute(index)` gives its ChunkKV and the prefill starts again (without `recompute`,
         ChunkMiss is raised)."""
-        sources = [as_source(s) for s in segments]
-        opened = list(sources)  # every source handed to us, replaced ones included: all closed at the end
+        sources = [as_source(s) for s in segments]  # a failed one is closed as it is replaced
         reloaded = 0
         try:
             while True:
@@ -254,7 +253,7 @@ class Blender:
                     sources[miss.index] = KVLayers(recompute(miss.index))
                     reloaded += 1
         finally:
-            for source in opened + sources:
+            for source in sources:
                 source.close()
 
     @torch.inference_mode()

@@ -49,6 +49,7 @@ from blend.gate import sliding_window, static_refusal
 from blend.pipeline import ChunkMiss, KVLayers, LayerLoader, LayerSource, as_source
 from blend.rope import RopeShifter, RopeUnsupportedError
 from blend.selection import Gradual, Policy, SelectionContext, get_policy, ranks, select
+from blend.skinny import use_skinny_linears
 
 log = logging.getLogger("ragblend.blend")
 
@@ -135,6 +136,8 @@ class Blender:
         self.boundary_tokens, self.gradual = boundary_tokens, gradual  # options on any policy (blend.selection)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device  # every tensor the blend path makes lives here
+        if self.device.type == "cpu":
+            use_skinny_linears(model)  # decode steps' few rows: a faster matmul form (blend.skinny)
         self.sliding_window = sliding_window(model)  # prompts longer than this run in full
         self.shifter: RopeShifter | None = None
         self.unsupported: str | None = None   # why this model never blends (None: it does); shown in /health

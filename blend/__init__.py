@@ -3,15 +3,29 @@
 Exports the model loader, the ChunkKV unit, the prompt layout, the Blender (precompute,
 selective-recompute prefill, full prefill, decode) and sampling/streaming helpers.
 Knows nothing about HTTP, FAISS or Redis.
-"""
-from blend.attention import BLEND_ATTENTION
-from blend.chunk_kv import ChunkKV, KVMismatchError, hash_ids
-from blend.decode import SamplingParams, TextStream
-from blend.engine import Blender, Prefill, PrefillStats
-from blend.model import LoadedModel, load_model
-from blend.prompt import PromptFormat
-from blend.rope import RopeShifter, RopeUnsupportedError
 
-__all__ = ["BLEND_ATTENTION", "Blender", "ChunkKV", "KVMismatchError", "LoadedModel", "Prefill", "PrefillStats",
-           "PromptFormat", "RopeShifter", "RopeUnsupportedError", "SamplingParams", "TextStream", "hash_ids",
-           "load_model"]
+The exports load lazily (PEP 562): `store` needs only `blend.chunk_kv`, and importing the
+engine pulls in the HF modeling code (seconds), which `ragblend store stats` never uses.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "BLEND_ATTENTION": "blend.attention",
+    "ChunkKV": "blend.chunk_kv", "KVMismatchError": "blend.chunk_kv", "hash_ids": "blend.chunk_kv",
+    "SamplingParams": "blend.decode", "TextStream": "blend.decode",
+    "Blender": "blend.engine", "Prefill": "blend.engine", "PrefillStats": "blend.engine",
+    "LoadedModel": "blend.model", "load_model": "blend.model",
+    "PromptFormat": "blend.prompt",
+    "RopeShifter": "blend.rope", "RopeUnsupportedError": "blend.rope",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'blend' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # import once
+    return value

@@ -101,7 +101,7 @@ def planned_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     for piece in plan.pieces:
         mask = None if piece.mask is None else piece.mask.to(query.dtype)
         o, o_lse = _flash_cpu(query[:, :, piece.queries], key[:, :, piece.keys], value[:, :, piece.keys],
-                          is_causal=piece.causal, attn_mask=mask, scale=scale)   # o: [B, H, T, D]; o_lse: [B, H, T]
+                              is_causal=piece.causal, attn_mask=mask, scale=scale)  # o: [B, H, T, D]; o_lse: [B, H, T]
         if out is None:
             out, lse = o.float(), o_lse   # accumulate in float32 (lse already is)
         else:
@@ -112,7 +112,7 @@ def planned_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.Tensor) -> None:
     """Fold a piece (o, o_lse) into the running (out, lse) in place: softmax over the union of their keys."""
-    total = torch.logaddexp(lse, o_lse)                                    # [B, H, T]
+    total = torch.logaddexp(lse, o_lse)                                # [B, H, T]
     out.mul_((lse - total).exp_().unsqueeze(-1)).addcmul_(o, (o_lse - total).exp_().unsqueeze(-1))
     lse.copy_(total)
 

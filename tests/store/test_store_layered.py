@@ -1,7 +1,6 @@
 """Per-layer reads: TieredStore.open -> LayeredEntry.layer(i) from every tier, damage, promotion, threads."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 

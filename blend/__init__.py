@@ -4,8 +4,8 @@ Exports the model loader, the ChunkKV unit, the prompt layout, the Blender (prec
 selective-recompute prefill, full prefill, decode) and sampling/streaming helpers.
 Knows nothing about HTTP, FAISS or Redis.
 
-The exports load lazily (PEP 562): `store` needs only `blend.chunk_kv`, and importing the
-engine pulls in the HF modeling code (seconds), which `ragblend store stats` never uses.
+The exports load lazily (PEP 562): importing the engine pulls in the HF modeling code (seconds),
+which a caller that wants only ChunkKV (common.chunk_kv, re-exported here) never needs.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import importlib
 
 _EXPORTS = {
     "BLEND_ATTENTION": "blend.attention",
-    "ChunkKV": "blend.chunk_kv", "KVMismatchError": "blend.chunk_kv", "hash_ids": "blend.chunk_kv",
+    "ChunkKV": "common.chunk_kv", "KVMismatchError": "common.chunk_kv", "hash_ids": "common.chunk_kv",
     "SamplingParams": "blend.decode", "TextStream": "blend.decode",
     "Blender": "blend.engine", "Prefill": "blend.engine", "PrefillStats": "blend.engine",
     "LoadedModel": "blend.model", "load_model": "blend.model",

@@ -43,7 +43,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from blend.attention import BLEND_ATTENTION, AttentionPlan
 from blend.batch import BatchCache
 from blend.cache import BlendCache
-from blend.chunk_kv import ChunkKV, KVMismatchError, hash_ids
+from common.chunk_kv import ChunkKV, KVMismatchError, hash_ids
 from blend.decode import SamplingParams, sample_next
 from blend.gate import sliding_window, static_refusal
 from blend.pipeline import ChunkMiss, KVLayers, LayerLoader, LayerSource, as_source

@@ -26,14 +26,24 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from blend.chunk_kv import ChunkKV
+from common.chunk_kv import ChunkKV
 
 log = logging.getLogger("ragblend.blend")
 
 
 class LayerSource(Protocol):
-    """One chunk's K/V, layer by layer. `layer(i)` -> (keys [H, T, D], values [H, T, D]), keys rotated
-    for positions `position ..`; may raise (a store's LayerReadError): the chunk is then a miss."""
+    """One chunk's K/V, layer by layer: the contract between the blend loop and the store.
+
+    `layer(i, device, dtype)` -> (keys [H, T, D], values [H, T, D]) of layer i, keys rotated for
+    positions `position ..` (the loader shifts them), on `device` in `dtype` — the source does the
+    host -> device copy and any dequantisation (int8 + scales are dequantised on the device, after
+    the copy). On CUDA the copy may be queued asynchronously on the current stream (the loader's side
+    stream, whose event the prefill waits on), so host tensors handed over must stay alive and
+    unchanged (pinned memory that the source owns). A source that already holds the layer on
+    `device` in `dtype` returns it without a copy; the caller never writes into what it gets.
+    With device/dtype None the layer comes back as stored, on the host (tests, tools).
+    `layer` may raise (a store's LayerReadError): the chunk is then a miss, recomputed.
+    """
 
     token_ids: torch.Tensor   # [T] int64
     position: int
@@ -41,7 +51,8 @@ class LayerSource(Protocol):
     fingerprint: str
     shape: tuple[int, int, int, int]   # [L, H, T, D]
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def layer(self, i: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]: ...
     def close(self) -> None: ...
 
 
@@ -54,8 +65,10 @@ class KVLayers:
         self.context_hash, self.fingerprint = kv.context_hash, kv.fingerprint
         self.shape = tuple(kv.keys.shape)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv.keys[i], self.kv.values[i]
+    def layer(self, i: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.kv.keys[i], self.kv.values[i]                                  # [H, T, D] each
+        return k.to(device, dtype, non_blocking=True), v.to(device, dtype, non_blocking=True)
 
     def close(self) -> None:
         pass
@@ -152,13 +165,12 @@ class LayerLoader:
         dtype, device = self.keys.dtype, self.keys.device
         for j, (source, (lo, hi)) in enumerate(zip(self.sources, self.bounds)):
             try:
-                k, v = source.layer(i)                                           # [H, T, D] each
+                k, v = source.layer(i, device, dtype)                            # [H, T, D] each
             except Exception as exc:
                 raise ChunkMiss(j, exc) from exc
-            k = k.to(device, non_blocking=True)
             # keys: [H, T, D], rotated from the chunk's own positions to lo..hi-1
-            self.keys[i, :, lo:hi] = self.shift(k.to(dtype), lo - source.position)
-            self.values[i, :, lo:hi] = v.to(device, non_blocking=True)
+            self.keys[i, :, lo:hi] = self.shift(k, lo - source.position)
+            self.values[i, :, lo:hi] = v
         if self._cuda:
             event = torch.cuda.Event()
             event.record(self._stream)

@@ -20,7 +20,7 @@ Exports:
     CorruptEntryError, KVMismatchError  what decode raises for damaged / another model's entries
     OldFormatError                      ... and for entries of another format version (a CorruptEntryError)
 """
-from blend.chunk_kv import KVMismatchError
+from common.chunk_kv import KVMismatchError
 from store.disk import DiskTier
 from store.keys import kv_key, validate_key
 from store.layered import LayeredEntry, LayerReadError

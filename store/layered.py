@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from blend.chunk_kv import ChunkKV
+from common.chunk_kv import ChunkKV
 from store.serialize import CorruptEntryError, EntryHead, decode_layer, decoded_dtype
 
 if TYPE_CHECKING:
@@ -76,8 +76,10 @@ class LayeredEntry:
         self._sections: dict[int, bytes] | None = {} if tier_index > 0 else None
         self._head_bytes = head_bytes
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys [H, T, D], values [H, T, D]) of layer `i`: read, checked and decoded on its own.
+    def layer(self, i: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys [H, T, D], values [H, T, D]) of layer `i`: read, checked and decoded on its own, then
+        moved to `device` in `dtype` when given (blend.pipeline.LayerSource).
 
         Raises LayerReadError (the chunk is a miss) and IndexError for a layer out of range.
         """
@@ -110,7 +112,7 @@ class LayeredEntry:
         with self._lock:
             if self._sections is not None:
                 self._sections[i] = bytes(section)
-        return keys, values
+        return keys.to(device, dtype, non_blocking=True), values.to(device, dtype, non_blocking=True)
 
     def read_all(self) -> ChunkKV:
         """Every layer, stacked: the ChunkKV `TieredStore.get` would return."""

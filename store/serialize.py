@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from blend.chunk_kv import ChunkKV, KVMismatchError, hash_ids
+from common.chunk_kv import ChunkKV, KVMismatchError, hash_ids
 
 if sys.byteorder != "little":
     raise ImportError("the KV format is little-endian; big-endian hosts are not supported")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from blend.chunk_kv import ChunkKV, KVMismatchError
+from common.chunk_kv import ChunkKV, KVMismatchError
 from store.disk import DiskTier
 from store.keys import kv_key, validate_key
 from store.layered import LayeredEntry, RangeReader

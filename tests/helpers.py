@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from app.config import Settings, load_settings
-from blend.chunk_kv import ChunkKV, hash_ids
+from common.chunk_kv import ChunkKV, hash_ids
 from retrieval import EmbedderSettings
 from retrieval.embedder import Embedder, open_embedder
 from store.keys import kv_key

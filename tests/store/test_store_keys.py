@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blend.chunk_kv import hash_ids
+from common.chunk_kv import hash_ids
 from store import DiskTier, MemoryTier, kv_key, validate_key
 
 CTX = hash_ids([1, 2, 3])

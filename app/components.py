@@ -32,12 +32,16 @@ class Components:
     @cached_property
     def blender(self) -> Blender:
         """The Blender for the blend settings; a check layer the model cannot have is a config error."""
-        b = self.settings.blend
+        b, m = self.settings.blend, self.settings.model
         try:
-            return Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
-                           deviation=b.deviation, selection=b.selection)
+            blender = Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
+                              deviation=b.deviation, selection=b.selection)
         except ValueError as exc:
             raise ValueError(f"invalid blend settings: {exc}") from None
+        # the decode KV pool: one slot per request the scheduler runs at once (app.scheduler)
+        blender.configure_decode(slots=self.settings.server.max_batch, max_len=m.kv_pool_tokens,
+                                 cuda_graphs=m.cuda_graphs)
+        return blender
 
     @cached_property
     def prompt(self) -> PromptFormat:

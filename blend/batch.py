@@ -9,9 +9,9 @@ views of the pool; attention runs over all rows in one kernel call, each row's k
 length masked (blend.attention dispatches `PooledKV` here); the next tokens are sampled on the device
 (blend.decode.sample_rows), so only [rows] token ids reach the host.
 
-The shapes depend only on (rows, key columns): CUDA graphs replay it (blend.graphs). On the CPU the
-key columns are the longest row's length rounded up to KEY_BLOCK (fewer masked keys); a graph uses the
-pool's full width.
+The shapes depend only on (rows, key columns): CUDA graphs replay it (blend.graphs), one graph per
+(batch bucket, key-column bucket, sampling or not). Key columns: the longest row's length rounded up
+(`DecodeStepper.key_columns`), so a step reads few masked keys.
 
 Measured on the CPU (SmolLM2 shape, 2.5k-token rows, 2 busy cores, one layer's attention): one masked
 sdpa call over all rows, the query heads of a KV head folded into the query length, cost 14 ms for 8
@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from blend.decode import sample_rows
 from blend.pool import KVPool
 
-KEY_BLOCK = 256  # CPU: key columns rounded up to this, so few distinct shapes run
+KEY_BLOCK = 256  # key columns are a multiple of this (CPU) or a power of two at least this (CUDA)
 
 
 def buckets(slots: int) -> list[int]:
@@ -88,8 +88,15 @@ class DecodeStepper:
         self.columns = torch.arange(pool.columns, device=pool.keys.device)
 
     def key_columns(self, positions: list[int]) -> int:
-        """Eager: the longest real row's keys rounded up to KEY_BLOCK (at most the pool's width)."""
-        return min(self.pool.columns, -(-(max(positions) + 1) // KEY_BLOCK) * KEY_BLOCK)
+        """The keys a step reads: the longest row's rounded up to a multiple of KEY_BLOCK on the CPU (less
+        masked work), to a power of two on CUDA (few shapes, so few graphs); at most the pool's width. Eager
+        and graphed steps read the same, so they give the same tokens."""
+        needed = max(positions) + 1
+        if self.pool.keys.device.type == "cpu":
+            columns = -(-needed // KEY_BLOCK) * KEY_BLOCK
+        else:
+            columns = max(KEY_BLOCK, 1 << (needed - 1).bit_length())
+        return min(self.pool.columns, columns)
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, key_columns: int) -> torch.Tensor:
         """tokens, positions [rows] (int64, on the pool's device) → next-token logits [rows, V]."""

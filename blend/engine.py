@@ -523,7 +523,9 @@ class Blender:
                        ) -> list[int]:
         pool, stepper = self.pool, self._stepper
         slots = [s.slot for s in sequences]
-        rows = bucket(max(slots) + 1, pool.slots)  # row b is slot b; the others pad (blend.batch)
+        # row b is slot b; rows of other slots pad (blend.batch). A graph needs one of a few batch sizes;
+        # eagerly, padding to one would only add work.
+        rows = bucket(max(slots) + 1, pool.slots) if self._graphs.enabled else max(slots) + 1
         token_row = torch.zeros(rows, dtype=torch.long)
         position_row = torch.full((rows,), pool.scratch, dtype=torch.long)
         token_row[slots], position_row[slots] = torch.tensor(list(tokens)), torch.tensor(positions)
@@ -533,8 +535,7 @@ class Blender:
             params[s.slot], generators[s.slot] = s.sampling, s.generator
         temperature, top_p = sampling_rows(params, self.device)
         noise = draw_noise(params, generators, self.model.get_output_embeddings().weight.shape[0], self.device)
-        graphed = self._graphs.enabled
-        key_columns = pool.columns if graphed else stepper.key_columns(positions)
+        key_columns = stepper.key_columns(positions)
         inputs = {"tokens": token_row.to(self.device), "positions": position_row.to(self.device),
                   "temperature": temperature, "top_p": top_p}
         if noise is not None:

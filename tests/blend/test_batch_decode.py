@@ -206,8 +206,8 @@ def test_graphed_step_replays_the_eager_tokens_with_one_capture_per_shape():
     want = [list(eager.decode(eager.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
     got = [list(graphed.decode(graphed.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
     assert got == want
-    # one request at a time, all in slot 0: one graph for greedy rows, one for sampled rows
-    assert sorted(graphed._graphs.captured) == [(1, graphed.pool.columns, False), (1, graphed.pool.columns, True)]
+    # one request at a time, all in slot 0, under 256 keys: one graph for greedy rows, one for sampled rows
+    assert sorted(graphed._graphs.captured) == [(1, 256, False), (1, 256, True)]
     assert capture.captures == 2
 
 

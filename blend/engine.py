@@ -11,9 +11,11 @@ Contract:
         the same prefill, resumable: it yields after each layer, so a scheduler can run other
         requests' decode steps between the layers of a long prefill
     full_prefill(ids) -> Prefill                   the model's own forward over every token (the reference)
-    decode_step(caches, tokens, positions) -> [B, V] logits
-        one batched forward: row b appends tokens[b] at positions[b] to caches[b] (blend.batch)
-    decode(prefill, sampling) -> Iterator[int]     greedy / sampled tokens from the prefill cache
+    start_decode(prefill, sampling) -> Decoding    the prefill's cache copied into a decode KV pool slot (blend.pool)
+    decode_step(sequences, tokens, positions) -> [B] next token ids
+        one fixed-shape forward over the pool: row b feeds tokens[b] at positions[b] into its slot and
+        samples on the device (blend.batch; CUDA graphs where there is a GPU: blend.graphs)
+    decode(prefill, sampling) -> Iterator[int]     greedy / sampled tokens: blend.decode.decode_loop, alone
 
 The blended prefill, step by step:
     1. lay the segments and suffix out at absolute positions; RoPE-shift each segment's keys

@@ -105,9 +105,9 @@ def test_a_request_longer_than_the_decode_pool_gets_a_400_with_the_reason(engine
 
     from app.server import create_app
 
-    settings, engine = engine_with(model={"kv_pool_tokens": 200})
+    settings, engine = engine_with(model={"kv_pool_tokens": 100})
     with TestClient(create_app(settings, engine)) as client:
         response = client.post("/v1/query", json={"question": corpus.questions[0][0], "top_k": 2, "max_tokens": 8})
         assert response.status_code == 400, response.text
-        assert "200-token context" in response.text and "decode KV pool" in response.text
+        assert "100-token context" in response.text and "decode KV pool" in response.text
     assert engine.parts.blender.pool.free == engine.parts.blender.pool.slots

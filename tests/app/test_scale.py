@@ -96,8 +96,9 @@ def test_redis_evicting_under_maxmemory_is_a_miss_recomputed_and_put_back(tmp_pa
     # Redis is the only tier, capped below the collection's KV (~1-1.3 MB a passage in fp16): about
     # three entries fit (Redis itself takes ~1 MB, and a SET's input buffer counts while it runs).
     with RedisServer(maxmemory="6mb") as redis_server:
+        # A loaded machine may take longer than the default timeout to SET a passage: that is an outage, not this.
         settings = make_settings(tmp_path / "data", store={"memory_bytes": 0, "disk_bytes": 0,
-                                                           "redis_url": redis_server.url})
+                                                           "redis_url": redis_server.url, "redis_timeout_s": 10})
         parts = Components(settings)
         engine = RagEngine(settings, parts)
         try:

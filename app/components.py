@@ -122,8 +122,16 @@ class Serving:
         self.engine, self._parts, self._lane, self._limits = engine, parts, lane, settings.limits
         self.scheduler = Scheduler(parts.blender.decode_step, max_batch=s.max_batch, queue_size=s.queue_size,
                                    slice_s=s.prefill_slice_ms / 1000, prefill_share=s.prefill_share)
-        self.retriever, self.store, self.model_name = parts.retriever, parts.store, parts.llm.name
+        self.model_name = parts.llm.name
         self.blend_disabled: str | None = getattr(parts.blender, "unsupported", None)  # the model gate's reason
+
+    @property
+    def retriever(self) -> Retriever:
+        return self._parts.retriever  # built on first use, as ever: a missing index fails a request, not the load
+
+    @property
+    def store(self) -> TieredStore:
+        return self._parts.store
 
     @cached_property
     def uploads(self) -> Ingestor:

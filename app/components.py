@@ -45,7 +45,8 @@ class Components:
 
     @cached_property
     def store(self) -> TieredStore:
-        return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint)
+        return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint,
+                           device=self.blender.device)  # gpu_bytes "auto" and pinned memory follow the model
 
     def inspect_store(self) -> TieredStore:
         """The store opened without a model, for stats only (the caller closes it)."""

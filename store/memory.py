@@ -18,6 +18,7 @@ import torch
 from common.chunk_kv import ChunkKV
 from store.eviction import LRUPolicy
 from store.keys import validate_key
+from store.serialize import host_to
 
 
 class MemoryReader:
@@ -128,7 +129,9 @@ class MemoryTier:
         """`t` on the tier's device, contiguous (and pinned when asked): `t` itself when it already is."""
         if t.device == self.device and t.is_contiguous() and (not self.pin_memory or t.is_pinned()):
             return t
-        return torch.empty(t.shape, dtype=t.dtype, device=self.device, pin_memory=self.pin_memory).copy_(t)
+        placed = torch.empty(t.shape, dtype=t.dtype, device=self.device, pin_memory=self.pin_memory)
+        return host_to(t, t.dtype, out=placed) if self.device.type == "cpu" and t.device.type == "cpu" \
+            else placed.copy_(t)
 
     def put(self, key: str, kv: ChunkKV) -> None:
         """Hold `kv` (its tensors themselves when already placed: the store hands over fresh ones)."""

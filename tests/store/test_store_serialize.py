@@ -15,7 +15,7 @@ from tests.helpers import assert_same_kv, random_kv
 
 
 @pytest.mark.parametrize("codec", CODECS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_round_trip(codec, dtype):
     _, kv = random_kv(0, context=[1, 2, 3], dtype=dtype)
     assert_same_kv(decode(encode(kv, codec), "model-a"), kv, codec)

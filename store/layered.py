@@ -164,7 +164,10 @@ class LayeredEntry(_EntryInfo):
         with self._lock:
             if self._closed or self._failed is not None or i in self._pending:
                 return
-            self._pending[i] = self._pool.submit(self._read_checked, i)
+            try:
+                self._pending[i] = self._pool.submit(self._read_checked, i)
+            except RuntimeError:  # the store closed its pool: layers are read when asked
+                self._pool = None
 
     def layer(self, i: int, device: torch.device | None = None, dtype: torch.dtype | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,9 +9,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 from store import (CODECS, BytesTier, DiskTier, KVMismatchError, MemoryTier, RedisTier, StoreClosedError, StoreSettings,
                    TieredStore, build_store, encode)
+from store.tiered import gpu_bytes
 from tests.helpers import all_layers, assert_same_kv, random_kv, run_in_threads
 
 FP = "model-a"
@@ -294,6 +296,23 @@ def test_build_store_from_settings(tmp_path, redis_url):
     assert [t.name for t in no_memory.tiers] == ["disk"]
     with pytest.raises(KVMismatchError):
         no_memory.put(*random_kv(31, fingerprint="model-b"))
+    no_memory.close()
+
+
+def test_the_gpu_tier_is_built_only_on_cuda(tmp_path):
+    assert gpu_bytes("auto", "cpu") == gpu_bytes(1 << 30, "cpu") == gpu_bytes("auto", None) == 0
+    on_cpu = build_store(StoreSettings(gpu_bytes=1 << 30, read_threads=0), tmp_path / "kv", FP, device="cpu")
+    assert [t.name for t in on_cpu.tiers] == ["memory", "disk"] and on_cpu._pool is None
+    assert not on_cpu.tiers[0].pin_memory  # pinned host memory only for a model on CUDA
+    on_cpu.close()
+    if torch.cuda.is_available():
+        auto = gpu_bytes("auto", "cuda")
+        assert 0 < auto < torch.cuda.mem_get_info()[0]
+        on_gpu = build_store(StoreSettings(), tmp_path / "kv", FP, device="cuda")
+        assert [t.name for t in on_gpu.tiers][:2] == ["gpu", "memory"] and on_gpu.tiers[1].pin_memory
+        on_gpu.close()
+    with pytest.raises(ValueError):
+        StoreSettings(gpu_bytes=-1)
 
 
 # --- close, flush and delete against the background writer ---------------------------------------

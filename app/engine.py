@@ -20,15 +20,13 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Generator, Iterator, Literal
 
-import torch
-
 from app.components import Components
 from app.config import Settings
 from app.explain import Explain, explain_prompt
-from app.scheduler import DecodeStep, Offload, run_alone
+from app.scheduler import Offload, run_alone
 from blend import ChunkKV, Prefill, SamplingParams, TextStream
 from blend.controller import Calibration, ChunkCost, overlap_share, plan_loading
-from blend.decode import sample_next
+from blend.decode import DecodeStep, decode_loop
 from blend.pipeline import LayerSource
 from blend.prompt import exchange_starts
 from blend.selection import get_policy
@@ -173,7 +171,7 @@ class RagEngine:
         t = time.perf_counter()
         if params.mode == "full":
             prompt_ids = [i for p in plan.pieces for i in p.ids] + plan.suffix
-            prefill = yield from parts.blender.prefill_steps([], prompt_ids, 1.0, reserve=max_tokens)
+            prefill = yield from parts.blender.prefill_steps([], prompt_ids, 1.0)
         else:
             ratio = 0.0 if params.mode == "reuse" else params.ratio
             if ratio is None and self.settings.blend.ratio == "auto":
@@ -181,7 +179,7 @@ class RagEngine:
             elif ratio is None:
                 ratio = self.settings.blend.ratio
             prefill = yield from parts.blender.prefill_steps(
-                [p.kv for p in plan.pieces], plan.suffix, ratio, selection=params.selection, reserve=max_tokens,
+                [p.kv for p in plan.pieces], plan.suffix, ratio, selection=params.selection,
                 pipeline=self.settings.blend.pipeline, recompute=lambda i: self._recompute(plan.pieces[i]))
             stats.selection = params.selection or parts.blender.selection
             passages = [p for p in plan.pieces if p.kind == "passage"]
@@ -195,27 +193,36 @@ class RagEngine:
             self.calibration.observe_compute(tokens, (stats.prefill_ms - stats.load_wait_ms) / 1000)
             self._observe_tiers()
 
-        # 4. Decode: one token per step, the scheduler batching this request's steps with the others'.
+        # 4. Decode in a KV pool slot: one token per DecodeStep, batched by the scheduler with the other
+        #    requests' (blend.decode.decode_loop, the loop Blender.decode runs too). Closing the program
+        #    (done, cancelled, failed) gives the slot back.
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
                                   stop=params.stop, seed=params.seed)
         eos = frozenset() if params.ignore_eos else parts.blender.eos_ids
         text = TextStream(parts.tokenizer, stop=params.stop, eos_ids=eos)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        logits, position = prefill.logits, prefill.num_tokens
-        for step in range(max_tokens):
-            token = sample_next(logits, sampling, generator)
-            if step == 0:
-                stats.ttft_ms = _ms(start)
-            if delta := text.push(token):
-                yield delta
-            if text.finish_reason is not None:
-                break
-            if cancelled():
-                text.finish_reason = "cancelled"
-                break
-            if step + 1 < max_tokens:
-                logits = yield DecodeStep(prefill.cache, token, position)
-                position += 1
+        sequence = parts.blender.start_decode(prefill, sampling)
+        try:
+            loop, reply = decode_loop(sequence, prefill.logits), None
+            while True:
+                try:
+                    item = loop.send(reply)
+                except StopIteration:
+                    break
+                reply = None
+                if isinstance(item, DecodeStep):
+                    reply = yield item
+                    continue
+                if not stats.ttft_ms:
+                    stats.ttft_ms = _ms(start)
+                if delta := text.push(item):
+                    yield delta
+                if text.finish_reason is not None:
+                    break
+                if cancelled():
+                    text.finish_reason = "cancelled"
+                    break
+        finally:
+            sequence.release()
         if delta := text.flush():
             yield delta
         stats.completion_tokens = len(text.tokens)
@@ -322,11 +329,14 @@ class RagEngine:
     def _check_length(self, prompt_len: int, max_tokens: int) -> None:
         limit = self._context_limit()
         if limit and prompt_len + max_tokens > limit:
-            raise RequestError(f"prompt of {prompt_len} tokens plus max_tokens exceeds the model's "
+            what = "decode KV pool's" if limit == self.parts.blender.decode_max_len else "model's"
+            raise RequestError(f"prompt of {prompt_len} tokens plus max_tokens ({max_tokens}) exceeds the {what} "
                                f"{limit}-token context; lower top_k or max_tokens")
 
     def _context_limit(self) -> int | None:
-        return getattr(self.parts.llm.model.config, "max_position_embeddings", None)
+        """Positions a request may fill: the model's context, at most a decode pool slot (blend.pool)."""
+        model = getattr(self.parts.llm.model.config, "max_position_embeddings", None)
+        return min(x for x in (model, self.parts.blender.decode_max_len) if x)
 
     # ---- after the answer: the next turn's conversation KV -----------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from app.config import Settings
 from app.ingest import IngestCancelled, Ingestor
 from app.kv import ChunkKVCache
+from app.loading import LoadingControl
 from app.scheduler import Scheduler
 from app.usage import UsageLog
 from app.worker import Worker
@@ -68,6 +69,11 @@ class Components:
     def kv_cache(self) -> ChunkKVCache:
         return ChunkKVCache(self.blender, self.prompt, self.store, precompute=self.settings.blend.precompute,
                             on_served=self.usage.record)
+
+    @cached_property
+    def loading(self) -> LoadingControl:
+        """The loading controller's glue (blend.ratio: auto), learning from this process's prefills."""
+        return LoadingControl(self.blender, self.store, self.settings.blend.ratio_floor)
 
     @cached_property
     def metadata(self) -> Metadata:

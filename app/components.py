@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from app.config import Settings
 from app.ingest import IngestCancelled, Ingestor
 from app.kv import ChunkKVCache
+from app.loading import LoadingControl
 from app.scheduler import Scheduler
 from app.usage import UsageLog
 from app.worker import Worker
@@ -58,7 +59,8 @@ class Components:
 
     @cached_property
     def store(self) -> TieredStore:
-        return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint)
+        return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint,
+                           device=self.blender.device)  # gpu_bytes "auto" and pinned memory follow the model
 
     def inspect_store(self) -> TieredStore:
         """The store opened without a model, for stats only (the caller closes it)."""
@@ -68,6 +70,11 @@ class Components:
     def kv_cache(self) -> ChunkKVCache:
         return ChunkKVCache(self.blender, self.prompt, self.store, precompute=self.settings.blend.precompute,
                             on_served=self.usage.record)
+
+    @cached_property
+    def loading(self) -> LoadingControl:
+        """The loading controller's glue (blend.ratio: auto), learning from this process's prefills."""
+        return LoadingControl(self.blender, self.store, self.settings.blend.ratio_floor)
 
     @cached_property
     def metadata(self) -> Metadata:

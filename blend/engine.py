@@ -175,7 +175,8 @@ class Blender:
         ids = (torch.arange(n) * 7 % config.vocab_size).tolist()
         a, b = n // 3, 2 * n // 3
         own = self.full_prefill(ids).logits
-        spread = float((own - self._forward_in_two(ids, b)).abs().max())  # the model's own rounding
+        # The model's own rounding: its forward split in two at each boundary vs in one piece.
+        spread = max(float((own - self._forward_in_two(ids, split)).abs().max()) for split in (a, b, (b + n) // 2))
         head, moved = self.precompute(ids[:a]), self.precompute(ids[a:b])   # `moved` computed at 0, placed at a
         checks = {"blend loop": (self.prefill([head, moved], ids[b:], 1.0).logits, own),
                   "RoPE shift": (self.prefill([head, moved], ids[b:], 0.0).logits,

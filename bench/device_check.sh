@@ -19,7 +19,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 echo "blend tests on CUDA..." >&2
-RAGBLEND_TEST_DEVICE=cuda timeout 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/blend \
+RAGBLEND_TEST_DEVICE=cuda timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/blend \
     --ignore=tests/blend/test_smollm.py --ignore=tests/blend/test_selection_smollm.py \
     --ignore=tests/blend/test_device_check.py > "$OUT/blend_tests.txt" 2>&1
 tests_rc=$?

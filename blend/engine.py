@@ -89,11 +89,17 @@ class Prefill:
 
 
 class _Clock:
-    def __init__(self) -> None:
+    """Phase laps; with `sync` (a CUDA device) each lap waits for the device first, so a phase is its own
+    work and not what was queued (benchmarks set Blender.sync_phases; serving never waits)."""
+
+    def __init__(self, sync: torch.device | None = None) -> None:
         self.timings: dict[str, float] = {}
+        self.sync = sync if sync is not None and sync.type == "cuda" else None
         self._last = time.perf_counter()
 
     def lap(self, name: str) -> None:
+        if self.sync is not None:
+            torch.cuda.synchronize(self.sync)
         now = time.perf_counter()
         self.timings[name] = round((now - self._last) * 1000, 3)
         self._last = now
@@ -140,6 +146,7 @@ class Blender:
         self.device = next(model.parameters()).device  # every tensor the blend path makes lives here
         self.backend = backend_for(self.device)        # the device's attention, staging and layer forms
         self.backend.prepare(model)
+        self.sync_phases = False   # phase timings wait for the device (benchmarks; see _Clock)
         self.sliding_window = sliding_window(model)  # prompts longer than this run in full
         self.shifter: RopeShifter | None = None
         self.unsupported: str | None = None   # why this model never blends (None: it does); shown in /health
@@ -239,7 +246,7 @@ class Blender:
     def full_prefill(self, ids: Sequence[int], *, reserve: int = 0) -> Prefill:
         """Every token through the model's own forward (its own attention, masks and head): the reference.
         `reserve` leaves room in the cache for that many decoded tokens."""
-        clock = _Clock()
+        clock = _Clock(self.device if self.sync_phases else None)
         ids = list(ids)
         cache = BlendCache(*self._empty_kv(0, reserve=len(ids) + reserve), length=0)
         out = self.model(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True,
@@ -301,7 +308,7 @@ class Blender:
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the question)")
         policy = get_policy(selection or self.selection)
-        clock = _Clock()
+        clock = _Clock(self.device if self.sync_phases else None)
         for seg in sources:
             self._check_segment(seg)
         ids = torch.cat([s.token_ids for s in sources] + [torch.tensor(list(suffix_ids), dtype=torch.int64)])

@@ -67,6 +67,10 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+# The error responses a route documents in the OpenAPI schema.
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422, 429, 503)}
+
+
 # ---- /v1/query ---------------------------------------------------------------------------------
 
 class QueryRequest(StrictBody):

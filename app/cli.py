@@ -40,7 +40,7 @@ def ingest(paths: list[Path] = typer.Argument(None, help="Files or folders (.txt
            delete: list[str] = typer.Option([], "--delete", help="Remove a document by id (repeatable)."),
            config: Optional[Path] = ConfigOpt) -> None:
     """Chunk, embed and index documents, and precompute each chunk's KV into the store."""
-    from app.ingest import run_ingest
+    from app.commands import run_ingest
 
     if not paths and not delete:
         fail("give at least one PATH or --delete DOC_ID")
@@ -92,7 +92,7 @@ def compare(dataset: Path = typer.Option(..., exists=True, dir_okay=False, help=
             start: int = typer.Option(0, min=0, help="First question (index) of the dataset to run."),
             config: Optional[Path] = ConfigOpt) -> None:
     """Compare blended answers with full prefill (quality and TTFT) on a dataset."""
-    from app.compare import run_compare
+    from app.commands import run_compare
 
     try:
         ratio_list = [float(r) for r in ratios.split(",") if r.strip()]

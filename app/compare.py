@@ -32,7 +32,6 @@ import copy
 import json
 import logging
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,10 +40,8 @@ from typing import Any, Iterable
 import torch
 
 from app.answer_metrics import answer_scores
-from app.config import Settings
-from blend import Blender, ChunkKV, Prefill, PromptFormat, SamplingParams, hash_ids
-from blend.selection import get_policy
-from common import git_commit, write_atomic
+from blend import Blender, ChunkKV, Prefill, PromptFormat, SamplingParams, TextStream, hash_ids
+from common import write_atomic
 
 log = logging.getLogger("ragblend.compare")
 
@@ -151,8 +148,11 @@ class Harness:
         return list(self.blender.decode(copy.deepcopy(prefill), self.sampling))
 
     def text(self, tokens: list[int]) -> str:
-        return self.prompt.tokenizer.decode([t for t in tokens if t not in self.blender.eos_ids],
-                                            skip_special_tokens=True).strip()
+        """The answer as serving writes it: through blend.TextStream (eos ends it, special tokens dropped)."""
+        stream = TextStream(self.prompt.tokenizer, eos_ids=self.blender.eos_ids)
+        for _ in stream.feed(tokens):
+            pass
+        return stream.text.strip()
 
     def run(self, index: int, item: dict[str, Any]) -> dict[str, Any]:
         pkv = self.prepare(item)
@@ -337,86 +337,6 @@ def write_outputs(out: Path, report: dict[str, Any], final: bool) -> None:
     if final and report["questions"]:
         write_atomic(out / REPORT_MD, render_markdown(report))
         plot(report["aggregate"], out / PLOT_PNG)
-
-
-def run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int, ratios: list[float], out: Path,
-                precompute: str | None, codec: str | None, max_tokens: int, resume: bool, seed: int = 0,
-                threads: int | None = None, progress: bool = True, selections: list[str] | None = None,
-                start: int = 0) -> int:
-    """The `ragblend compare` command; returns the exit code.
-
-    `threads` sets torch's intra-op threads for the run (restored after): on a shared machine one
-    thread times far more steadily than threads that wait on each other.
-    """
-    previous = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        return _run_compare(settings, dataset, limit=limit, passages=passages, ratios=ratios, out=out,
-                            precompute=precompute, codec=codec, max_tokens=max_tokens, resume=resume, seed=seed,
-                            progress=progress, selections=selections or [settings.blend.selection], start=start)
-    finally:
-        torch.set_num_threads(previous)
-
-
-def _run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int, ratios: list[float], out: Path,
-                 precompute: str | None, codec: str | None, max_tokens: int, resume: bool, seed: int,
-                 progress: bool, selections: list[str], start: int) -> int:
-    from tqdm import tqdm
-
-    from app.components import Components
-
-    # 1. Config, data, model.
-    try:
-        selections = [get_policy(s).name for s in selections]
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        items = load_dataset(dataset, start + limit)
-    except (OSError, ValueError) as exc:
-        print(f"error: cannot read dataset: {exc}", file=sys.stderr)
-        return 2
-    config = CompareConfig(str(dataset), passages, sorted(set(ratios)), precompute or settings.blend.precompute,
-                           codec or settings.store.codec, settings.blend.check_layer, settings.blend.deviation,
-                           selections, max_tokens, seed, torch.get_num_threads())
-    parts = Components(settings)
-    try:
-        harness = Harness(parts.blender, parts.prompt, config)
-    except ValueError as exc:  # e.g. a check layer this model cannot have
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    identity, commit = run_identity(parts.llm, config, harness.prompt), git_commit()
-    # 2. Resume: keep the questions already answered under the same model, config and prompt.
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        done = load_previous(out / REPORT_JSON, identity) if resume else []
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    done = [q for q in done if start <= q["index"] < len(items)]
-    todo = [(i, item) for i, item in enumerate(items) if i >= start and i not in {q["index"] for q in done}]
-    log.info("compare started", extra={"config": asdict(config), "done": len(done), "todo": len(todo)})
-    if todo:
-        warm_up(harness)
-    # 3. Each question: all modes back to back; the report rewritten after each.
-    questions = list(done)
-    with tqdm(total=len(items) - start, initial=len(done), desc="compare", unit="q", file=sys.stderr,
-              disable=not progress) as bar:
-        for index, item in todo:
-            start = time.perf_counter()
-            result = harness.run(index, item) | {"commit": commit}
-            questions.append(result)
-            write_outputs(out, build_report(identity, harness.modes, questions, commit), final=False)
-            log.info("question done", extra={"index": index, "seconds": round(time.perf_counter() - start, 1),
-                                             "ttft_ratio": {m: round(r["ttft_ratio"], 3)
-                                                            for m, r in result["modes"].items()}})
-            bar.update(1)
-    # 4. Aggregate table and plot.
-    report = build_report(identity, harness.modes, questions, commit)
-    write_outputs(out, report, final=True)
-    log.info("compare finished", extra={"out": str(out), "questions": len(questions)})
-    return 0
 
 
 def warm_up(harness: Harness) -> None:

@@ -23,17 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import re
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
 import numpy as np
 
-from app.config import Settings
 from app.validation import valid_doc_id, valid_title, valid_unicode
 from retrieval import Chunk, Chunker, DocumentInfo, Retriever
 from retrieval.chunker import sha256_text
@@ -106,9 +103,21 @@ class Ingestor:
     on_precomputed: Callable[[int], object] = _noop
     precompute_at: Literal["ingest", "first_use"] = "ingest"
 
+    def ingest(self, docs: Sequence[SourceDocument], cancelled: Callable[[], bool] = lambda: False
+               ) -> list[IngestResult]:
+        """Add or replace documents, all or none: chunk all first (bad input fails before anything is
+        written), then `commit_all` (the API's uploads). IngestError, or IngestCancelled when
+        `cancelled()` turns true."""
+        prepared = []
+        for doc in docs:
+            if cancelled():
+                raise IngestCancelled(f"{doc.source}: ingest cancelled")
+            prepared.append(self.prepare(doc))
+        return self.commit_all(prepared, cancelled)
+
     def ingest_text(self, doc_id: str, title: str | None, text: str, source: str | None = None) -> IngestResult:
-        """Add or replace one document (the API's upload goes through here). Raises IngestError."""
-        return self.commit(self.prepare(SourceDocument(doc_id, title, text, source or doc_id)))
+        """Add or replace one document given as text: `ingest` of one."""
+        return self.ingest([SourceDocument(doc_id, title, text, source or doc_id)])[0]
 
     def delete(self, doc_id: str) -> None:
         """Remove a document, its index entries and its KV entries; KeyError if unknown."""
@@ -296,107 +305,3 @@ def _read_jsonl(path: Path, file_id: str, text: str) -> tuple[list[SourceDocumen
             continue
         docs.append(doc)
     return docs, errors
-
-
-# The command -----------------------------------------------------------------------------------
-
-@dataclass
-class _Summary:
-    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("added", "updated", "unchanged", "deleted", "failed"), 0))
-    chunks: int = 0
-
-    def error(self, message: str) -> None:
-        from tqdm import tqdm
-
-        self.counts["failed"] += 1
-        tqdm.write(f"error: {message}", file=sys.stderr)  # tqdm.write keeps the progress bars intact
-
-    def line(self, seconds: float, precomputed: bool = True) -> str:
-        c = self.counts
-        work = "embedded and precomputed" if precomputed else "embedded (KV computed at first use)"
-        return (f"ingest: {c['added']} added, {c['updated']} updated, {c['unchanged']} unchanged, "
-                f"{c['deleted']} deleted, {c['failed']} failed; {self.chunks} chunks {work} in {seconds:.1f} s")
-
-
-def run_ingest(settings: Settings, paths: list[Path], delete_ids: list[str]) -> int:
-    """`ragblend ingest`: 0 if all went well, 1 if any input or deletion failed, 2 if ingest could not start."""
-    from retrieval import IndexMismatchError
-
-    start, summary = time.perf_counter(), _Summary()
-    docs = _read_inputs(paths, summary)
-    if docs or delete_ids:  # all inputs bad: report without loading any model
-        try:
-            with open_ingestor(settings) as ingestor:
-                for doc_id in delete_ids:
-                    try:
-                        ingestor.delete(doc_id)
-                        summary.counts["deleted"] += 1
-                    except KeyError:
-                        summary.error(f"--delete {doc_id}: unknown document id")
-                _ingest_all(ingestor, docs, summary)
-        except IndexMismatchError as exc:
-            summary.error(str(exc))
-            return 2
-    print(summary.line(time.perf_counter() - start, settings.blend.precompute_at == "ingest"))
-    return 1 if summary.counts["failed"] else 0
-
-
-@contextmanager
-def open_ingestor(settings: Settings) -> Iterator[Ingestor]:
-    """An Ingestor over the configured model, store and index, closed on exit."""
-    from app.components import Components
-
-    parts = Components(settings)
-    try:
-        yield parts.ingestor
-    finally:
-        parts.close()
-
-
-def _read_inputs(paths: list[Path], summary: _Summary) -> list[SourceDocument]:
-    """Every document of every input; bad files, lines and duplicate ids are reported and skipped."""
-    files, errors = collect_files(paths)
-    docs: list[SourceDocument] = []
-    for path, doc_id in files:
-        found, bad = read_documents(path, doc_id)
-        docs += found
-        errors += bad
-    seen: dict[str, str] = {}
-    unique = []
-    for doc in docs:
-        if doc.doc_id in seen:
-            errors.append(f"{doc.source}: duplicate document id {doc.doc_id!r} (also in {seen[doc.doc_id]})")
-        else:
-            seen[doc.doc_id] = doc.source
-            unique.append(doc)
-    for message in errors:
-        summary.error(message)
-    return unique
-
-
-def _ingest_all(ingestor: Ingestor, docs: list[SourceDocument], summary: _Summary) -> None:
-    """Chunk everything first (so the progress bars know their totals), then embed, precompute, commit."""
-    from tqdm import tqdm
-
-    prepared = []
-    for doc in docs:
-        try:
-            prepared.append(ingestor.prepare(doc))
-        except IngestError as exc:
-            summary.error(str(exc))
-    total = sum(len(p.chunks) for p in prepared if not p.unchanged)
-    with tqdm(total=total, desc="embedded", unit="chunk", file=sys.stderr, disable=None) as embedded, \
-            tqdm(total=total, desc="KV precomputed", unit="chunk", file=sys.stderr,
-                 disable=None if ingestor.precompute_at == "ingest" else True) as kv:
-        ingestor.on_embedded, ingestor.on_precomputed = embedded.update, kv.update
-        for item in prepared:
-            try:
-                result = ingestor.commit(item)
-            except Exception as exc:  # one bad document must not stop the batch
-                log.debug("ingest failed", extra={"source": item.doc.source}, exc_info=True)
-                summary.error(f"{item.doc.source}: {type(exc).__name__}: {exc}")
-                continue
-            summary.counts[result.status] += 1
-            if result.status != "unchanged":
-                summary.chunks += result.n_chunks

@@ -136,6 +136,11 @@ class Worker:
         """Seconds until the queue has likely drained a place: an estimate for Retry-After."""
         return min(60, max(1, math.ceil(self._job_s * (self.waiting + 1))))
 
+    def cancelled(self) -> bool:
+        """Whether the running job's caller has given up (for work that checks from deeper down)."""
+        current = self._current
+        return current is not None and current.cancelled.is_set()
+
     def start(self) -> None:
         self._thread.start()
 

@@ -50,6 +50,8 @@ class TextStream:
     _emitted: int = 0
 
     def feed(self, token_ids: Iterable[int]) -> Iterator[str]:
+        """All of `token_ids` (an answer's tokens, or `Blender.decode` as it runs) → text deltas, then what is
+        held back; `finish_reason` "length" unless eos or a stop string ended it (app.compare's answers)."""
         for token in token_ids:
             if delta := self.push(token):
                 yield delta

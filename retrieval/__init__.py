@@ -18,10 +18,11 @@ this process's cache of the vectors, caught up from the metadata's change log be
 """
 from __future__ import annotations
 
+from retrieval.backends import open_metadata
 from retrieval.chunker import Chunk, Chunker
 from retrieval.embedder import Embedder, open_embedder
 from retrieval.index import VectorIndex
-from retrieval.metadata import DocumentInfo, Metadata, SchemaError, open_metadata
+from retrieval.metadata import DocumentInfo, Metadata, SchemaError
 from retrieval.retriever import Hit, IndexMismatchError, Retriever
 from retrieval.settings import ChunkingSettings, EmbedderSettings, RetrievalSettings
 

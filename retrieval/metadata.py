@@ -1,6 +1,6 @@
 """Documents and chunks in SQL, the source of truth of the retrieval index: SQLite (embedded, the
 default) or PostgreSQL (shared by replicas, retrieval/postgres.py). `Metadata` holds every query;
-a backend brings its connections, its DDL and its transactions.
+a backend brings its connections, its DDL and its transactions; retrieval/backends.py opens one by URL.
 
 Contract (tests/retrieval/test_retrieval_metadata.py runs it against both backends):
 - Each chunk row keeps its embedding (float32 bytes), so a FAISS index is only a cache that can
@@ -27,7 +27,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -309,20 +308,4 @@ class Metadata(ABC):
         with self._read() as db:
             row = db.execute("SELECT hits, computes, last_used FROM kv_usage WHERE kv_key = ?", (kv_key,)).fetchone()
         return None if row is None else tuple(row)
-
-
-def open_metadata(database_url: str | None, index_dir: Path) -> Metadata:
-    """The metadata a URL names: None (SQLite under `index_dir`), sqlite:///path, or postgresql://..."""
-    from retrieval.sqlite import SQLiteMetadata
-
-    if database_url is None:
-        return SQLiteMetadata(Path(index_dir) / DB_FILE)
-    if database_url.startswith("sqlite:///"):
-        return SQLiteMetadata(Path(database_url.removeprefix("sqlite:///")))
-    if database_url.startswith(("postgresql://", "postgres://")):
-        from retrieval.postgres import PostgresMetadata
-
-        return PostgresMetadata(database_url)
-    raise ValueError(f"unsupported database URL {database_url.split(':')[0]}://...: use sqlite:///PATH or "
-                     f"postgresql://USER:PASSWORD@HOST:PORT/DB")
 

@@ -6,12 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import settings as hypothesis_settings
+from hypothesis import HealthCheck, settings as hypothesis_settings
 
-# CI replays the same examples every run: a red build is then a real regression, not a new draw.
-hypothesis_settings.register_profile("ci", derandomize=True, database=None)
-if os.environ.get("CI"):
-    hypothesis_settings.load_profile("ci")
+# Every run replays the same examples, in CI and in a fresh clone's `make test` alike: a red build is
+# then a real regression, not a new draw. `pytest --hypothesis-profile=explore` draws new ones (and
+# keeps the failures it finds in .hypothesis/). Neither times examples: a loaded machine is not a bug.
+_untimed = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.register_profile("repeatable", derandomize=True, database=None, **_untimed)
+hypothesis_settings.register_profile("explore", **_untimed)
+hypothesis_settings.load_profile("repeatable")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data" / "musique_dev.json"

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from app.answer_metrics import answer_scores, exact_match, f1_score, lcs_length, normalize_answer, rouge_l
-from app.compare import REPORT_JSON, build_modes, run_compare
+from app.commands import run_compare
+from app.compare import REPORT_JSON, build_modes
 from app.config import load_settings
 
 REPO = Path(__file__).resolve().parents[2]

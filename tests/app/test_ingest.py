@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 import app.components
 from app.cli import cli
 from app.components import Components
-from app.ingest import IngestCancelled, IngestError, Ingestor, SourceDocument, collect_files, read_documents, run_ingest
+from app.commands import run_ingest
+from app.ingest import IngestCancelled, IngestError, Ingestor, SourceDocument, collect_files, read_documents
 from blend import PromptFormat, hash_ids
 from retrieval import Chunker, ChunkingSettings, Retriever
 from store import build_store, kv_key
@@ -312,7 +313,7 @@ def test_a_crash_mid_batch_keeps_what_was_committed(tmp_path, monkeypatch):
 
 
 def test_ingest_text_for_the_api(tmp_path, monkeypatch):
-    from app.ingest import open_ingestor
+    from app.commands import open_ingestor
 
     monkeypatch.setattr(app.components, "load_model", lambda *args, **kwargs: shared_llm())
     monkeypatch.setattr(app.components, "open_embedder", lambda settings: shared_embedder())

@@ -57,6 +57,7 @@ def browser():
         pytest.skip(f"needs Debian's chromium and chromium-driver ({CHROMIUM}, {CHROMEDRIVER}): "
                     "apt-get install -y chromium chromium-driver")
     from selenium import webdriver
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
@@ -64,8 +65,15 @@ def browser():
     profile = tempfile.mkdtemp(prefix="ragblend-chromium-")
     for flag in [*FLAGS, f"--user-data-dir={profile}"]:
         options.add_argument(flag)
-    # A Service with the driver's path: Selenium Manager (which could download one) never runs.
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    # A Service with the driver's path: Selenium Manager (which could download one) never runs. It
+    # starts chromedriver on a port found free, which another process may take first: then again.
+    for attempt in range(3):
+        try:
+            driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+            break
+        except WebDriverException:
+            if attempt == 2:
+                raise
     driver.set_script_timeout(WAIT_S)
     yield driver
     driver.quit()

@@ -30,7 +30,7 @@ from app.components import Components
 from app.engine import QueryParams, RagEngine
 from tests.app.conftest import CORPUS, MODELS, QUESTIONS, make_settings
 from tests.helpers import shared_embedder, shared_llm
-from tests.servers import RedisServer, free_port
+from tests.servers import RedisServer, listening_port
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
@@ -80,7 +80,7 @@ def test_first_use_computes_kv_at_the_first_query_and_serves_the_second_from_the
         used = {c.kv_key for s in first.sources for c in parts.retriever.document_chunks(s.doc_id)}
         assert len(used) == 2 and used <= keys and all(parts.store.contains(k) for k in used)  # computed, stored
         second = engine.answer(QueryParams(question, top_k=2, max_tokens=12))
-        assert second.stats.store_hits == {"memory": 2} and any(w in second.answer for w in words), second.answer
+        assert second.stats.store_hits == {"memory": 2} and second.answer == first.answer  # the KV read back
     finally:
         parts.close()  # writes the last usage counts
 
@@ -96,8 +96,9 @@ def test_redis_evicting_under_maxmemory_is_a_miss_recomputed_and_put_back(tmp_pa
     # Redis is the only tier, capped below the collection's KV (~1-1.3 MB a passage in fp16): about
     # three entries fit (Redis itself takes ~1 MB, and a SET's input buffer counts while it runs).
     with RedisServer(maxmemory="6mb") as redis_server:
+        # A loaded machine may take longer than the default timeout to SET a passage: that is an outage, not this.
         settings = make_settings(tmp_path / "data", store={"memory_bytes": 0, "disk_bytes": 0,
-                                                           "redis_url": redis_server.url})
+                                                           "redis_url": redis_server.url, "redis_timeout_s": 10})
         parts = Components(settings)
         engine = RagEngine(settings, parts)
         try:
@@ -113,15 +114,18 @@ def test_redis_evicting_under_maxmemory_is_a_miss_recomputed_and_put_back(tmp_pa
             evicted = [d for d in CORPUS if not redis_tier.contains(parts.retriever.document_chunks(d)[0].kv_key)]
             assert evicted, "the cap should have evicted some passages' KV"
 
-            question, doc_id, words = next(q for q in QUESTIONS if q[1] in evicted)
-            first = engine.answer(QueryParams(question, top_k=1, max_tokens=12))
-            assert first.sources[0].doc_id == doc_id and any(w in first.answer for w in words), first.answer
-            assert first.stats.store_hits == {"computed": 1}  # a miss, not an error
+            # Whichever passage was evicted (Redis samples keys to evict): its question misses, is
+            # computed, answered, put back, then hit; greedy, its KV read back gives the same answer.
+            question, doc_id = next((q, d) for q, d, _ in QUESTIONS if d in evicted)
+            computed = engine.answer(QueryParams(question, top_k=1, max_tokens=12))
+            assert computed.sources[0].doc_id == doc_id and computed.answer.strip()
+            assert computed.stats.store_hits == {"computed": 1}  # a miss, not an error
             parts.store.flush()
             key = parts.retriever.document_chunks(doc_id)[0].kv_key
             assert redis_tier.contains(key)  # put back
-            second = engine.answer(QueryParams(question, top_k=1, max_tokens=12))
-            assert second.stats.store_hits == {"redis": 1} and any(w in second.answer for w in words), second.answer
+            stored = engine.answer(QueryParams(question, top_k=1, max_tokens=12))
+            assert stored.stats.store_hits == {"redis": 1} and stored.sources[0].doc_id == doc_id
+            assert stored.answer == computed.answer
         finally:
             parts.close()
 
@@ -129,11 +133,10 @@ def test_redis_evicting_under_maxmemory_is_a_miss_recomputed_and_put_back(tmp_pa
 # ---- two replicas on one PostgreSQL and one Redis ------------------------------------------------
 
 class Replica:
-    """`ragblend serve` in its own process and data dir, on a free loopback port."""
+    """`ragblend serve` in its own process and data dir, on the loopback port it binds itself (port 0)."""
 
     def __init__(self, name: str, tmp: Path, env: dict[str, str]):
-        self.name, self.port = name, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.name, self.url = name, ""
         self.log = tmp / f"{name}.log"
         self.env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
                     "RAGBLEND_DATA_DIR": str(tmp / name), **env}
@@ -142,8 +145,12 @@ class Replica:
     def start(self) -> Replica:
         with self.log.open("w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1",
-                                          "--port", str(self.port)], env=self.env, cwd=REPO,
+                                          "--port", "0"], env=self.env, cwd=REPO,
                                          stdout=log, stderr=subprocess.STDOUT)
+        try:
+            self.url = f"http://127.0.0.1:{listening_port(self.proc, timeout_s=300)}"
+        except RuntimeError:
+            raise AssertionError(f"{self.name} exited: {self.log.read_text()[-3000:]}") from None
         wait_for(self._healthy, f"{self.name} to load", timeout_s=300, every_s=0.5)
         return self
 

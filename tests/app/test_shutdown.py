@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import string
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from retrieval import Retriever
 from store import build_store
 from tests.app.test_ingest_lane import send_upload, wait_for
 from tests.helpers import ROOT, shared_embedder, test_settings
+from tests.servers import listening_port
 
 pytestmark = pytest.mark.slow
 
@@ -26,20 +26,17 @@ GRACE_S = 3
 BOUND_S = 30  # grace + one chunk's precompute or one embedding batch, with room for a loaded machine
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_sigterm_during_an_upload_exits_cleanly_and_loses_nothing(tmp_path):
-    port, data_dir = free_port(), tmp_path / "data"
+    data_dir = tmp_path / "data"
     env = {**os.environ, "RAGBLEND_DATA_DIR": str(data_dir), "RAGBLEND_MODEL__CACHE_DIR": str(ROOT / "data" / "models"),
            "RAGBLEND_SERVER__SHUTDOWN_GRACE_S": str(GRACE_S)}
-    server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], cwd=ROOT, env=env,
+    server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0"], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
     try:
+        try:
+            url = f"http://127.0.0.1:{listening_port(server, timeout_s=300)}"  # the port it bound itself
+        except RuntimeError:
+            raise AssertionError(server.communicate()[1][-3000:]) from None
         with httpx.Client(base_url=url, timeout=120) as http:
             def health() -> dict:
                 try:

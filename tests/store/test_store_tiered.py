@@ -356,7 +356,9 @@ def test_close_races_puts_without_losing_or_stranding_writes(tmp_path, redis_url
     threads = [threading.Thread(target=putter, args=(entries[i::4],)) for i in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.02)
+    deadline = time.monotonic() + 30
+    while not accepted and time.monotonic() < deadline:  # puts under way (not a guess at how long that takes)
+        time.sleep(0.001)
     closers = [threading.Thread(target=store.close) for _ in range(2)]  # two at once: both return
     for t in closers:
         t.start()

@@ -1,0 +1,173 @@
+"""The query routes: ragblend's own /v1/query and OpenAI-compatible /v1/chat/completions (and /v1/models),
+JSON or server-sent events. Both run as a QueryRun: one program in a slot on the model thread."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from app.api_models import (ERRORS, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Choice,
+                            ChunkChoice, Delta, ModelCard, ModelList, PromptTokensDetails, QueryRequest, QueryResponse,
+                            Usage, check_limits)
+from app.conversation import Conversation
+from app.engine import QueryParams, QueryResult
+from app.errors import ApiError, as_api_error
+from app.service import Service, service, until_done
+from app.worker import Job, WorkerStopped
+
+router = APIRouter()
+SSE = {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events with stream: true"}
+
+
+class QueryRun:
+    """One query in a slot on the model thread. `start` waits for its first event, so that errors raised
+    before any text (a prompt over the context, say) are still plain HTTP errors rather than broken
+    streams; a client that leaves before then cancels it."""
+
+    def __init__(self, svc: Service, job: Job, first: str | QueryResult, rest: AsyncIterator[str | QueryResult]):
+        self.svc, self.job, self._first, self._rest = svc, job, first, rest
+
+    @classmethod
+    async def start(cls, svc: Service, params: QueryParams, request: Request) -> QueryRun:
+        job = await svc.submit_query(params)
+        events = aiter(job)
+        try:
+            return cls(svc, job, await until_done(request, job, anext(events)), events)
+        except BaseException:
+            job.cancel()
+            raise
+
+    async def events(self) -> AsyncIterator[str | QueryResult]:
+        """Text deltas, then the QueryResult (recorded in the metrics). The program may work on after its
+        result (storing a chat turn's KV); the client need not wait for that."""
+        try:
+            async for event in self._all():
+                yield event
+                if isinstance(event, QueryResult):
+                    self.svc.metrics.observe_query(event.stats, self.job.queue_s)
+                    return
+        finally:
+            self.cancel()
+        # Ended without a result: cancelled (the client left, or the server is stopping).
+        raise WorkerStopped if self.svc.stopping is not None else ApiError(503, "the request was cancelled",
+                                                                           "cancelled")
+
+    async def _all(self) -> AsyncIterator[str | QueryResult]:
+        yield self._first
+        async for event in self._rest:
+            yield event
+
+    async def result(self, request: Request) -> QueryResult:
+        """The QueryResult (non-streaming); a client that leaves meanwhile cancels the query."""
+        async def last() -> QueryResult:
+            return [event async for event in self.events()][-1]
+        return await until_done(request, self.job, last())
+
+    def cancel(self) -> None:
+        """Stop the generation (a no-op once it is done)."""
+        self.job.cancel()
+
+    def response(self, result: QueryResult) -> QueryResponse:
+        result.stats.queue_ms = round(self.job.queue_s * 1000, 2)
+        return QueryResponse(answer=result.answer, sources=result.sources, stats=result.stats,
+                             finish_reason=result.finish_reason, explain=result.explain)
+
+
+def sse(run: QueryRun, events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
+    """Server-sent events; a client that goes away cancels the run, which stops its generation."""
+    async def guarded() -> AsyncIterator[ServerSentEvent]:
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:  # the headers are out: report in-band, as OpenAI does
+            yield ServerSentEvent(json.dumps(as_api_error(exc).body()), event="error")
+        finally:
+            run.cancel()
+    return EventSourceResponse(guarded(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS)
+def models(svc: Service = Depends(service)) -> ModelList:
+    return ModelList(data=[ModelCard(id=svc.model_name, created=svc.created)])
+
+
+@router.post("/v1/query", response_model=QueryResponse, responses={200: SSE, **ERRORS})
+async def query(body: QueryRequest, request: Request, svc: Service = Depends(service)):
+    check_limits(svc.settings.limits, question=body.question, top_k=body.top_k, max_tokens=body.max_tokens)
+    params = svc.query_params(body.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
+                              selection=body.selection, max_tokens=body.max_tokens, temperature=body.temperature,
+                              ignore_eos=body.ignore_eos,
+                              explain_tokens=svc.settings.limits.max_explain_tokens if body.explain else 0)
+    run = await QueryRun.start(svc, params, request)
+    if body.stream:
+        return sse(run, query_events(run))
+    return run.response(await run.result(request))
+
+
+async def query_events(run: QueryRun) -> AsyncIterator[ServerSentEvent]:
+    """`event: delta` {"delta": text} per piece of text, then `event: result`: the whole response."""
+    async for event in run.events():
+        if isinstance(event, str):
+            yield ServerSentEvent(json.dumps({"delta": event}), event="delta")
+        else:
+            yield ServerSentEvent(run.response(event).model_dump_json(), event="result")
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses={200: SSE, **ERRORS})
+async def chat_completions(body: ChatCompletionRequest, request: Request, svc: Service = Depends(service)):
+    """The whole conversation goes into the prompt (app.conversation: system message, earlier turns, the
+    new question; retrieval with the question made self-contained); the conversation's KV is reused
+    from turn to turn (usage.prompt_tokens_details.cached_tokens counts it)."""
+    body.question()  # 422 without a user message
+    chat = Conversation.from_messages(body.messages)
+    check_limits(svc.settings.limits, question=chat.question, top_k=body.top_k, max_tokens=body.new_tokens(),
+                 question_field="messages",
+                 max_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    params = svc.query_params(chat.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
+                              max_tokens=body.new_tokens(), temperature=body.temperature or 0.0,
+                              top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed, system=chat.system,
+                              turns=chat.turns, retrieval_query=chat.retrieval_query(), remember=True)
+    run = await QueryRun.start(svc, params, request)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return sse(run, chat_chunks(run, head, include_usage))
+    result = await run.result(request)
+    return ChatCompletion(**head, usage=_usage(result), sources=result.sources,
+                          dropped_messages=result.stats.dropped_messages,
+                          choices=[Choice(message=ChatMessageOut(content=result.answer),
+                                          finish_reason=_finish_reason(result))])
+
+
+async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool) -> AsyncIterator[ServerSentEvent]:
+    """OpenAI's stream: a role chunk, content chunks, a finish chunk, [a usage chunk,] [DONE]."""
+    def chunk(delta: Delta | None, finish: str | None = None, usage: Usage | None = None,
+              dropped: int | None = None) -> ServerSentEvent:
+        choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=finish)]
+        return ServerSentEvent(ChatCompletionChunk(**head, choices=choices, usage=usage, dropped_messages=dropped)
+                               .model_dump_json(exclude_none=False))
+
+    yield chunk(Delta(role="assistant", content=""))
+    async for event in run.events():
+        if isinstance(event, str):
+            yield chunk(Delta(content=event))
+        else:
+            yield chunk(Delta(), finish=_finish_reason(event), dropped=event.stats.dropped_messages)
+            if include_usage:
+                yield chunk(None, usage=_usage(event))
+    yield ServerSentEvent("[DONE]")
+
+
+def _usage(result: QueryResult) -> Usage:
+    s = result.stats
+    return Usage(prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
+                 total_tokens=s.prompt_tokens + s.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=s.cached_tokens))
+
+
+def _finish_reason(result: QueryResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"  # "cancelled" never reaches a client

@@ -64,7 +64,7 @@ def ask(question: str, top_k: Optional[int] = typer.Option(None, min=1),
         max_tokens: Optional[int] = typer.Option(None, min=1),
         config: Optional[Path] = ConfigOpt) -> None:
     """Answer one question with the same engine as the API, without HTTP."""
-    from app.engine import run_ask
+    from app.commands import run_ask
 
     if mode not in ("blend", "full", "reuse"):
         fail(f"unknown mode {mode!r}: use blend, full or reuse")

@@ -1,4 +1,4 @@
-"""What the `ragblend` commands run (app/cli.py parses their arguments): ingest and compare, over
+"""What the `ragblend` commands run (app/cli.py parses their arguments): ingest, ask and compare, over
 the parts app/components.py builds. Each returns the command's exit code."""
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from app.compare import (REPORT_JSON, CompareConfig, Harness, build_report, load
                          warm_up, write_outputs)
 from app.components import Components
 from app.config import Settings
+from app.engine import QueryParams, RagEngine
 from app.ingest import IngestError, Ingestor, SourceDocument, collect_files, read_documents
 from blend.selection import get_policy
 from common import git_commit
@@ -123,6 +124,27 @@ def _ingest_all(ingestor: Ingestor, docs: list[SourceDocument], summary: _Summar
             summary.counts[result.status] += 1
             if result.status != "unchanged":
                 summary.chunks += result.n_chunks
+
+
+# ---- ragblend ask -------------------------------------------------------------------------------
+
+def run_ask(settings: Settings, question: str, *, top_k: int | None, mode: str, ratio: float | None,
+            max_tokens: int | None) -> int:
+    """`ragblend ask`: print the answer, its sources and timings."""
+    engine = RagEngine(settings)
+    for event in engine.stream(QueryParams(question, top_k=top_k, mode=mode, ratio=ratio, max_tokens=max_tokens)):
+        if isinstance(event, str):
+            sys.stdout.write(event)
+            sys.stdout.flush()
+        else:
+            print("\n\nsources:")
+            for src in event.sources:
+                print(f"  [{src.score:.3f}] {src.doc_id}#{src.chunk_id} {src.title or ''}")
+            s = event.stats
+            print(f"\nmode={s.mode} ttft={s.ttft_ms:.0f}ms total={s.total_ms:.0f}ms prompt={s.prompt_tokens} "
+                  f"cached={s.cached_tokens} recomputed={s.recomputed_tokens} store={s.store_hits}")
+    engine.parts.close()
+    return 0
 
 
 # ---- ragblend compare ---------------------------------------------------------------------------

@@ -28,7 +28,6 @@ question); `ttft_ratio_of_medians` is median(mode TTFT) / median(full TTFT).
 """
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import statistics
@@ -144,8 +143,9 @@ class Harness:
         return Timed(prefill, time.perf_counter() - start)
 
     def answer(self, prefill: Prefill) -> list[int]:
-        """Greedy answer tokens (eos included when generated); decodes on a copy of the cache."""
-        return list(self.blender.decode(copy.deepcopy(prefill), self.sampling))
+        """Greedy answer tokens (eos included when generated): the engine's decode loop, in a pool slot
+        (the prefill's own cache is left as it was for teacher forcing)."""
+        return list(self.blender.decode(prefill, self.sampling))
 
     def text(self, tokens: list[int]) -> str:
         """The answer as serving writes it: through blend.TextStream (eos ends it, special tokens dropped)."""

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from app.config import Settings
 from app.ingest import IngestCancelled, Ingestor
 from app.kv import ChunkKVCache
+from app.loading import LoadingControl
 from app.scheduler import Scheduler
 from app.usage import UsageLog
 from app.worker import Worker
@@ -41,12 +42,16 @@ class Components:
     @cached_property
     def blender(self) -> Blender:
         """The Blender for the blend settings; a check layer the model cannot have is a config error."""
-        b = self.settings.blend
+        b, m = self.settings.blend, self.settings.model
         try:
-            return Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
-                           deviation=b.deviation, selection=b.selection)
+            blender = Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
+                              deviation=b.deviation, selection=b.selection)
         except ValueError as exc:
             raise ValueError(f"invalid blend settings: {exc}") from None
+        # the decode KV pool: one slot per request the scheduler runs at once (app.scheduler)
+        blender.configure_decode(slots=self.settings.server.max_batch, max_len=m.kv_pool_tokens,
+                                 cuda_graphs=m.cuda_graphs)
+        return blender
 
     @cached_property
     def prompt(self) -> PromptFormat:
@@ -54,7 +59,8 @@ class Components:
 
     @cached_property
     def store(self) -> TieredStore:
-        return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint)
+        return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint,
+                           device=self.blender.device)  # gpu_bytes "auto" and pinned memory follow the model
 
     def inspect_store(self) -> TieredStore:
         """The store opened without a model, for stats only (the caller closes it)."""
@@ -64,6 +70,11 @@ class Components:
     def kv_cache(self) -> ChunkKVCache:
         return ChunkKVCache(self.blender, self.prompt, self.store, precompute=self.settings.blend.precompute,
                             on_served=self.usage.record)
+
+    @cached_property
+    def loading(self) -> LoadingControl:
+        """The loading controller's glue (blend.ratio: auto), learning from this process's prefills."""
+        return LoadingControl(self.blender, self.store, self.settings.blend.ratio_floor)
 
     @cached_property
     def metadata(self) -> Metadata:

@@ -30,6 +30,8 @@ class ModelSettings(BaseModel):
         return value
     cache_dir: Path | None = None
     system_prompt: str = "Answer the question with a short phrase, using only the passages."
+    kv_pool_tokens: int = Field(8192, ge=16)  # decode KV pool: positions per slot (prompt + answer); slots = max_batch
+    cuda_graphs: Literal["auto", "on", "off"] = "auto"  # the decode step as CUDA graphs (auto: on CUDA)
 
 
 class BlendSettings(BaseModel):

@@ -9,6 +9,7 @@ question, and the text to retrieve with.
   A follow-up, by a simple rule: the question has at most FOLLOW_UP_MAX_WORDS words, or a word that
   points back (REFERRING), or starts like a continuation (CONTINUING). Measured on constructed
   conversations in bench/followup.py (BENCHMARKS.md).
+- In the prompt, the conversation keeps its newest exchanges that fit the context (`fit_conversation`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from blend.prompt import exchange_starts
 
 FOLLOW_UP_MAX_WORDS = 4
 REFERRING = frozenset("""it its itself he him his himself she her hers herself they them their theirs themselves
@@ -70,3 +73,42 @@ def previous_exchange(turns: Sequence[tuple[str, str]]) -> list[str]:
     last_user = max((i for i, (role, _) in enumerate(turns) if role == "user"), default=None)
     exchange = [turns[-1]] if last_user is None else turns[last_user:last_user + 2]
     return [text.strip()[:PREVIOUS_MAX_CHARS] for _, text in exchange]
+
+
+# ---- the conversation in the prompt: the newest exchanges that fit -------------------------------
+
+CHARS_PER_TOKEN_BOUND = 64  # no token holds more characters (bounds the conversation worth rendering)
+
+
+class ConversationFormat(Protocol):
+    """What fitting needs from blend.PromptFormat: a conversation's token pieces."""
+
+    def conversation_ids(self, turns: Sequence[tuple[str, str]], system: str | None) -> list[list[int]]: ...
+
+
+def fit_conversation(prompt: ConversationFormat, turns: tuple[tuple[str, str], ...], system: str | None,
+                     fixed: int, limit: int | None) -> tuple[tuple[tuple[str, str], ...], list[list[int]]]:
+    """The newest exchanges whose conversation fits a `limit`-token context next to `fixed` other tokens,
+    and their token pieces. A binary search over where the kept conversation starts (a few renders,
+    however long the chat); exchanges more than CHARS_PER_TOKEN_BOUND characters per token of context
+    back are not even tried."""
+    if not turns:
+        return (), []
+    starts = exchange_starts(turns) + [len(turns)]
+    if limit:  # no conversation of more characters than this fits: skip rendering it
+        chars = [sum(len(text) for _, text in turns[start:]) for start in starts]
+        starts = [s for s, n in zip(starts, chars) if n <= CHARS_PER_TOKEN_BOUND * limit] or [len(turns)]
+
+    def fitting(i: int) -> list[list[int]] | None:
+        conversation = prompt.conversation_ids(turns[starts[i]:], system)
+        return conversation if not limit or fixed + sum(map(len, conversation)) <= limit else None
+
+    kept, best = len(starts) - 1, []  # the last start keeps nothing, which always fits
+    lo, hi = 0, len(starts) - 2
+    while lo <= hi:  # the earliest start that fits (a later start only drops more)
+        mid = (lo + hi) // 2
+        if (conversation := fitting(mid)) is not None:
+            kept, best, hi = mid, conversation, mid - 1
+        else:
+            lo = mid + 1
+    return turns[starts[kept]:], best

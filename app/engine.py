@@ -11,7 +11,8 @@ The prompt: head | conversation | passages | question (blend.prompt). A chat req
 form the conversation, an exact prefix whose KV is stored per exchange: after sending its answer, the
 program stores the KV of the exchange it just had, so the next turn reads its whole conversation from
 the store and computes only its passages' repair and the new question.
-When the conversation does not fit the context, its oldest exchanges are dropped first.
+When the conversation does not fit the context, its oldest exchanges are dropped first (app.conversation);
+with blend.ratio auto the loading controller (app.loading) picks the ratio.
 """
 from __future__ import annotations
 
@@ -20,22 +21,19 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Generator, Iterator, Literal
 
-import torch
-
 from app.components import Components
 from app.config import Settings
+from app.conversation import fit_conversation
 from app.explain import Explain, explain_prompt
-from app.scheduler import DecodeStep, Offload, run_alone
+from app.scheduler import Offload, run_alone
 from blend import ChunkKV, Prefill, SamplingParams, TextStream
-from blend.controller import Calibration, ChunkCost, overlap_share, plan_loading
-from blend.decode import sample_next
+from blend.controller import Calibration
+from blend.decode import DecodeStep, decode_loop
 from blend.pipeline import LayerSource
-from blend.prompt import exchange_starts
 from blend.selection import get_policy
 from retrieval.retriever import Hit
 
 Mode = Literal["blend", "full", "reuse"]
-CHARS_PER_TOKEN_BOUND = 64  # no token holds more characters (bounds the conversation worth rendering)
 
 
 class RequestError(ValueError):
@@ -133,7 +131,11 @@ class RagEngine:
     def __init__(self, settings: Settings, components: Components | None = None):
         self.settings = settings
         self.parts = components or Components(settings)
-        self.calibration = Calibration()  # measured recompute cost and tier bandwidths (blend.ratio: auto)
+
+    @property
+    def calibration(self) -> Calibration:
+        """The loading controller's measured recompute cost and tier bandwidths (blend.ratio: auto)."""
+        return self.parts.loading.calibration
 
     def answer(self, params: QueryParams) -> QueryResult:
         results = [event for event in self.stream(params) if isinstance(event, QueryResult)]
@@ -173,15 +175,16 @@ class RagEngine:
         t = time.perf_counter()
         if params.mode == "full":
             prompt_ids = [i for p in plan.pieces for i in p.ids] + plan.suffix
-            prefill = yield from parts.blender.prefill_steps([], prompt_ids, 1.0, reserve=max_tokens)
+            prefill = yield from parts.blender.prefill_steps([], prompt_ids, 1.0)
         else:
             ratio = 0.0 if params.mode == "reuse" else params.ratio
             if ratio is None and self.settings.blend.ratio == "auto":
-                ratio = yield from self._controlled_ratio(params, plan, stats)
+                ratio, stats.loading = yield from parts.loading.ratio(plan.pieces, len(plan.suffix), params.selection,
+                                                                      self._recompute)
             elif ratio is None:
                 ratio = self.settings.blend.ratio
             prefill = yield from parts.blender.prefill_steps(
-                [p.kv for p in plan.pieces], plan.suffix, ratio, selection=params.selection, reserve=max_tokens,
+                [p.kv for p in plan.pieces], plan.suffix, ratio, selection=params.selection,
                 pipeline=self.settings.blend.pipeline, recompute=lambda i: self._recompute(plan.pieces[i]))
             stats.selection = params.selection or parts.blender.selection
             passages = [p for p in plan.pieces if p.kind == "passage"]
@@ -192,30 +195,38 @@ class RagEngine:
         _fill_prefill_stats(stats, prefill, params.mode, plan)
         if params.mode == "blend" and prefill.stats.fallback is None:  # live compute cost, for the controller
             tokens = (prefill.stats.recomputed_tokens + len(plan.suffix)) * parts.blender.num_layers
-            self.calibration.observe_compute(tokens, (stats.prefill_ms - stats.load_wait_ms) / 1000)
-            self._observe_tiers()
+            parts.loading.observe(tokens, (stats.prefill_ms - stats.load_wait_ms) / 1000)
 
-        # 4. Decode: one token per step, the scheduler batching this request's steps with the others'.
+        # 4. Decode in a KV pool slot: one token per DecodeStep, batched by the scheduler with the other
+        #    requests' (blend.decode.decode_loop, the loop Blender.decode runs too). Closing the program
+        #    (done, cancelled, failed) gives the slot back.
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
                                   stop=params.stop, seed=params.seed)
         eos = frozenset() if params.ignore_eos else parts.blender.eos_ids
         text = TextStream(parts.tokenizer, stop=params.stop, eos_ids=eos)
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        logits, position = prefill.logits, prefill.num_tokens
-        for step in range(max_tokens):
-            token = sample_next(logits, sampling, generator)
-            if step == 0:
-                stats.ttft_ms = _ms(start)
-            if delta := text.push(token):
-                yield delta
-            if text.finish_reason is not None:
-                break
-            if cancelled():
-                text.finish_reason = "cancelled"
-                break
-            if step + 1 < max_tokens:
-                logits = yield DecodeStep(prefill.cache, token, position)
-                position += 1
+        sequence = parts.blender.start_decode(prefill, sampling)
+        try:
+            loop, reply = decode_loop(sequence, prefill.logits), None
+            while True:
+                try:
+                    item = loop.send(reply)
+                except StopIteration:
+                    break
+                reply = None
+                if isinstance(item, DecodeStep):
+                    reply = yield item
+                    continue
+                if not stats.ttft_ms:
+                    stats.ttft_ms = _ms(start)
+                if delta := text.push(item):
+                    yield delta
+                if text.finish_reason is not None:
+                    break
+                if cancelled():
+                    text.finish_reason = "cancelled"
+                    break
+        finally:
+            sequence.release()
         if delta := text.flush():
             yield delta
         stats.completion_tokens = len(text.tokens)
@@ -244,7 +255,7 @@ class RagEngine:
         stats.retrieve_ms = _ms(t)
         fixed = len(head) + sum(map(len, passages)) + len(suffix) + max_tokens
         self._check_length(fixed - max_tokens, max_tokens)
-        turns, conversation = self._fit(params, fixed)
+        turns, conversation = fit_conversation(parts.prompt, params.turns, params.system, fixed, self._context_limit())
 
         t = time.perf_counter()
         pieces, before = [_Piece("head", head, [])], list(head)
@@ -260,73 +271,22 @@ class RagEngine:
         stats.kv_load_ms = _ms(t)
         return _Plan(hits, pieces, suffix, turns, len(params.turns) - len(turns))
 
-    def _controlled_ratio(self, params: QueryParams, plan: _Plan, stats: QueryStats
-                          ) -> Generator[None, None, float]:
-        """blend.ratio auto: the loading controller's ratio for this prompt; passages it finds cheaper to
-        recompute from text than to load are recomputed here (a slice each)."""
-        floor, cal = self.settings.blend.ratio_floor, self.calibration
-        if cal.recompute_s is None:
-            stats.loading = {"ratio": floor, "recompute_from_text": [], "reason": "not calibrated yet: the floor"}
-            return floor
-        chunks = [ChunkCost(len(p.ids), p.tier or "computed", getattr(p.kv, "layer_nbytes", 0)) for p in plan.pieces]
-        layers = self.parts.blender.num_layers
-        policy = get_policy(params.selection or self.parts.blender.selection)
-        choice = plan_loading(chunks, floor=floor, suffix_tokens=len(plan.suffix), num_layers=layers,
-                              recompute_s=cal.recompute_s, bandwidth=cal.bandwidth,
-                              overlap=overlap_share(policy.question_layers and policy.layer_range(layers), layers))
-        for piece, load in zip(plan.pieces, choice.load):
-            if not load and not isinstance(piece.kv, ChunkKV):
-                piece.kv.close()
-                piece.kv = self._recompute(piece)
-                yield
-        stats.loading = choice.as_dict() | cal.snapshot()
-        return choice.ratio
-
-    def _observe_tiers(self) -> None:
-        """Each tier's bandwidth from the store's per-layer read counts (mean over its reads so far)."""
-        for tier, t in self.parts.store.counts().items():
-            if t.get("layer_reads"):
-                self.calibration.observe_tier(tier, t["layer_bytes"] / t["layer_reads"], t["layer_ms_mean"])
-
     def _recompute(self, piece: _Piece) -> ChunkKV:
         """A piece whose stored KV failed to load mid-prefill (damaged, gone): computed (and stored) afresh."""
         piece.tier = "computed"
         return self.parts.kv_cache.compute(piece.ids, piece.context_ids)
 
-    def _fit(self, params: QueryParams, fixed: int) -> tuple[tuple[tuple[str, str], ...], list[list[int]]]:
-        """The newest exchanges whose conversation fits the context next to everything else, as token pieces.
-        A binary search over where the kept conversation starts (a few renders, however long the chat);
-        exchanges more than CHARS_PER_TOKEN_BOUND characters per token of context back are not even tried."""
-        limit, turns = self._context_limit(), params.turns
-        if not turns:
-            return (), []
-        starts = exchange_starts(turns) + [len(turns)]
-        if limit:  # no conversation of more characters than this fits: skip rendering it
-            chars = [sum(len(text) for _, text in turns[start:]) for start in starts]
-            starts = [s for s, n in zip(starts, chars) if n <= CHARS_PER_TOKEN_BOUND * limit] or [len(turns)]
-
-        def fitting(i: int) -> list[list[int]] | None:
-            conversation = self.parts.prompt.conversation_ids(turns[starts[i]:], params.system)
-            return conversation if not limit or fixed + sum(map(len, conversation)) <= limit else None
-
-        kept, best = len(starts) - 1, []  # the last start keeps nothing, which always fits
-        lo, hi = 0, len(starts) - 2
-        while lo <= hi:  # the earliest start that fits (a later start only drops more)
-            mid = (lo + hi) // 2
-            if (conversation := fitting(mid)) is not None:
-                kept, best, hi = mid, conversation, mid - 1
-            else:
-                lo = mid + 1
-        return turns[starts[kept]:], best
-
     def _check_length(self, prompt_len: int, max_tokens: int) -> None:
         limit = self._context_limit()
         if limit and prompt_len + max_tokens > limit:
-            raise RequestError(f"prompt of {prompt_len} tokens plus max_tokens exceeds the model's "
+            what = "decode KV pool's" if limit == self.parts.blender.decode_max_len else "model's"
+            raise RequestError(f"prompt of {prompt_len} tokens plus max_tokens ({max_tokens}) exceeds the {what} "
                                f"{limit}-token context; lower top_k or max_tokens")
 
     def _context_limit(self) -> int | None:
-        return getattr(self.parts.llm.model.config, "max_position_embeddings", None)
+        """Positions a request may fill: the model's context, at most a decode pool slot (blend.pool)."""
+        model = getattr(self.parts.llm.model.config, "max_position_embeddings", None)
+        return min(x for x in (model, self.parts.blender.decode_max_len) if x)
 
     # ---- after the answer: the next turn's conversation KV -----------------------------------------
 
@@ -374,24 +334,3 @@ def _fill_prefill_stats(stats: QueryStats, prefill: Prefill, mode: str, plan: _P
 
 def _ms(since: float) -> float:
     return round((time.perf_counter() - since) * 1000, 2)
-
-
-def run_ask(settings: Settings, question: str, *, top_k: int | None, mode: str, ratio: float | None,
-            max_tokens: int | None) -> int:
-    """`ragblend ask`: print the answer, its sources and timings."""
-    import sys
-
-    engine = RagEngine(settings)
-    for event in engine.stream(QueryParams(question, top_k=top_k, mode=mode, ratio=ratio, max_tokens=max_tokens)):
-        if isinstance(event, str):
-            sys.stdout.write(event)
-            sys.stdout.flush()
-        else:
-            print("\n\nsources:")
-            for src in event.sources:
-                print(f"  [{src.score:.3f}] {src.doc_id}#{src.chunk_id} {src.title or ''}")
-            s = event.stats
-            print(f"\nmode={s.mode} ttft={s.ttft_ms:.0f}ms total={s.total_ms:.0f}ms prompt={s.prompt_tokens} "
-                  f"cached={s.cached_tokens} recomputed={s.recomputed_tokens} store={s.store_hits}")
-    engine.parts.close()
-    return 0

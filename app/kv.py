@@ -17,7 +17,7 @@ import torch
 from app.usage import COMPUTED
 from blend import Blender, ChunkKV, PromptFormat, hash_ids
 from blend.pipeline import LayerSource
-from store import TieredStore, decode, encode, kv_key
+from store import TieredStore, kv_key
 
 log = logging.getLogger("ragblend.kv")
 
@@ -110,10 +110,9 @@ class ChunkKVCache:
         if context_ids == self.context_ids and not before:  # a passage
             kv = self._compute(ids, context_ids)
         else:
-            context = _joined(before, self.blender.dtype) if before else None
+            context = _joined(before, self.blender.device, self.blender.dtype) if before else None
             kv = self.blender.precompute(ids, context_ids, context=context)
-        self.store.put(self._key(ids, context_ids), kv)
-        return self._as_stored(kv)
+        return self.store.put(self._key(ids, context_ids), kv)  # as a later hit will read it back
 
     def _load(self, ids: list[int], context_ids: list[int]) -> tuple[ChunkKV, str]:
         kv, tier = self.lookup(ids, context_ids)
@@ -121,19 +120,15 @@ class ChunkKVCache:
             return kv, tier
         return self.compute(ids, context_ids), COMPUTED
 
-    def _as_stored(self, kv: ChunkKV) -> ChunkKV:
-        """What a later hit will read back (the codec's fp16/int8 values), so a question gets the same
-        answer whether its pieces were just computed or came from the store."""
-        return decode(encode(kv, self.store.codec), verify_checksum=False)
-
     def _compute(self, ids: list[int], context_ids: list[int]) -> ChunkKV:
         context = self.head() if context_ids and context_ids == self.head_ids else None
         return self.blender.precompute(ids, context_ids, context=context)
 
 
-def _joined(parts: Sequence[ChunkKV], dtype: torch.dtype) -> ChunkKV:
-    """Consecutive exact pieces (head, conversation...) as one ChunkKV, to serve as a precompute context."""
+def _joined(parts: Sequence[ChunkKV], device: torch.device, dtype: torch.dtype) -> ChunkKV:
+    """Consecutive exact pieces (head, conversation...) as one ChunkKV, to serve as a precompute context
+    (on the model's device: the pieces may come from different tiers)."""
     first = parts[0]
-    return ChunkKV(torch.cat([p.keys.to(dtype) for p in parts], dim=2),      # [L, H, sum T, D]
-                   torch.cat([p.values.to(dtype) for p in parts], dim=2),
+    return ChunkKV(torch.cat([p.keys.to(device, dtype) for p in parts], dim=2),      # [L, H, sum T, D]
+                   torch.cat([p.values.to(device, dtype) for p in parts], dim=2),
                    torch.cat([p.token_ids for p in parts]), first.position, first.context_hash, first.fingerprint)

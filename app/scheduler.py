@@ -4,10 +4,12 @@ A request is a generator (RagEngine.program) run on the model thread. It yields 
 result for the client, and between them directives for the scheduler:
     Offload(fn)       run fn off the model thread (retrieval, store reads); resumes with its result
     None              a slice of model work is done (a prefill layer, a chunk's precompute)
-    DecodeStep(...)   it needs its next-token logits; all such requests share one batched forward
+    DecodeStep(...)   it needs its next token; all such requests share one batched forward (blend.decode)
 Other threads hand the model thread whole functions with `run_on_model` (an upload's chunk precompute).
 
-Each request holds a slot from admission to its last token; at most `max_batch` slots. The loop:
+Each request holds a slot from admission to its last token; at most `max_batch` slots, the decode KV pool's
+slots (blend.pool: the server sizes both from server.max_batch; a request takes its pool slot when its
+prefill ends and gives it back when its program closes, cancelled or done). The loop:
     1. admit queued requests into free slots; end cancelled ones at once (their slot is free)
     2. run one slice: the oldest request that is not decoding advances until it yields or the slice
        budget is spent; if none needs it, one model task may run instead: always when no request is
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, Sequence
 
 from app.worker import END, Job, QueueFull, WorkerStopped
+from blend.decode import DecodeStep
 
 log = logging.getLogger("ragblend.scheduler")
 
@@ -46,15 +49,9 @@ class Offload:
     fn: Callable[[], Any]
 
 
-@dataclass
-class DecodeStep:
-    cache: Any       # blend.BlendCache of this request
-    token: int       # the token to append
-    position: int    # its absolute position
-
-
 Program = Generator[Any, Any, None]
-DecodeFn = Callable[[Sequence[Any], Sequence[int], Sequence[int]], Any]  # (caches, tokens, positions) -> [B, V]
+# (sequences, tokens, positions) -> each row's next token (blend.Blender.decode_step)
+DecodeFn = Callable[[Sequence[Any], Sequence[int], Sequence[int]], Sequence[Any]]
 
 
 def run_alone(program: Program, decode_step: DecodeFn) -> Iterator[Any]:
@@ -69,7 +66,7 @@ def run_alone(program: Program, decode_step: DecodeFn) -> Iterator[Any]:
         if isinstance(item, Offload):
             value = item.fn()
         elif isinstance(item, DecodeStep):
-            value = decode_step([item.cache], [item.token], [item.position])[0]
+            value = decode_step([item.sequence], [item.token], [item.position])[0]
         elif item is not None:
             yield item
 
@@ -316,15 +313,15 @@ class Scheduler:
         with self._working(f"decode step ({len(slots)} rows)"):
             start = time.monotonic()
             try:
-                rows = list(self.decode_step([s.cache for s in steps], [s.token for s in steps],
+                rows = list(self.decode_step([s.sequence for s in steps], [s.token for s in steps],
                                              [s.position for s in steps]))
                 self._last_decode_s = time.monotonic() - start
             except Exception:  # find the row at fault: each alone, from its cache as it was (position tokens)
                 rows = []
                 for step in steps:
-                    step.cache.truncate(step.position)
+                    step.sequence.truncate(step.position)
                     try:
-                        rows.append(self.decode_step([step.cache], [step.token], [step.position])[0])
+                        rows.append(self.decode_step([step.sequence], [step.token], [step.position])[0])
                     except Exception as exc:
                         rows.append(exc)
             for slot, row in zip(slots, rows):
@@ -333,7 +330,7 @@ class Scheduler:
                     slot.error = row
                 else:
                     slot.value = row
-                self._advance(slot)  # sample, stream the text, ask for the next step (or finish)
+                self._advance(slot)  # stream the token's text, ask for the next step (or finish)
 
     def _advance(self, slot: _Slot) -> bool:
         """Resume `slot` until it yields a directive; True if it can go on at once (it yielded a slice)."""

@@ -1,13 +1,18 @@
 """Decode-step cost by batch size: what batching buys per token, and what limits it.
 
     python bench/decode.py [--context 2500] [--batches 1,2,4,8] [--steps 10] [--threads N]
+    python bench/decode.py --device cuda [--context 4096] [--batches 1,8,32] [--steps 30]
 
-Times `Blender.decode_step` for B rows, each over its own cache of about `--context` tokens (random
-K/V: the cost does not depend on the values), with the model's linears as the Blender sets them on
-the CPU (`SkinnyLinear`, blend.skinny) and as plain `nn.Linear`, interleaved in one run.
-Prints JSON: per form and B, ms per step and per token, and the step's cost relative to B = 1.
-The step reads every weight once (shared by the rows) and each row's own K/V (not shared), so
-per-token cost falls with B only as far as the weights dominate.
+CPU (the default): times `Blender.decode_step` for B rows of the embedded SmolLM2, each in its own KV pool
+slot holding about `--context` tokens (random K/V: the cost does not depend on the values), with the
+model's linears as the Blender sets them on the CPU (`SkinnyLinear`, blend.skinny) and as plain
+`nn.Linear`, interleaved in one run. Prints JSON: per form and B, ms per step and per token, and the
+step's cost relative to the first B.
+
+CUDA (`--device cuda`, for bench/device_check.sh): a randomly initialised Llama-3-8B-shaped model in
+bfloat16 (config only, nothing downloaded), B rows of `--context` tokens: the step eager and as CUDA
+graphs (`cuda_decode_timing`), the greedy tokens of both (they must be equal), and the model's own HF
+forward at batch 1 over a DynamicCache of the same length, all timed with the device synchronised.
 """
 from __future__ import annotations
 
@@ -25,11 +30,19 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app.components import Components  # noqa: E402
-from app.config import load_settings  # noqa: E402
-from blend.cache import BlendCache  # noqa: E402
+from blend.decode import SamplingParams  # noqa: E402
+from blend.graphs import StepGraphs, cuda_graph_capture  # noqa: E402
+from blend.pool import Decoding  # noqa: E402
 from blend.skinny import SkinnyLinear  # noqa: E402
 from common import git_commit  # noqa: E402
+
+LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                 rope_theta=500000.0, rms_norm_eps=1e-5)
+
+
+def log(message: str) -> None:
+    print(f"[bench/decode] {message}", file=sys.stderr, flush=True)
 
 
 def set_linears(model: nn.Module, cls: type[nn.Linear]) -> None:
@@ -38,48 +51,160 @@ def set_linears(model: nn.Module, cls: type[nn.Linear]) -> None:
             module.__class__ = cls
 
 
-def step_ms(blender, batch: int, context: int, steps: int) -> float:
-    """Median ms of one decode step of `batch` rows (contexts context, context+37, ...)."""
-    layers, heads, dim = blender.num_layers, blender.kv_heads, blender.head_dim
-    lengths = [context + 37 * b for b in range(batch)]
-    caches = [BlendCache(torch.randn(layers, heads, n + steps + 4, dim), torch.randn(layers, heads, n + steps + 4, dim),
-                         length=n) for n in lengths]
-    times = []
-    for step in range(steps + 2):
+def fill_rows(blender, batch: int, context: int, seed: int = 0) -> list[Decoding]:
+    """`batch` pool slots holding random K/V for `context` + 37·b tokens (the same for the same seed)."""
+    pool, rows = blender.pool, []
+    generator = torch.Generator(device=pool.keys.device).manual_seed(seed)
+    for b in range(batch):
+        slot, length = pool.acquire(), context + 37 * b
+        for kv in (pool.keys, pool.values):
+            kv[:, slot, :, :length].normal_(generator=generator)
+        rows.append(Decoding(pool, slot, length, SamplingParams()))
+    return rows
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(blender, rows: list[Decoding], steps: int, warmup: int = 2) -> tuple[float, list[list[int]]]:
+    """Median ms of a greedy decode step over `rows` (each step feeds the previous step's tokens), and the
+    tokens of each step."""
+    tokens, times, seen = [100] * len(rows), [], []
+    for _ in range(warmup + steps):
+        synchronize(blender.device)
         start = time.perf_counter()
-        blender.decode_step(caches, [100] * batch, [n + step for n in lengths])
+        tokens = blender.decode_step(rows, tokens, [r.length for r in rows])  # ids on the host: synchronised
         times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times[2:])  # the first two warm up
+        seen.append(tokens)
+    return 1000 * statistics.median(times[warmup:]), seen
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--context", type=int, default=2500)
-    parser.add_argument("--batches", default="1,2,4,8")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=None)
-    args = parser.parse_args()
+def release(rows: list[Decoding]) -> None:
+    for row in rows:
+        row.release()
+
+
+def cpu_timing(args) -> dict:
+    from app.components import Components
+    from app.config import load_settings
+
     if args.threads:
         torch.set_num_threads(args.threads)
-    components = Components(load_settings(model={"cache_dir": str(REPO / "data" / "models")}))
-    blender = components.blender
     batches = [int(b) for b in args.batches.split(",")]
+    components = Components(load_settings(model={"cache_dir": str(REPO / "data" / "models")},
+                                          server={"max_batch": max(batches)}))
+    blender = components.blender
     forms = {"skinny": SkinnyLinear, "plain": nn.Linear}
-    load_before = os.getloadavg()
     result = {form: {} for form in forms}
     for batch in batches:  # interleaved: both forms at each B
         for form, cls in forms.items():
             set_linears(blender.model, cls)
-            ms = step_ms(blender, batch, args.context, args.steps)
+            rows = fill_rows(blender, batch, args.context)
+            ms, _ = timed_steps(blender, rows, args.steps)
+            release(rows)
             result[form][batch] = {"step_ms": round(ms, 1), "per_token_ms": round(ms / batch, 1)}
-            print(f"[bench/decode] {form} B={batch}: {ms:.1f} ms/step", file=sys.stderr, flush=True)
+            log(f"{form} B={batch}: {ms:.1f} ms/step")
     set_linears(blender.model, SkinnyLinear)
     for form in forms:
         one = result[form][batches[0]]["step_ms"]
         for row in result[form].values():
             row["step_vs_first"] = round(row["step_ms"] / one, 2)
-    print(json.dumps({"context_tokens": args.context, "threads": torch.get_num_threads(), "forms": result,
-                      "commit": git_commit(), "loadavg_before": [round(x, 2) for x in load_before],
+    return {"device": "cpu", "context_tokens": args.context, "threads": torch.get_num_threads(), "forms": result}
+
+
+def random_llama(device: torch.device, shape: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        with device:
+            return LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+@torch.inference_mode()
+def own_forward_ms(model, context: int, steps: int, warmup: int = 2) -> float:
+    """The model's own HF forward at batch 1 over a DynamicCache of `context` random positions."""
+    from transformers import DynamicCache
+
+    config, device = model.config, model.device
+    head_dim = config.hidden_size // config.num_attention_heads
+    cache = DynamicCache()
+    for layer in range(config.num_hidden_layers):
+        kv = torch.randn(2, 1, config.num_key_value_heads, context, head_dim, device=device, dtype=model.dtype)
+        cache.update(kv[0], kv[1], layer)
+    token, times = torch.tensor([[100]], device=device), []
+    for step in range(warmup + steps):
+        synchronize(device)
+        start = time.perf_counter()
+        out = model(input_ids=token, position_ids=torch.tensor([[context + step]], device=device), cache=cache,
+                    use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[warmup:])
+
+
+def cuda_decode_timing(device: str = "cuda", context: int = 4096, batches: tuple[int, ...] = (1, 8, 32),
+                       steps: int = 30, shape: dict | None = None) -> dict:
+    """The decode step on a GPU, eager and as CUDA graphs, at each batch size over `context`-token rows (the
+    8B Llama shape by default, random bfloat16 weights): ms per step, tokens/s, whether both gave the same
+    greedy tokens; and the model's own forward at batch 1. (On the CPU it runs too, with a small `shape`:
+    graph capture then fails and falls back, which is reported.)"""
+    from blend import Blender
+
+    device = torch.device(device)
+    log(f"building a random {'Llama-3-8B' if shape is None else 'custom'}-shaped model on {device}")
+    model = random_llama(device, shape or LLAMA3_8B)
+    blender = Blender(model, tokenizer=None, fingerprint="random-llama")
+    blender.configure_decode(slots=max(batches), max_len=context + 37 * max(batches) + steps + 8, cuda_graphs="on")
+    _ = blender.pool  # built now, so the graph settings below stay as set
+    result: dict = {"device": str(device), "context_tokens": context, "dtype": str(blender.dtype).removeprefix("torch."),
+                    "own_forward_b1_ms": round(own_forward_ms(model, context, steps), 2), "batches": {}}
+    log(f"own forward, batch 1: {result['own_forward_b1_ms']} ms/step")
+    for batch in batches:
+        row: dict = {}
+        tokens = {}
+        for mode in ("eager", "graphs"):  # (on the CPU no graph can be captured: that tries the fallback)
+            capture = cuda_graph_capture if device.type == "cuda" else _no_capture
+            blender._graphs = StepGraphs(enabled=mode == "graphs", capture=capture)
+            rows = fill_rows(blender, batch, context)  # the same K/V in both modes
+            ms, tokens[mode] = timed_steps(blender, rows, steps)
+            release(rows)
+            row[mode] = {"step_ms": round(ms, 2), "tokens_per_s": round(1000 * batch / ms, 1)}
+            log(f"{mode} B={batch}: {ms:.2f} ms/step")
+        row["graphs_fallback"] = blender._graphs.disabled
+        row["same_tokens"] = tokens["eager"] == tokens["graphs"]
+        result["batches"][batch] = row
+    return result
+
+
+def _no_capture(fn):
+    raise RuntimeError("CUDA graphs need a CUDA device")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--context", type=int, default=None, help="tokens per row (default: 2500 CPU, 4096 CUDA)")
+    parser.add_argument("--batches", default=None, help="default: 1,2,4,8 CPU, 1,8,32 CUDA")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 10 CPU, 30 CUDA)")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    if args.device == "cuda":
+        result = cuda_decode_timing(context=args.context or 4096,
+                                    batches=tuple(int(b) for b in (args.batches or "1,8,32").split(",")),
+                                    steps=args.steps or 30)
+    else:
+        args.context, args.batches, args.steps = args.context or 2500, args.batches or "1,2,4,8", args.steps or 10
+        result = cpu_timing(args)
+    print(json.dumps({**result, "commit": git_commit(), "loadavg_before": [round(x, 2) for x in load_before],
                       "loadavg_after": [round(x, 2) for x in os.getloadavg()]}, indent=1))
 
 

@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from blend import BLEND_ATTENTION, Blender  # noqa: E402
+from blend import BLEND_ATTENTION, Blender, SamplingParams  # noqa: E402
 from common import git_commit  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -205,39 +205,46 @@ def measure(blender: Blender, device, tokens: int, args, tmp: Path, report: Repo
 
 
 def decode(blender: Blender, device, context: int, batches: list[int], steps: int, report: Report) -> None:
+    """Blender.decode_step over batches of pooled requests (blend.pool), and the model's own forward at batch 1."""
     out = report.data["decode"]
     vocab = blender.model.config.vocab_size
     g = torch.Generator().manual_seed(7)
+    blender.configure_decode(slots=max(batches), max_len=context + 2 * steps + 8)
     for batch in batches:
+        sequences = []
         try:
-            prefills = [blender.full_prefill(torch.randint(10, vocab, (context,), generator=g).tolist(),
-                                             reserve=2 * steps + 4) for _ in range(batch)]
-            caches, positions = [p.cache for p in prefills], [context] * batch
-            blender.decode_step(caches, [11] * batch, positions)  # warm-up
+            prefill = blender.full_prefill(torch.randint(10, vocab, (context,), generator=g).tolist(),
+                                           reserve=2 * steps + 4)
+            sampling = SamplingParams(max_new_tokens=steps + 2)
+            sequences = [blender.start_decode(prefill, sampling) for _ in range(batch)]
+            positions = [context] * batch
+            blender.decode_step(sequences, [11] * batch, positions)  # warm-up (on CUDA: captures its graph)
             positions = [p + 1 for p in positions]
             sync(device)
             start = time.perf_counter()
             for _ in range(steps):
-                blender.decode_step(caches, [12] * batch, positions)
+                blender.decode_step(sequences, [12] * batch, positions)
                 positions = [p + 1 for p in positions]
             sync(device)
             step = (time.perf_counter() - start) / steps
             out[f"batch {batch}"] = {"step_ms": round(step * 1000, 2), "tokens_per_s": round(batch / step, 1)}
             if batch == 1:  # the model's own forward, one row: what the batched step must not be slower than
-                cache = prefills[0].cache
+                cache, position = prefill.cache, context
                 with torch.inference_mode():
                     sync(device)
                     start = time.perf_counter()
                     for _ in range(steps):
                         blender.model(input_ids=torch.tensor([[12]], device=device), use_cache=True, cache=cache,
-                                      position_ids=torch.tensor([[positions[0]]], device=device))
-                        positions[0] += 1
+                                      position_ids=torch.tensor([[position]], device=device))
+                        position += 1
                     sync(device)
                 out["own forward batch 1"] = {"step_ms": round((time.perf_counter() - start) / steps * 1000, 2)}
             log(f"  decode batch {batch} @ {context}: {out[f'batch {batch}']}")
         except Exception as exc:  # noqa: BLE001
             out[f"batch {batch}"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1200:]}
-        del prefills
+        finally:
+            for sequence in sequences:
+                sequence.release()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         report.dump()

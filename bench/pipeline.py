@@ -34,15 +34,15 @@ from app.config import load_settings  # noqa: E402
 from blend.controller import Calibration, ChunkCost, overlap_share, plan_loading  # noqa: E402
 from blend.selection import get_policy  # noqa: E402
 from common import git_commit  # noqa: E402
-from store import DiskTier, MemoryTier, RedisTier, TieredStore  # noqa: E402
+from store import BytesTier, DiskTier, MemoryTier, RedisTier, TieredStore  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 
 
 HOW = ("pipelined", "whole", "auto")
 
 
-class LimitedTier(MemoryTier):
-    """Memory tier whose range reads take at least nbytes / bandwidth (sleeping the rest): a remote
+class LimitedTier(BytesTier):
+    """An in-process byte tier whose range reads take at least nbytes / bandwidth (sleeping the rest): a remote
     store at a set bandwidth. Benchmark-only."""
 
     name = "limited"

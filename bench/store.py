@@ -1,30 +1,31 @@
-"""Store benchmark: bytes per token per codec, the time to load one 512-token chunk's KV from
-each tier against the time to recompute it (a prefill of a SmolLM2-135M-shaped model), and
-per-layer reads: one layer against the whole chunk, per tier.
+"""Store benchmark: per tier and codec, the bandwidth of read + verify + decode into the model's dtype
+(on the model's device), next to the time to recompute the chunk (a prefill of a SmolLM2-135M-shaped
+model), and a loader's pattern: layer i of several open chunks in turn, serial and read ahead on the pool.
 
-    python bench/store.py [--tokens 512] [--repeats 5] [--threads N]
+    python bench/store.py [--tokens 512] [--chunks 8] [--repeats 5] [--device cpu|cuda] [--threads N]
 
-Prints JSON on stdout, progress on stderr. Starts its own redis-server on a free port. The KV
-is random (the store does not care); the model is randomly initialised (same compute as the real
-one). Disk reads come from the page cache, as they would for a hot chunk.
+Prints JSON on stdout, progress on stderr. Starts its own redis-server on a free port (skipped when
+redis-server is missing). The KV is random (the store does not care); the model is randomly initialised
+(same compute as the real one). Disk reads come from the page cache, as they would for a hot chunk.
+`--device cuda` (bench/device_check.sh): bfloat16, layers land on the GPU, a gpu tier and a pinned memory
+tier; every timing synchronises the device.
 
-Per tier and codec: `get_s` (TieredStore.get: read, check, decode the whole chunk), and under
-`layers`: `open_s` (TieredStore.open: the head alone), `layer_s` (entry.layer(i) for one layer
-of an open entry), `all_layers_s` (open + every layer in turn: what a pipelined loader spends
-in all), and `layer_to_get` = layer_s / get_s. Every repeat times each of these once, interleaved,
-so the ratios compare like with like; each figure is the median over repeats (layer_s: over
-repeats x all layers).
+Per codec and tier: `get_s` (TieredStore.get: read, check, decode the whole chunk), `all_layers_s`
+(open + entry.layer(i, device, dtype) for every layer: what a pipelined loader spends), and
+`get_gbps` / `layers_gbps`: the KV delivered in the model's dtype per second (GB = 1e9 bytes);
+`loader_serial_s` / `loader_parallel_s`: `--chunks` chunks opened together, layer i of each in turn
+(read_threads 0 against the default pool). Medians over repeats, interleaved.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -32,8 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from store import CODECS, DiskTier, MemoryTier, RedisTier, TieredStore, bytes_per_token  # noqa: E402
-from tests.helpers import random_kv
-from tests.servers import RedisServer  # noqa: E402
+from tests.helpers import random_kv  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
 FINGERPRINT = "bench-smollm2-135m-shape"
@@ -43,97 +43,132 @@ def log(msg: str) -> None:
     print(f"[bench/store] {msg}", file=sys.stderr, flush=True)
 
 
-def median_s(fn: Callable[[], object], repeats: int) -> float:
-    return statistics.median(timed(fn) for _ in range(repeats))
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
 
 
-def recompute_s(tokens: int, repeats: int) -> float:
-    """Median time of a `tokens`-long prefill of a random SmolLM2-135M-shaped Llama in float32.
-
-    Logits for the last position only, as a prefill needs (and chunk precompute needs none).
-    """
+def recompute_s(tokens: int, repeats: int, device: torch.device, dtype: torch.dtype) -> float:
+    """Median time of a `tokens`-long prefill of a random SmolLM2-135M-shaped Llama (last logits only)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=LAYERS,
                          num_attention_heads=9, num_key_value_heads=KV_HEADS, vocab_size=49152,
                          max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
                          tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).eval()
-    ids = torch.randint(0, config.vocab_size, (1, tokens))  # [B, T]
+    model = LlamaForCausalLM(config).to(device, dtype).eval()
+    ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)  # [B, T]
     with torch.inference_mode():
         model(ids, use_cache=True, logits_to_keep=1)  # warm-up
-        return median_s(lambda: model(ids, use_cache=True, logits_to_keep=1), repeats)
+        return statistics.median(timed(lambda: model(ids, use_cache=True, logits_to_keep=1), device)
+                                 for _ in range(repeats))
 
 
-def tier_times(tier, codec: str, key: str, kv, repeats: int) -> dict[str, float]:
-    """Whole-chunk get, open, one layer and all layers from `tier` as the only tier, interleaved."""
-    store = TieredStore([tier], codec=codec, fingerprint=FINGERPRINT)
-    store.put(key, kv)
-    store.flush()
-    assert store.get(key) is not None, f"{tier.name}: entry did not come back"
-    times: dict[str, list[float]] = {"get_s": [], "open_s": [], "layer_s": [], "all_layers_s": []}
+def make_tiers(name: str, root: Path, redis_url: str | None, device: torch.device) -> list:
+    return {"gpu": lambda: [MemoryTier(1 << 34, device=device, name="gpu")],
+            "memory": lambda: [MemoryTier(1 << 34, pin_memory=device.type == "cuda")],
+            "disk": lambda: [DiskTier(root / name, 1 << 34)],
+            "redis": lambda: [RedisTier(redis_url, timeout_s=10.0, prefix=f"{root.name}:")]}[name]()
+
+
+def tier_times(name: str, codec: str, chunks: list, root: Path, redis_url: str | None, device: torch.device,
+               repeats: int) -> dict[str, float]:
+    """Timings of one tier as the only tier, every figure once per repeat, interleaved."""
+    stores = {threads: TieredStore(make_tiers(name, root / f"{codec}-{threads}", redis_url, device), codec=codec,
+                                   fingerprint=FINGERPRINT, read_threads=threads) for threads in (0, 4)}
+    for store in stores.values():
+        for key, kv in chunks:
+            store.put(key, kv)  # a tensor tier places it on its device
+        store.flush()
+    dtype = chunks[0][1].keys.dtype
+    key = chunks[0][0]
+    store = stores[4]
+    assert store.get(key) is not None, f"{name}: entry did not come back"
+
+    def all_layers() -> None:
+        with store.open(key, pin_memory=device.type == "cuda") as entry:
+            for i in range(entry.num_layers):
+                entry.layer(i, device, dtype)
+
+    def loader(s: TieredStore) -> Callable[[], None]:
+        def run() -> None:  # blend.pipeline.LayerLoader's order: layer i of every chunk, then layer i+1
+            entries = [s.open(k, pin_memory=device.type == "cuda") for k, _ in chunks]
+            for i in range(LAYERS):
+                for entry in entries:
+                    entry.layer(i, device, dtype)
+            for entry in entries:
+                entry.close()
+        return run
+
+    cases = {"get_s": lambda: store.get(key), "all_layers_s": all_layers,
+             "loader_serial_s": loader(stores[0]), "loader_parallel_s": loader(stores[4])}
+    times: dict[str, list[float]] = {case: [] for case in cases}
     for _ in range(repeats):
-        times["get_s"].append(timed(lambda: store.get(key)))
-        start = time.perf_counter()
-        entry = store.open(key)
-        times["open_s"].append(time.perf_counter() - start)
-        for i in range(entry.num_layers):
-            times["layer_s"].append(timed(partial(entry.layer, i)))
-        times["all_layers_s"].append(time.perf_counter() - start)
-        entry.close()
-    store.close()
-    return {name: statistics.median(values) for name, values in times.items()}
+        for case, fn in cases.items():
+            times[case].append(timed(fn, device))
+    for s in stores.values():
+        s.close()
+    return {case: statistics.median(values) for case, values in times.items()}
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def run(tokens: int = 512, chunks: int = 8, repeats: int = 5, device: str = "cpu") -> dict:
+    """The benchmark as a dict (bench/device_check.py may call this with device="cuda")."""
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    shape = (LAYERS, KV_HEADS, tokens, HEAD_DIM)
+    kvs = [random_kv(i, shape=shape, fingerprint=FINGERPRINT, dtype=dtype) for i in range(chunks)]
+    kv_bytes = kvs[0][1].nbytes
+    log(f"chunk KV {list(shape)} {dtype}: {kv_bytes / 2**20:.1f} MiB; {chunks} chunks for the loader pattern")
+    recompute = recompute_s(tokens, 3, dev, dtype)
+    log(f"recompute {recompute * 1e3:.1f} ms")
+    names = (["gpu"] if dev.type == "cuda" else []) + ["memory", "disk"]
+    by_codec: dict[str, dict] = {}
+    redis_server = None
+    if shutil.which("redis-server"):
+        from tests.servers import RedisServer
+        redis_server = RedisServer().__enter__()
+        names.append("redis")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for codec in CODECS:
+                by_codec[codec] = {}
+                for name in names:
+                    t = tier_times(name, codec, kvs, Path(tmp), redis_server and redis_server.url, dev, repeats)
+                    gb = lambda s, n=1: round(n * kv_bytes / s / 1e9, 3)  # noqa: E731
+                    by_codec[codec][name] = {
+                        **{k: round(v, 6) for k, v in t.items()},
+                        "get_gbps": gb(t["get_s"]), "layers_gbps": gb(t["all_layers_s"]),
+                        "loader_serial_gbps": gb(t["loader_serial_s"], chunks),
+                        "loader_parallel_gbps": gb(t["loader_parallel_s"], chunks),
+                        "get_to_recompute": round(t["get_s"] / recompute, 5)}
+                    log(f"{codec:>6} {name:>6}: get {t['get_s'] * 1e3:7.2f} ms ({gb(t['get_s']):6.2f} GB/s), "
+                        f"layers {t['all_layers_s'] * 1e3:7.2f} ms, loader {chunks} chunks serial "
+                        f"{t['loader_serial_s'] * 1e3:7.2f} / parallel {t['loader_parallel_s'] * 1e3:7.2f} ms")
+    finally:
+        if redis_server is not None:
+            redis_server.__exit__(None, None, None)
+    return {"chunk": {"layers": LAYERS, "kv_heads": KV_HEADS, "tokens": tokens, "head_dim": HEAD_DIM,
+                      "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes},
+            "device": str(dev), "recompute_s": round(recompute, 6), "codecs": by_codec,
+            "bytes_per_token": {codec: bytes_per_token(codec, shape, dtype) for codec in CODECS},
+            "torch_threads": torch.get_num_threads()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    shape = (LAYERS, KV_HEADS, args.tokens, HEAD_DIM)
-    key, kv = random_kv(0, shape=shape, fingerprint=FINGERPRINT)  # float32, as the model computes it
-    log(f"chunk KV {list(shape)} float32: {kv.nbytes / 2**20:.1f} MiB")
-
-    log("timing recompute (random SmolLM2-135M-shaped model, float32, median of 3)")
-    recompute = recompute_s(args.tokens, repeats=3)
-    log(f"recompute {recompute * 1e3:.1f} ms")
-
-    by_codec = {}
-    with RedisServer() as redis_server, tempfile.TemporaryDirectory() as tmp:
-        for codec in CODECS:
-            tiers = {"memory": MemoryTier(1 << 30), "disk": DiskTier(Path(tmp) / codec, 1 << 30),
-                     "redis": RedisTier(redis_server.url, timeout_s=5.0)}
-            by_codec[codec] = {}
-            for name, tier in tiers.items():
-                t = tier_times(tier, codec, key, kv, args.repeats)
-                by_codec[codec][name] = {
-                    "get_s": round(t["get_s"], 6), "ratio_to_recompute": round(t["get_s"] / recompute, 5),
-                    "layers": {"open_s": round(t["open_s"], 6), "layer_s": round(t["layer_s"], 6),
-                               "all_layers_s": round(t["all_layers_s"], 6),
-                               "layer_to_get": round(t["layer_s"] / t["get_s"], 4)}}
-                log(f"{codec:>4} {name:>6}: get {t['get_s'] * 1e3:7.2f} ms ({recompute / t['get_s']:5.1f}x faster "
-                    f"than recompute); open {t['open_s'] * 1e3:6.3f} ms, one layer {t['layer_s'] * 1e3:6.3f} ms, "
-                    f"all layers {t['all_layers_s'] * 1e3:7.2f} ms")
-
-    print(json.dumps({
-        "chunk": {"layers": LAYERS, "kv_heads": KV_HEADS, "tokens": args.tokens, "head_dim": HEAD_DIM},
-        "recompute_s": round(recompute, 6),
-        "codec": "fp16",
-        "tiers": by_codec["fp16"],
-        "tiers_int8": by_codec["int8"],
-        "bytes_per_token": {codec: bytes_per_token(codec, shape) for codec in CODECS},
-        "torch_threads": torch.get_num_threads(),
-    }, indent=2))
+    print(json.dumps(run(args.tokens, args.chunks, args.repeats, args.device), indent=2))
 
 
 if __name__ == "__main__":

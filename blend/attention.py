@@ -17,8 +17,8 @@ and passed as `attention_plan`; `plan.attend(...)` runs it. That is the CPU back
 (blend.backend): on CUDA the backend plans FlexAttention instead, behind the same `attend`. Any other forward (decode, precompute, full prefill) passes no
 plan and gets plain sdpa with the model's own mask. An `attention_probe` callable, when passed,
 sees (module, query, key) first: selection policies read the question's attention through it.
-A batched decode step (blend.batch) passes K/V as RaggedKV, one cache per row, and each row
-attends over its own.
+A decode step (blend.batch) passes K/V as PooledKV, views of the KV pool with each row's length
+mask, and every row attends over its own keys in one call.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from blend.batch import RaggedKV, ragged_attention_forward
+from blend.batch import PooledKV, pooled_attention_forward
 
 BLEND_ATTENTION = "ragblend_sdpa"
 # Keys per window for scattered queries: wider windows mean fewer merges but more masked work
@@ -136,8 +136,8 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def blend_attention_forward(module, query, key, value, attention_mask, attention_plan: AttentionPlan | None = None,
                             attention_probe=None, **kwargs):
     # query: [B, Hq, Tq, D]; key/value: [B, Hkv, Tk, D]
-    if isinstance(key, RaggedKV):
-        return ragged_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if isinstance(key, PooledKV):
+        return pooled_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_probe is not None:
         attention_probe(module, query, key)
     if attention_plan is None:

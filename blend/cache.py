@@ -5,8 +5,9 @@ computes; `update()` writes their fresh K/V over the cached ones and returns the
 K/V, so every query attends over the whole prompt. At each layer in `deviation_layers` it first
 measures how far the fresh K/V are from the cached ones (the HKVD score) into `deviations`.
 With `write_positions` unset, `update()` appends, as a DynamicCache does, but into a preallocated
-buffer: decoding a token writes one slot instead of copying the whole cache (DynamicCache's
-`torch.cat` is O(length) per token). The buffer doubles when it is full.
+buffer: a token (a precompute's, or a gated model's decode step over a pool slot, blend.pool) writes
+one position instead of copying the whole cache (DynamicCache's `torch.cat` is O(length) per token).
+The buffer doubles when it is full (never for a pool slot: the pool checks lengths first).
 """
 from __future__ import annotations
 

@@ -11,9 +11,11 @@ Contract:
         the same prefill, resumable: it yields after each layer, so a scheduler can run other
         requests' decode steps between the layers of a long prefill
     full_prefill(ids) -> Prefill                   the model's own forward over every token (the reference)
-    decode_step(caches, tokens, positions) -> [B, V] logits
-        one batched forward: row b appends tokens[b] at positions[b] to caches[b] (blend.batch)
-    decode(prefill, sampling) -> Iterator[int]     greedy / sampled tokens from the prefill cache
+    start_decode(prefill, sampling) -> Decoding    the prefill's cache copied into a decode KV pool slot (blend.pool)
+    decode_step(sequences, tokens, positions) -> [B] next token ids
+        one fixed-shape forward over the pool: row b feeds tokens[b] at positions[b] into its slot and
+        samples on the device (blend.batch; CUDA graphs where there is a GPU: blend.graphs)
+    decode(prefill, sampling) -> Iterator[int]     greedy / sampled tokens: blend.decode.decode_loop, alone
 
 The blended prefill, step by step:
     1. lay the segments and suffix out at absolute positions; RoPE-shift each segment's keys
@@ -42,11 +44,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from blend.attention import BLEND_ATTENTION
 from blend.backend import backend_for
-from blend.batch import BatchCache
+from blend.batch import DecodeStepper, bucket
 from blend.cache import BlendCache
 from common.chunk_kv import ChunkKV, KVMismatchError, hash_ids
-from blend.decode import SamplingParams, sample_next
+from blend.decode import SamplingParams, decode_loop, draw_noise, drive, sample_next, sampling_rows
 from blend.gate import judge, sliding_window, static_refusal, tolerance
+from blend.graphs import StepGraphs
+from blend.pool import DEFAULT_POOL_TOKENS, Decoding, KVPool, PoolTooShort
 from blend.pipeline import ChunkMiss, KVLayers, LayerLoader, LayerSource, as_source
 from blend.rope import RopeShifter, RopeUnsupportedError
 from blend.selection import Gradual, Policy, SelectionContext, get_policy, ranks, select
@@ -464,6 +468,49 @@ class Blender:
         return make(shape, dtype=self.dtype, device=self.device), make(shape, dtype=self.dtype, device=self.device)
 
     # ---- decode ---------------------------------------------------------------------------
+    # Decoding runs in a preallocated KV pool (blend.pool), one fixed-shape step over its slots (blend.batch),
+    # captured as CUDA graphs on a GPU (blend.graphs). Built on first use, sized by configure_decode.
+
+    _decode_config: tuple[int, int | None, str] = (8, None, "auto")   # slots, max_len (None: the context), graphs
+    _pool: KVPool | None = None
+    _stepper: DecodeStepper | None = None
+    _graphs: StepGraphs | None = None
+
+    def configure_decode(self, *, slots: int = 8, max_len: int | None = None, cuda_graphs: str = "auto") -> None:
+        """The decode pool: `slots` requests at once, `max_len` positions each (prompt + answer; at most the
+        model's context; default DEFAULT_POOL_TOKENS); cuda_graphs: auto (on CUDA) | on | off. Before the first decode only."""
+        if self._pool is not None:
+            raise RuntimeError("the decode pool is already built")
+        if cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
+        self._decode_config = (slots, max_len, cuda_graphs)
+
+    @property
+    def decode_max_len(self) -> int:
+        """Positions a decoding request may fill (prompt + answer): a pool slot's length."""
+        max_len = self._decode_config[1] or DEFAULT_POOL_TOKENS
+        context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        return min(max_len, context or max_len)
+
+    @property
+    def pool(self) -> KVPool:
+        if self._pool is None:
+            slots, _, graphs = self._decode_config
+            self._pool = KVPool(self.num_layers, self.kv_heads, self.head_dim, slots=slots,
+                                max_len=self.decode_max_len, dtype=self.dtype, device=self.device)
+            self._stepper = DecodeStepper(self.model, self._pool, self.num_layers)
+            on_cuda = self.device.type == "cuda"
+            if graphs == "on" and not on_cuda:
+                log.warning("model.cuda_graphs: on needs CUDA; the decode step runs eagerly",
+                            extra={"device": str(self.device)})
+            self._graphs = StepGraphs(enabled=on_cuda and graphs != "off")
+        return self._pool
+
+    @property
+    def cuda_graphs(self) -> str | None:
+        """Why the decode step is not a CUDA graph (None: it is, or will be at its first step)."""
+        _ = self.pool
+        return self._graphs.disabled
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -471,39 +518,86 @@ class Blender:
         ids = ids if isinstance(ids, list) else [ids]
         return frozenset(i for i in [*ids, getattr(self.tokenizer, "eos_token_id", None)] if i is not None)
 
+    def start_decode(self, prefill: Prefill, sampling: SamplingParams = SamplingParams()) -> Decoding:
+        """A pool slot holding the prefill's cache (one copy; the prefill's own cache is left as it was),
+        ready for decode_loop. The caller releases it (`Decoding.release`) when the request ends."""
+        pool = self.pool
+        needed = prefill.num_tokens + sampling.max_new_tokens - 1
+        if needed > pool.max_len:
+            raise PoolTooShort(f"a prompt of {prefill.num_tokens} tokens plus {sampling.max_new_tokens} new "
+                               f"tokens does not fit the {pool.max_len}-token decode pool")
+        slot = pool.acquire()
+        try:
+            pool.load(slot, [(layer.keys, layer.values) for layer in prefill.cache.layers])
+        except BaseException:
+            pool.release(slot)
+            raise
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        return Decoding(pool, slot, prefill.num_tokens, sampling, generator)
+
     def decode(self, prefill: Prefill, sampling: SamplingParams = SamplingParams()) -> Iterator[int]:
         """Yield generated token ids (eos included, then stop) from the prefill's cache."""
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        logits, position, eos = prefill.logits, prefill.num_tokens, self.eos_ids
-        for step in range(sampling.max_new_tokens):
-            token = sample_next(logits, sampling, generator)
-            yield token
-            if token in eos or step == sampling.max_new_tokens - 1:
-                return
-            logits, position = self.decode_step([prefill.cache], [token], [position])[0], position + 1
+        sequence = self.start_decode(prefill, sampling)
+        try:
+            for token in drive(decode_loop(sequence, prefill.logits), self.decode_step):
+                yield token
+                if token in self.eos_ids:
+                    return
+        finally:
+            sequence.release()
 
     @torch.inference_mode()
-    def decode_step(self, caches: Sequence[BlendCache], tokens: Sequence[int], positions: Sequence[int]
-                    ) -> torch.Tensor:
-        """One token for each of B requests in one forward: row b reads tokens[b] at positions[b] over
-        caches[b] (which it extends). Returns next-token logits [B, V] (float32)."""
-        # A gated model, or a row past a sliding window (the ragged attention sees every key): the model's
+    def decode_step(self, sequences: Sequence[Decoding], tokens: Sequence[int], positions: Sequence[int]
+                    ) -> list[int]:
+        """One token for each of B requests in one forward: row b feeds tokens[b] at positions[b] into
+        sequences[b]'s slot. Returns each row's next token, sampled on the device by its own params."""
+        positions, pool = list(positions), self.pool
+        if max(positions) >= pool.max_len:
+            raise PoolTooShort(f"position {max(positions)} is past the {pool.max_len}-token decode pool")
+        # A gated model, or a row past a sliding window (the pooled attention sees every key): the model's
         # own forward and mask, row by row.
         if self.model.config._attn_implementation != BLEND_ATTENTION or self._window_refusal(max(positions) + 1):
-            return torch.cat([self._decode_alone(*row) for row in zip(caches, tokens, positions)])
-        position_ids = torch.tensor(list(positions), device=self.device)[:, None]                   # [B, 1]
-        hidden = self.decoder.embed_tokens(torch.tensor(list(tokens), device=self.device)[:, None])  # [B, 1, hidden]
-        position_embeddings = self.decoder.rotary_emb(hidden, position_ids=position_ids)
-        cache = BatchCache(caches)
-        for layer in self.decoder.layers[: self.num_layers]:
-            hidden = layer(hidden, attention_mask=None, position_ids=position_ids, cache=cache,
-                           position_embeddings=position_embeddings)
-        return self.model.lm_head(self.decoder.norm(hidden[:, -1])).float().cpu()      # [B, V]
+            following = [self._decode_alone(*row) for row in zip(sequences, tokens, positions)]
+        else:
+            following = self._decode_pooled(sequences, tokens, positions)
+        for sequence, position in zip(sequences, positions):
+            sequence.length = position + 1
+        return following
 
-    def _decode_alone(self, cache: BlendCache, token: int, position: int) -> torch.Tensor:
+    def _decode_pooled(self, sequences: Sequence[Decoding], tokens: Sequence[int], positions: list[int]
+                       ) -> list[int]:
+        pool, stepper = self.pool, self._stepper
+        slots = [s.slot for s in sequences]
+        # row b is slot b; rows of other slots pad (blend.batch). A graph needs one of a few batch sizes;
+        # eagerly, padding to one would only add work.
+        rows = bucket(max(slots) + 1, pool.slots) if self._graphs.enabled else max(slots) + 1
+        token_row = torch.zeros(rows, dtype=torch.long)
+        position_row = torch.full((rows,), pool.scratch, dtype=torch.long)
+        token_row[slots], position_row[slots] = torch.tensor(list(tokens)), torch.tensor(positions)
+        params: list[SamplingParams | None] = [None] * rows
+        generators: list[torch.Generator | None] = [None] * rows
+        for s in sequences:
+            params[s.slot], generators[s.slot] = s.sampling, s.generator
+        temperature, top_p = sampling_rows(params, self.device)
+        noise = draw_noise(params, generators, self.model.get_output_embeddings().weight.shape[0], self.device)
+        key_columns = stepper.key_columns(positions)
+        inputs = {"tokens": token_row.to(self.device), "positions": position_row.to(self.device),
+                  "temperature": temperature, "top_p": top_p}
+        if noise is not None:
+            inputs["noise"] = noise
+
+        def step(noise: torch.Tensor | None = None, **rest: torch.Tensor) -> torch.Tensor:
+            return stepper(noise=noise, key_columns=key_columns, **rest)
+
+        following = self._graphs.run((rows, key_columns, noise is not None), step, inputs).tolist()
+        return [following[slot] for slot in slots]
+
+    def _decode_alone(self, sequence: Decoding, token: int, position: int) -> int:
+        keys, values = self.pool.slot_kv(sequence.slot)
         out = self.model(input_ids=torch.tensor([[token]], device=self.device),
-                         position_ids=torch.tensor([[position]], device=self.device), cache=cache, use_cache=True)
-        return out.logits[:, -1].float().cpu()                                     # [1, V]
+                         position_ids=torch.tensor([[position]], device=self.device),
+                         cache=BlendCache(keys, values, length=position), use_cache=True)
+        return sample_next(out.logits[0, -1].float(), sequence.sampling, sequence.generator)
 
     @torch.inference_mode()
     def teacher_force(self, prefill: Prefill, target_ids: Sequence[int]) -> torch.Tensor:

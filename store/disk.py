@@ -31,6 +31,7 @@ from typing import Any
 import diskcache
 
 from store.keys import is_key, validate_key
+from store.layered import pread_into
 
 log = logging.getLogger("ragblend.store")
 ORPHAN_AGE_S = 600.0  # an unindexed file younger than this may be another process's put in progress
@@ -134,6 +135,10 @@ class FileReader:
 
     def read(self, offset: int, length: int) -> bytes:
         return os.pread(self._handle.fileno(), length, offset)
+
+    def read_into(self, offset: int, buffer) -> int:
+        """Fill `buffer` in place (no intermediate bytes); the number of bytes read."""
+        return pread_into(self._handle.fileno(), offset, buffer)
 
     def close(self) -> None:
         self._handle.close()

@@ -1,12 +1,24 @@
-"""In-process tier: serialized entries in a dict, LRU under a byte cap, thread-safe."""
+"""In-process tiers, LRU under a byte cap, thread-safe.
+
+`MemoryTier` holds tensors: each chunk's keys/values [L, H, T, D] in the model's dtype on the tier's
+device: host memory (page-locked where the model runs on CUDA, so a layer's copy to the GPU is
+one non-blocking DMA), or the GPU itself (the `gpu` tier). Entries are placed once, when they are
+put or promoted (pinned buffers come from torch's caching host allocator, which reuses freed
+page-locked blocks: nothing is pinned per read), and handed out as they are: a hit is no copy and
+no decode. `BytesTier` holds serialized entries (a stand-in remote tier for tests and benchmarks).
+"""
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
+from common.chunk_kv import ChunkKV
 from store.eviction import LRUPolicy
 from store.keys import validate_key
+from store.serialize import host_to
 
 
 class MemoryReader:
@@ -22,8 +34,8 @@ class MemoryReader:
         pass
 
 
-class MemoryTier:
-    name = "memory"
+class BytesTier:
+    name = "bytes"
     remote = False
     trusted = True  # bytes here never left this process: the store may skip re-checking the digest
 
@@ -86,3 +98,76 @@ class MemoryTier:
         with self._lock:
             return {"entries": len(self._data), "bytes": self._lru.nbytes, "capacity": self._lru.capacity,
                     "evictions": self._evictions, "errors": 0}
+
+
+class MemoryTier:
+    """ChunkKVs held as tensors on `device` (see the module doc). `pin_memory`: host buffers are
+    page-locked (only with CUDA present)."""
+
+    remote = False
+    trusted = True
+    holds_tensors = True
+
+    def __init__(self, capacity_bytes: int, device: torch.device | str = "cpu", name: str = "memory",
+                 pin_memory: bool = False) -> None:
+        self.name, self.device = name, torch.device(device)
+        self.pin_memory = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
+        self._data: dict[str, ChunkKV] = {}
+        self._lru = LRUPolicy(capacity_bytes)
+        self._lock = threading.Lock()
+        self._evictions = 0
+
+    def get(self, key: str) -> ChunkKV | None:
+        validate_key(key)
+        with self._lock:
+            kv = self._data.get(key)
+            if kv is not None:
+                self._lru.touch(key)
+            return kv
+
+    def _placed(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` on the tier's device, contiguous (and pinned when asked): `t` itself when it already is."""
+        if t.device == self.device and t.is_contiguous() and (not self.pin_memory or t.is_pinned()):
+            return t
+        placed = torch.empty(t.shape, dtype=t.dtype, device=self.device, pin_memory=self.pin_memory)
+        return host_to(t, t.dtype, out=placed) if self.device.type == "cpu" and t.device.type == "cpu" \
+            else placed.copy_(t)
+
+    def put(self, key: str, kv: ChunkKV) -> None:
+        """Hold `kv` (its tensors themselves when already placed: the store hands over fresh ones)."""
+        validate_key(key)
+        if not self._lru.fits(kv.nbytes):
+            return
+        held = ChunkKV(self._placed(kv.keys), self._placed(kv.values), kv.token_ids, kv.position,
+                       kv.context_hash, kv.fingerprint)
+        with self._lock:
+            self._data[key] = held
+            for old in self._lru.add(key, held.nbytes):
+                del self._data[old]
+                self._evictions += 1
+
+    def delete(self, key: str) -> bool:
+        validate_key(key)
+        with self._lock:
+            self._lru.remove(key)
+            return self._data.pop(key, None) is not None
+
+    def contains(self, key: str) -> bool:
+        validate_key(key)
+        with self._lock:
+            return key in self._data
+
+    def keys(self) -> Iterator[str]:
+        with self._lock:
+            return iter(self._lru.keys())
+
+    def close(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._lru = LRUPolicy(self._lru.capacity)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"entries": len(self._data), "bytes": self._lru.nbytes, "capacity": self._lru.capacity,
+                    "evictions": self._evictions, "errors": 0, "device": str(self.device),
+                    "pinned": self.pin_memory}

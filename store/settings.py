@@ -1,13 +1,14 @@
 """The store's own settings (the app nests them under `store`)."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
 
 class StoreSettings(BaseModel):
-    codec: Literal["fp16", "int8"] = "fp16"
+    codec: Literal["native", "fp16", "int8"] = "fp16"
+    gpu_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"  # auto: a share of free GPU memory on CUDA, 0 elsewhere
     memory_bytes: int = Field(512 << 20, ge=0)
     disk_bytes: int = Field(4 << 30, ge=0)
     redis_url: str | None = None
@@ -17,3 +18,4 @@ class StoreSettings(BaseModel):
     redis_timeout_s: float = 0.5
     redis_backoff_s: float = 5.0
     redis_queue_size: int = 256
+    read_threads: int = Field(4, ge=0)  # layers of open entries read ahead concurrently; 0: serial reads

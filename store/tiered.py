@@ -1,12 +1,17 @@
-"""The tier chain: memory -> disk -> Redis, encode once on put, decode once on a hit.
+"""The tier chain: gpu -> memory -> disk -> Redis; encode once on put, decode once on a hit.
+
+Two kinds of tier: tensor tiers (gpu, memory: `holds_tensors`) hold each chunk's KV as tensors in
+the model's dtype, a hit is the tensors themselves; byte tiers (disk, Redis) hold the serialized
+entry, checked and decoded on the way out.
 
     get:  try each tier in order; the first entry that decodes and passes its checks wins and
-          is copied into the faster tiers. An entry that fails (damaged, another model's, not
+          is copied into the faster tiers (tensor tiers get the decoded KV, byte tiers the bytes). An entry that fails (damaged, another model's, not
           the KV its key names) is deleted from that tier, counted as `corrupt`, and the lookup
           goes on as if it were a miss. Entries of another format version are dropped the same
           way but counted as `stale` (an upgrade, not damage).
     open: the same lookup reading only the head; layers are then read one by one (LayeredEntry).
-    put:  encode once; write memory and disk now, Redis from a background thread through a
+    put:  tensor tiers get the KV as the codec will give it back (`Codec.round_trip`, returned to
+          the caller); byte tiers the entry, encoded once: write disk now, Redis from a background thread through a
           bounded queue (full queue: the write is dropped and counted; a request never waits).
     delete: wins over any background write of that key queued before it.
 """
@@ -17,17 +22,20 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from common.chunk_kv import ChunkKV, KVMismatchError
 from store.disk import DiskTier
 from store.keys import kv_key, validate_key
-from store.layered import LayeredEntry, RangeReader
+from store.layered import LayeredEntry, RangeReader, ResidentEntry
 from store.memory import MemoryTier
 from store.redis_tier import RedisTier
-from store.serialize import (CODECS, HEAD_BYTES, OPEN_BYTES, CorruptEntryError, OldFormatError, decode, encode,
+from store.serialize import (HEAD_BYTES, OPEN_BYTES, CorruptEntryError, OldFormatError, decode, encode, get_codec,
                              head_nbytes, parse_head, read_header)
 from store.settings import StoreSettings
 
@@ -35,8 +43,10 @@ log = logging.getLogger("ragblend.store")
 
 
 class Tier(Protocol):
-    """A key -> serialized-entry map. Tiers never parse entries; `remote` ones are written in the
-    background, `trusted` ones hold bytes that never left this process (digest check skipped)."""
+    """A key -> serialized-entry map (a byte tier). Tiers never parse entries; `remote` ones are
+    written in the background, `trusted` ones hold bytes that never left this process (digest
+    check skipped). A tensor tier (store.memory.MemoryTier, `holds_tensors = True`) has the same
+    methods on ChunkKVs instead of bytes, and no reader or head."""
 
     name: str
     remote: bool
@@ -57,8 +67,8 @@ class KVStore(Protocol):
     """What the rest of ragblend needs from a KV store."""
 
     def get(self, key: str) -> ChunkKV | None: ...
-    def open(self, key: str, *, pin_memory: bool = False) -> LayeredEntry | None: ...
-    def put(self, key: str, kv: ChunkKV) -> None: ...
+    def open(self, key: str, *, pin_memory: bool = False) -> LayeredEntry | ResidentEntry | None: ...
+    def put(self, key: str, kv: ChunkKV) -> ChunkKV: ...
     def delete(self, key: str) -> bool: ...
     def contains(self, key: str) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
@@ -100,13 +110,16 @@ class TieredStore:
     """
 
     def __init__(self, tiers: Sequence[Tier], codec: str = "fp16", fingerprint: str | None = None,
-                 queue_size: int = 256) -> None:
-        if codec not in CODECS:
-            raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+                 queue_size: int = 256, read_threads: int = 4, read_ahead: int = 2) -> None:
+        """`read_threads`: the pool that reads open entries' layers ahead, concurrently (0: each
+        layer is read when asked, on the caller's thread); `read_ahead`: layers per entry queued ahead."""
+        self._codec = get_codec(codec)
         if len({t.name for t in tiers}) != len(tiers):
             raise ValueError(f"tier names must be unique: {[t.name for t in tiers]}")
         self.tiers = list(tiers)
         self.codec, self.fingerprint = codec, fingerprint
+        self.read_ahead = read_ahead
+        self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="ragblend-store-read") if read_threads else None
         self._lock = threading.Lock()  # counters, the closed flag, the write sequence and tombstones
         self._close_lock = threading.Lock()
         self._counts = {t.name: _TierCounts() for t in self.tiers}
@@ -138,12 +151,15 @@ class TieredStore:
         self._bump("gets")
         for i, tier in enumerate(self.tiers):
             start = time.perf_counter()
-            data = tier.get(key)
-            kv = None if data is None else self._decode(tier, key, data)
+            if _holds_tensors(tier):
+                kv, data = tier.get(key), None
+            else:
+                data = tier.get(key)
+                kv = None if data is None else self._decode(tier, key, data)
             self._count(tier, None if kv is None else time.perf_counter() - start)
             if kv is not None:
                 log.debug("store: hit %s in %s", key[:12], tier.name)
-                self._promote(key, data, i)
+                self._promote(key, i, kv, data)
                 self._bump("hits")
                 return kv, tier.name
         self._bump("misses")
@@ -159,25 +175,35 @@ class TieredStore:
             self._drop(tier, key, exc)
             return None
 
-    def open(self, key: str, *, pin_memory: bool = False) -> LayeredEntry | None:
-        """The entry under `key` opened for per-layer reads, or None on a miss.
+    def open(self, key: str, *, pin_memory: bool = False) -> LayeredEntry | ResidentEntry | None:
+        """The entry under `key` opened for per-layer reads (a blend.pipeline.LayerSource), or None on a miss.
 
-        Reads and checks only the head (header, token ids, model, key) from the first tier that
-        holds a good one; `entry.layer(i)` reads the rest. `pin_memory`: layers come back in
-        page-locked memory when CUDA is available (ignored otherwise). Close the entry when done.
+        From a tensor tier: its tensors, layer by layer. From a byte tier: reads and checks only the
+        head (header, token ids, model, key); `entry.layer(i)` reads the rest, ahead on the read
+        pool. `pin_memory`: byte-tier layers are staged in page-locked memory when CUDA is
+        available (ignored otherwise). Close the entry when done.
         """
         validate_key(key)
         self._check_open()
         self._bump("gets")
         for i, tier in enumerate(self.tiers):
             start = time.perf_counter()
+            if _holds_tensors(tier):
+                kv = tier.get(key)
+                self._count(tier, None if kv is None else time.perf_counter() - start)
+                if kv is not None:
+                    self._bump("hits")
+                    return ResidentEntry(key, tier.name, self.codec, kv, _Hooks(self, i, key))
+                continue
             reader = tier.reader(key)
             opened = None if reader is None else self._open_head(tier, key, reader)
             self._count(tier, None if opened is None else time.perf_counter() - start)
             if opened is not None:
                 self._bump("hits")
                 head, head_bytes = opened
-                return LayeredEntry(self, tier, i, key, head, head_bytes, reader, pin_memory=pin_memory)
+                return LayeredEntry(key, tier.name, head, head_bytes, reader, _Hooks(self, i, key),
+                                    verify=not tier.trusted, pin_memory=pin_memory, pool=self._pool,
+                                    ahead=self.read_ahead)
             if reader is not None:
                 reader.close()
         self._bump("misses")
@@ -225,23 +251,40 @@ class TieredStore:
 
     # --- writes ---------------------------------------------------------------------------------
 
-    def put(self, key: str, kv: ChunkKV) -> None:
+    def put(self, key: str, kv: ChunkKV) -> ChunkKV:
+        """Store `kv` in every tier; returns it as a hit will give it back (the codec's round trip,
+        in kv's dtype: what a just-computed chunk must be to give the same answer as a stored one)."""
         validate_key(key)
         self._check_open()
         if self.fingerprint is not None and kv.fingerprint != self.fingerprint:
             raise KVMismatchError(f"KV of model {kv.fingerprint!r} offered to the store of {self.fingerprint!r}")
         if kv_key(kv.fingerprint, kv.context_hash, kv.token_ids) != key:
             raise KVMismatchError("key must be kv_key(kv.fingerprint, kv.context_hash, kv.token_ids)")
-        self._write(key, encode(kv, self.codec), self.tiers)
+        stored = self.as_stored(kv)
+        data = encode(kv, self.codec) if any(not _holds_tensors(t) for t in self.tiers) else None
+        self._write(key, stored, data, self.tiers)
         self._bump("puts")
+        return stored
 
-    def _promote(self, key: str, data: bytes, found_at: int) -> None:
+    def as_stored(self, kv: ChunkKV) -> ChunkKV:
+        """`kv` as a hit will read it back: fresh tensors, kv's dtype and device."""
+        return self._codec.round_trip(kv)
+
+    def _promote(self, key: str, found_at: int, kv: ChunkKV | None, data: bytes | None) -> None:
         """Copy an entry found in tier `found_at` into the faster tiers (not after close)."""
         if found_at > 0 and not self._closed:
-            self._write(key, data, self.tiers[:found_at])
+            self._write(key, kv, data, self.tiers[:found_at])
 
-    def _write(self, key: str, data: bytes, tiers: Sequence[Tier]) -> None:
+    def _write(self, key: str, kv: ChunkKV | None, data: bytes | None, tiers: Sequence[Tier]) -> None:
+        """Write `kv` into tensor tiers and `data` into byte tiers (each made from the other if missing)."""
         for tier in tiers:
+            if _holds_tensors(tier):
+                if kv is None:
+                    kv = decode(data, verify_checksum=False)
+                tier.put(key, kv)
+                continue
+            if data is None:
+                data = encode(kv, self.codec)
             if not tier.remote:
                 tier.put(key, data)
                 continue
@@ -314,12 +357,13 @@ class TieredStore:
         for tier in (t for t in self.tiers if not t.remote):
             scanned = dropped = 0
             for key in list(tier.keys()):
-                head = tier.head(key, HEAD_BYTES)
+                head = tier.get(key) if _holds_tensors(tier) else tier.head(key, HEAD_BYTES)
                 if head is None:
                     continue
                 scanned += 1
                 try:
-                    keep = read_header(head)["fingerprint"] == keep_fingerprint
+                    fingerprint = head.fingerprint if _holds_tensors(tier) else read_header(head)["fingerprint"]
+                    keep = fingerprint == keep_fingerprint
                 except CorruptEntryError:
                     keep = False
                 if not keep:
@@ -341,6 +385,8 @@ class TieredStore:
             if self._writer is not None:
                 self._queue.put(None)  # may wait for room; the writer drains without our locks
                 self._writer.join()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
             for tier in self.tiers:
                 tier.close()
 
@@ -396,14 +442,58 @@ class TieredStore:
                 "write_queue": self._queue.qsize(), "tiers": tiers}
 
 
-def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None) -> TieredStore:
-    """The store the app runs: memory, then disk under `kv_dir`, then Redis if a URL is set.
+def _holds_tensors(tier: Tier) -> bool:
+    return getattr(tier, "holds_tensors", False)
+
+
+class _Hooks:
+    """What an open entry of tier `index` reports back (store.layered.EntryHooks)."""
+
+    def __init__(self, store: TieredStore, index: int, key: str) -> None:
+        self._store, self._index, self._key = store, index, key
+        self._tier = store.tiers[index]
+        faster = store.tiers[:index]
+        self.wants_bytes = any(not _holds_tensors(t) for t in faster)
+        self.wants_tensors = any(_holds_tensors(t) for t in faster)
+
+    def dropped(self, exc: Exception) -> None:
+        self._store._drop(self._tier, self._key, exc)
+
+    def layer_read(self, nbytes: int, seconds: float) -> None:
+        self._store._count_layer(self._tier, nbytes, seconds)
+
+    def promote(self, kv: ChunkKV | None, data: bytes | None) -> None:
+        self._store._promote(self._key, self._index, kv, data)
+
+
+GPU_SHARE = 0.2  # gpu_bytes "auto": this share of the device's free memory once the model is loaded
+
+
+def gpu_bytes(setting: int | str, device: torch.device | str | None) -> int:
+    """The gpu tier's cap: `setting` itself, or for "auto" GPU_SHARE of `device`'s free memory
+    (0 off CUDA). An explicit cap off CUDA is 0 too: there is no device memory to hold it in."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return 0
+    if setting == "auto":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_SHARE)
+    return int(setting)
+
+
+def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None,
+                device: torch.device | str | None = None) -> TieredStore:
+    """The store the app runs for a model on `device`: a gpu tier (CUDA only), memory (pinned on
+    CUDA), then disk under `kv_dir`, then Redis if a URL is set.
 
     A tier with a 0-byte cap is left out. `fingerprint` None opens it for inspection only (stats).
     """
+    on_cuda = device is not None and torch.device(device).type == "cuda"
     tiers: list[Tier] = []
+    if (gpu := gpu_bytes(settings.gpu_bytes, device)) > 0:
+        tiers.append(MemoryTier(gpu, device=device, name="gpu"))
     if settings.memory_bytes > 0:
-        tiers.append(MemoryTier(settings.memory_bytes))
+        tiers.append(MemoryTier(settings.memory_bytes, pin_memory=on_cuda))
     if settings.disk_bytes > 0:
         tiers.append(DiskTier(kv_dir, settings.disk_bytes))
     if settings.redis_url:
@@ -411,4 +501,4 @@ def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None) 
                                prefix=settings.redis_prefix, ttl_s=settings.redis_ttl_s,
                                timeout_s=settings.redis_timeout_s, backoff_s=settings.redis_backoff_s))
     return TieredStore(tiers, codec=settings.codec, fingerprint=fingerprint,
-                       queue_size=settings.redis_queue_size)
+                       queue_size=settings.redis_queue_size, read_threads=settings.read_threads)

@@ -1,8 +1,11 @@
 """Shared fixtures: paths, settings in a temp data dir, the real embedded model (loaded once)."""
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,29 @@ _untimed = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 hypothesis_settings.register_profile("repeatable", derandomize=True, database=None, **_untimed)
 hypothesis_settings.register_profile("explore", **_untimed)
 hypothesis_settings.load_profile("repeatable")
+
+
+# The suite leaves daemon threads behind (apps' model threads and ingest lanes over the shared engine,
+# KV loaders). One inside a torch call when the interpreter tears down is ended by pthread_exit in a
+# C++ frame, and the process aborts after every test passed ("terminate called without an active
+# exception", pytorch/pytorch#38228). So after the other exit handlers (this one is registered before
+# theirs but logging's, so it runs last), the process ends with pytest's status, without that teardown.
+_session: pytest.Session | None = None
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    global _session
+    _session = session
+
+
+@atexit.register
+def _exit_before_the_interpreter_teardown() -> None:
+    if _session is not None:
+        logging.shutdown()  # the one exit handler registered before this one
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(_session.exitstatus))
+
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data" / "musique_dev.json"

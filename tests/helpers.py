@@ -100,18 +100,27 @@ def random_kv(seed: int, shape: tuple[int, int, int, int] = (4, 3, 17, 8), finge
 
 
 def assert_same_kv(got: ChunkKV, want: ChunkKV, codec: str = "fp16") -> None:
-    """`got` is `want` after a round trip through `codec`: fp16 bit-exact, int8 within scale/2."""
+    """`got` is `want` after a round trip through `codec`, back in want's dtype: native bit-exact, fp16
+    bit-exact to want cast to fp16, int8 within scale/2 (plus the dtype's rounding)."""
     assert torch.equal(got.token_ids, want.token_ids)
     assert (got.position, got.context_hash, got.fingerprint) == (want.position, want.context_hash, want.fingerprint)
-    if codec == "fp16":
-        assert got.keys.dtype == torch.float16
-        assert torch.equal(got.keys, want.keys.half()) and torch.equal(got.values, want.values.half())
+    assert got.keys.dtype == want.keys.dtype and got.values.dtype == want.values.dtype
+    if codec in ("native", "fp16"):
+        cast = (lambda t: t) if codec == "native" else (lambda t: t.half().to(want.keys.dtype))  # noqa: E731
+        assert torch.equal(got.keys.cpu(), cast(want.keys)) and torch.equal(got.values.cpu(), cast(want.values))
         return
-    assert got.keys.dtype == torch.float32
+    eps = 0.0 if want.keys.dtype == torch.float32 else torch.finfo(want.keys.dtype).eps
     for x, y, dim in ((want.keys, got.keys, 2), (want.values, got.values, 3)):  # K per channel, V per token
-        x = x.float()
+        x, y = x.float(), y.cpu().float()
         half_step = x.abs().amax(dim=dim, keepdim=True) / 127 / 2
-        assert ((x - y).abs() <= half_step * (1 + 1e-4)).all()
+        assert ((x - y).abs() <= half_step * (1 + 1e-4) + eps * x.abs()).all()
+
+
+def all_layers(entry) -> ChunkKV:
+    """Every layer of an open store entry (a LayerSource), stacked: what a loader reading all of it gets."""
+    layers = [entry.layer(i) for i in range(entry.num_layers)]
+    return ChunkKV(torch.stack([k for k, _ in layers]), torch.stack([v for _, v in layers]), entry.token_ids,
+                   entry.position, entry.context_hash, entry.fingerprint)
 
 
 def run_in_threads(target: Callable[[int], None], count: int) -> None:

@@ -1,7 +1,7 @@
 """Batched decoding on the real model (SmolLM2-135M) through a real uvicorn server: each request gets
 exactly the greedy tokens it gets alone, whether 1, 2, 3 or 4 requests of different prompt and answer
 lengths run together, joining while the others decode; a request cancelled mid-stream changes nothing
-for the others."""
+for the others and frees its decode pool slot; a request longer than a pool slot gets a 400 saying so."""
 from __future__ import annotations
 
 import json
@@ -78,7 +78,7 @@ def test_concurrent_requests_get_exactly_their_tokens_alone(live_server, corpus,
     assert sum(shared.values()) > 0, f"no step decoded two requests together: {after}"
 
 
-def test_a_request_cancelled_mid_stream_changes_nothing_for_the_others(live_server, corpus, alone):
+def test_a_request_cancelled_mid_stream_changes_nothing_for_the_others(live_server, server_engine, corpus, alone):
     cases = [0, 1, 2]
     started = [threading.Event() for _ in cases]
 
@@ -95,3 +95,19 @@ def test_a_request_cancelled_mid_stream_changes_nothing_for_the_others(live_serv
         assert results[i][0] == alone[i][0], f"request {i}"
     health = httpx.get(f"{live_server.url}/health").json()
     assert health["model_thread"]["active_slots"] == 0  # the cancelled one's slot is free
+    pool = server_engine.parts.blender.pool
+    assert pool.free == pool.slots  # and so is its decode KV pool slot
+
+
+def test_a_request_longer_than_the_decode_pool_gets_a_400_with_the_reason(engine_with, corpus):
+    """A request that would pass a pool slot's length is refused before it starts, saying why."""
+    from fastapi.testclient import TestClient
+
+    from app.server import create_app
+
+    settings, engine = engine_with(model={"kv_pool_tokens": 100})
+    with TestClient(create_app(settings, engine)) as client:
+        response = client.post("/v1/query", json={"question": corpus.questions[0][0], "top_k": 2, "max_tokens": 8})
+        assert response.status_code == 400, response.text
+        assert "100-token context" in response.text and "decode KV pool" in response.text
+    assert engine.parts.blender.pool.free == engine.parts.blender.pool.slots

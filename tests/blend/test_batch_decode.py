@@ -1,15 +1,20 @@
-"""Batched decoding on tiny Llama / Mistral / Qwen2: each row gets exactly what it gets alone, rows join
-and leave at any step, and a token is an O(1) write into its request's cache buffer."""
+"""Decoding in the KV pool on tiny Llama / Mistral / Qwen2: each row gets exactly what it gets alone, rows join
+and leave at any step (their slots reused), sampling on the device gives torch.multinomial's tokens for a
+seed, and the graph wrapper's static-buffer logic replays the eager step exactly."""
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache
 
-from blend import Blender
-from blend.cache import BlendCache
-from tests.blend.conftest import random_ids
+from blend import Blender, SamplingParams
+from blend.batch import DecodeStepper, bucket, buckets
+from blend.decode import decode_loop, draw_noise, sample_next, sample_rows, sampling_rows
+from blend.graphs import StepGraphs
+from blend.pool import KVPool, PoolFull, PoolTooShort
+from tests.blend.conftest import TEST_DEVICE, random_ids, tiny_model
 
-PROMPTS = [random_ids(11, 21), random_ids(37, 22), random_ids(5, 23), random_ids(64, 24)]
+PROMPTS = [random_ids(11, 21), random_ids(37, 22), random_ids(5, 23), random_ids(64, 24), random_ids(20, 25)]
 STEPS = 12
 
 
@@ -17,79 +22,200 @@ def hf_greedy(blender: Blender, ids: list[int], n: int) -> tuple[list[int], list
     """Reference: HF's own forward with a plain DynamicCache, greedy, one request."""
     cache, tokens, logits_seen = DynamicCache(), [], []
     with torch.no_grad():
-        out = blender.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+        out = blender.model(input_ids=torch.tensor([ids], device=TEST_DEVICE), cache=cache, use_cache=True)
         for step in range(n):
-            logits = out.logits[0, -1].float()
+            logits = out.logits[0, -1].float().cpu()
             logits_seen.append(logits)
             tokens.append(int(logits.argmax()))
             position = len(ids) + step
-            out = blender.model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[position]]),
-                                cache=cache, use_cache=True)
+            out = blender.model(input_ids=torch.tensor([[tokens[-1]]], device=TEST_DEVICE),
+                                position_ids=torch.tensor([[position]], device=TEST_DEVICE), cache=cache,
+                                use_cache=True)
     return tokens, logits_seen
+
+
+def reference_sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """sample_next as it was before sampling moved to the device (torch.multinomial on the host)."""
+    if params.temperature < 1e-4:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p
+        sorted_probs[outside] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def test_alone_matches_hf_forward(tiny_blender):
     for ids in PROMPTS[:2]:
         want, want_logits = hf_greedy(tiny_blender, ids, STEPS)
-        prefill = tiny_blender.full_prefill(ids, reserve=STEPS)
-        logits, tokens = prefill.logits, []
-        for step in range(STEPS):
+        prefill = tiny_blender.full_prefill(ids)
+        assert list(tiny_blender.decode(prefill, SamplingParams(STEPS))) == want
+        # the step's logits themselves, over the pool's masked keys
+        seq = tiny_blender.start_decode(prefill, SamplingParams(STEPS))
+        stepper = DecodeStepper(tiny_blender.model, tiny_blender.pool, tiny_blender.num_layers)
+        token = want[0]
+        for step in range(1, 4):
+            position = len(ids) + step - 1
+            rows = torch.tensor([token], device=TEST_DEVICE)
+            positions = torch.full((1,), position, device=TEST_DEVICE)
+            logits = stepper.logits(rows, positions, stepper.key_columns([position]))[0].float().cpu()
             assert (logits - want_logits[step]).abs().max() < 1e-4
-            tokens.append(int(logits.argmax()))
-            logits = tiny_blender.decode_step([prefill.cache], [tokens[-1]], [len(ids) + step])[0]
-        assert tokens == want
+            token = want[step]
+        seq.release()
 
 
 def test_batched_rows_equal_each_request_alone_joining_and_leaving(tiny_blender):
-    """Four requests of different lengths; they start at steps 0, 0, 3 and 7 and stop after different
-    counts. Every row must produce exactly its greedy tokens alone, at every batch composition."""
+    """Five requests of different lengths in a 4-slot pool; they start at steps 0, 0, 3, 7 and 9 (request 3
+    in the slot request 1 left) and stop after different counts. Every row must produce exactly its greedy
+    tokens alone, at every batch composition and slot."""
+    tiny_blender.configure_decode(slots=4, max_len=128)
     alone = [hf_greedy(tiny_blender, ids, STEPS)[0] for ids in PROMPTS]
-    starts, lengths = [0, 0, 3, 7], [STEPS, 5, STEPS, 4]
-
-    class Row:
-        def __init__(self, i: int):
-            self.i, self.ids = i, PROMPTS[i]
-            self.prefill = tiny_blender.full_prefill(self.ids)  # no reserve: the cache grows as it goes
-            self.tokens = [int(self.prefill.logits.argmax())]
-
-    active: list[Row] = []
-    done: dict[int, list[int]] = {}
-    for step in range(STEPS + 8):
-        active += [Row(i) for i, s in enumerate(starts) if s == step]
-        for row in [r for r in active if len(r.tokens) == lengths[r.i]]:
-            done[row.i] = row.tokens
+    starts, lengths = [0, 0, 3, 7, 9], [STEPS, 5, STEPS, 4, STEPS]
+    active, done, slots_seen = [], {}, {}
+    for step in range(STEPS + 12):
+        for i, s in enumerate(starts):
+            if s == step:
+                prefill = tiny_blender.full_prefill(PROMPTS[i])
+                seq = tiny_blender.start_decode(prefill, SamplingParams(lengths[i]))
+                loop = decode_loop(seq, prefill.logits)
+                active.append((i, seq, loop, [next(loop)]))
+                slots_seen[i] = seq.slot
+        for row in [r for r in active if len(r[3]) == lengths[r[0]]]:
+            done[row[0]] = row[3]
+            row[1].release()
             active.remove(row)
         if not active:
             continue
-        logits = tiny_blender.decode_step([r.prefill.cache for r in active], [r.tokens[-1] for r in active],
-                                          [len(r.ids) + len(r.tokens) - 1 for r in active])
-        assert logits.shape == (len(active), tiny_blender.model.config.vocab_size)
-        for row, row_logits in zip(active, logits):
-            row.tokens.append(int(row_logits.argmax()))
-    assert sorted(done) == [0, 1, 2, 3]
+        requests = [next(loop) for _, _, loop, _ in active]  # each loop asks for its next token
+        following = tiny_blender.decode_step([r.sequence for r in requests], [r.token for r in requests],
+                                             [r.position for r in requests])
+        for (_, _, loop, tokens), token in zip(active, following):
+            tokens.append(loop.send(token))
+    assert sorted(done) == [0, 1, 2, 3, 4]
     for i, tokens in done.items():
         assert tokens == alone[i][: lengths[i]], f"request {i}"
+    assert slots_seen[3] == slots_seen[1] == 1  # request 3 took the slot request 1 had left
+    assert tiny_blender.pool.free == 4
 
 
-def test_decode_writes_into_the_reserved_buffer_without_copying(tiny_blender):
-    ids = PROMPTS[1]
-    prefill = tiny_blender.full_prefill(ids, reserve=8)
-    cache = prefill.cache
-    assert cache.capacity == len(ids) + 8 and cache.get_seq_length() == len(ids)
-    pointer = cache.layers[0].keys.data_ptr()
-    token = int(prefill.logits.argmax())
-    for step in range(8):
-        token = int(tiny_blender.decode_step([cache], [token], [len(ids) + step])[0].argmax())
-        assert cache.layers[0].keys.data_ptr() == pointer  # same buffer: one slot written, nothing copied
-    assert cache.get_seq_length() == len(ids) + 8
+def test_sampled_rows_in_a_batch_equal_each_alone_and_torch_multinomial(tiny_blender):
+    """Seeded temperature / top-p requests give the same tokens alone, batched with a greedy row, and as the
+    host-side torch.multinomial sampler gave them before (replayed over the same logits)."""
+    params = [SamplingParams(8, temperature=1.3, seed=5), SamplingParams(8, temperature=0.9, top_p=0.8, seed=6),
+              SamplingParams(8)]
+    alone = [list(tiny_blender.decode(tiny_blender.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
+    assert alone[0] != alone[1]
+    seqs = [tiny_blender.start_decode(tiny_blender.full_prefill(ids), p) for ids, p in zip(PROMPTS, params)]
+    loops = [decode_loop(s, tiny_blender.full_prefill(ids).logits) for s, ids in zip(seqs, PROMPTS)]
+    tokens = [[next(loop)] for loop in loops]
+    for _ in range(7):
+        requests = [next(loop) for loop in loops]
+        following = tiny_blender.decode_step([r.sequence for r in requests], [r.token for r in requests],
+                                             [r.position for r in requests])
+        for loop, got, token in zip(loops, tokens, following):
+            got.append(loop.send(token))
+    assert tokens == alone
+    for s in seqs:
+        s.release()
+    # the old sampler over the same logits (the HF forward's, teacher-forced on these tokens)
+    for ids, p, want in zip(PROMPTS, params, alone):
+        prefill = tiny_blender.full_prefill(ids)
+        logits = tiny_blender.teacher_force(prefill, want)
+        generator = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+        assert [reference_sample(row, p, generator) for row in logits] == want
 
 
-def test_cache_grows_past_its_capacity_keeping_its_contents():
-    keys, values = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)  # [L, H, T, D]
-    cache = BlendCache(keys.clone(), values.clone())
-    new_k, new_v = torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 4)
-    k, v = cache.append(1, new_k, new_v)
-    assert k.shape == (1, 3, 7, 4) and cache.layers[1].keys is k
-    assert torch.equal(k[0, :, :5], keys[1]) and torch.equal(k[:, :, 5:], new_k) and torch.equal(v[:, :, 5:], new_v)
-    assert cache._buffers[1][0].shape[2] >= 10  # doubled, so the next appends are writes
-    assert cache.layers[0].keys.shape[2] == 5   # other layers untouched
+def test_sample_rows_equals_the_multinomial_sampler_for_a_seed():
+    logits = torch.randn(6, 500) * 4
+    params = [SamplingParams(temperature=t, top_p=q) for t, q in
+              [(0.0, 1.0), (0.7, 1.0), (1.5, 0.9), (1.0, 0.5), (0.0, 0.3), (2.0, 1.0)]]
+    for seed in range(20):
+        generators = [torch.Generator().manual_seed(seed + b) for b in range(6)]
+        temperature, top_p = sampling_rows(params)
+        got = sample_rows(logits, temperature, top_p, draw_noise(params, generators, 500)).tolist()
+        want = [reference_sample(row, p, torch.Generator().manual_seed(seed + b))
+                for b, (row, p) in enumerate(zip(logits, params))]
+        assert got == want
+        alone = [sample_next(row, p, torch.Generator().manual_seed(seed + b))
+                 for b, (row, p) in enumerate(zip(logits, params))]
+        assert alone == want
+
+
+def test_pool_slots_are_reused_lowest_first_and_released_once():
+    pool = KVPool(2, 3, 4, slots=3, max_len=10, dtype=torch.float32, device="cpu")
+    assert pool.columns == 64 and pool.scratch == 63
+    a, b, c = pool.acquire(), pool.acquire(), pool.acquire()
+    assert (a, b, c) == (0, 1, 2) and pool.free == 0
+    with pytest.raises(PoolFull):
+        pool.acquire()
+    pool.release(b)
+    with pytest.raises(ValueError):
+        pool.release(b)
+    assert pool.acquire() == 1
+    assert torch.count_nonzero(pool.keys[:, :3]) == 0  # a slot is zeroed when first used: masked keys are finite
+    with pytest.raises(PoolTooShort):
+        pool.load(0, [(torch.zeros(1, 3, 11, 4), torch.zeros(1, 3, 11, 4))] * 2)
+
+
+def test_a_cancelled_decode_frees_its_slot_and_the_prefill_cache_is_untouched(tiny_blender):
+    tiny_blender.configure_decode(slots=2, max_len=96)
+    prefill = tiny_blender.full_prefill(PROMPTS[1])
+    before = prefill.cache.layers[0].keys.clone()
+    stream = tiny_blender.decode(prefill, SamplingParams(10))
+    pointer = tiny_blender.pool.keys.data_ptr()
+    assert [next(stream) for _ in range(4)] and tiny_blender.pool.free == 1
+    stream.close()  # the consumer stopped (a stop string, a cancelled request)
+    assert tiny_blender.pool.free == 2
+    assert torch.equal(prefill.cache.layers[0].keys, before)
+    assert tiny_blender.pool.keys.data_ptr() == pointer  # nothing reallocated: decoding wrote in place
+    with pytest.raises(PoolTooShort, match="96-token decode pool"):
+        tiny_blender.start_decode(prefill, SamplingParams(96 - len(PROMPTS[1]) + 2))
+
+
+def test_buckets_cover_every_batch_size():
+    assert buckets(8) == [1, 2, 4, 8] and buckets(6) == [1, 2, 4, 6] and buckets(1) == [1]
+    assert [bucket(n, 6) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+
+
+class FakeCapture:
+    """Stands in for CUDA graph capture on the CPU: the 'graph' reruns the captured closure, which may read
+    only the static buffers it was captured over (as a real graph would)."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.captures = fail, 0
+
+    def __call__(self, fn):
+        self.captures += 1
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        out = fn()
+        return out, lambda: out.copy_(fn())
+
+
+def test_graphed_step_replays_the_eager_tokens_with_one_capture_per_shape():
+    eager = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny")
+    graphed = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny")
+    for blender in (eager, graphed):
+        blender.configure_decode(slots=4, max_len=200)
+    capture = FakeCapture()
+    graphed.pool  # noqa: B018 - built, then its graphs swapped for the CPU stand-in
+    graphed._graphs = StepGraphs(enabled=True, capture=capture)
+    params = [SamplingParams(10), SamplingParams(10, temperature=1.1, seed=3), SamplingParams(10)]
+    want = [list(eager.decode(eager.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
+    got = [list(graphed.decode(graphed.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
+    assert got == want
+    # one request at a time, all in slot 0, under 256 keys: one graph for greedy rows, one for sampled rows
+    assert sorted(graphed._graphs.captured) == [(1, 256, False), (1, 256, True)]
+    assert capture.captures == 2
+
+
+def test_a_failed_capture_falls_back_to_eager_with_the_reason():
+    blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny")
+    want = list(blender.decode(blender.full_prefill(PROMPTS[0]), SamplingParams(6)))
+    blender.pool  # noqa: B018
+    blender._graphs = StepGraphs(enabled=True, capture=FakeCapture(fail=True))
+    assert list(blender.decode(blender.full_prefill(PROMPTS[0]), SamplingParams(6))) == want
+    assert "capture failed" in blender.cuda_graphs and "stream is capturing" in blender.cuda_graphs
+    assert not blender._graphs.enabled

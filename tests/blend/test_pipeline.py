@@ -9,7 +9,7 @@ import torch
 
 from blend import Blender, ChunkKV
 from blend.pipeline import ChunkMiss
-from store import DiskTier, MemoryTier, TieredStore, decode, encode, kv_key
+from store import BytesTier, DiskTier, MemoryTier, TieredStore, decode, encode, kv_key
 from store.serialize import parse_head
 from tests.blend.conftest import random_ids, tiny_model
 
@@ -75,8 +75,8 @@ def test_pipelined_prefill_on_smollm_matches(smollm):
             assert torch.equal(piped.logits, loaded.logits) and torch.equal(piped.logits, whole.logits)
 
 
-class SlowTier(MemoryTier):
-    """A memory tier whose every range read takes `delay_s` more: a remote store, for timing structure."""
+class SlowTier(BytesTier):
+    """An in-process byte tier whose every range read takes `delay_s` more: a remote store, for timing structure."""
 
     name = "slow"
 
@@ -121,7 +121,7 @@ def timed_layers(blender: Blender, delay_s: float, events: list) -> list:
 def test_a_slow_tier_is_overlapped_with_compute(pipeline):
     layers, delay = 8, 0.025
     blender = Blender(tiny_model("llama", num_hidden_layers=layers), tokenizer=None, fingerprint="tiny-llama")
-    store = TieredStore([SlowTier(delay)])
+    store = TieredStore([SlowTier(delay)], read_threads=0)  # the loader's own overlap, no read-ahead pool
     head, keys, _ = stored_chunks(blender, store, CHUNKS[:2])  # two chunks: a layer loads in ~2 * delay
     run(blender, store, head, keys, 0.0, "query", pipeline=pipeline)  # warm-up (first-call costs)
     events: list = []

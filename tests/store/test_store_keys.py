@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from common.chunk_kv import hash_ids
-from store import DiskTier, MemoryTier, kv_key, validate_key
+from store import BytesTier, DiskTier, MemoryTier, kv_key, validate_key
+from tests.helpers import random_kv
 
 CTX = hash_ids([1, 2, 3])
 
@@ -41,7 +42,12 @@ def test_bad_keys_are_rejected(bad):
 def test_tiers_refuse_bad_keys_before_touching_anything(tmp_path):
     disk = DiskTier(tmp_path / "kv", 1 << 20)
     before = sorted(tmp_path.rglob("*"))  # the tier's index: cache.db and its WAL
-    for tier in (MemoryTier(1 << 20), disk):
+    memory = MemoryTier(1 << 20)
+    for call in (lambda: memory.put("../escape", random_kv(0)[1]), lambda: memory.get("../escape"),
+                 lambda: memory.delete("../escape"), lambda: memory.contains("A" * 64)):
+        with pytest.raises(ValueError):
+            call()
+    for tier in (BytesTier(1 << 20), disk):
         for call in (lambda t: t.put("../escape", b"x"), lambda t: t.get("../escape"),
                      lambda t: t.delete("../escape"), lambda t: t.contains("A" * 64),
                      lambda t: t.reader("../escape"), lambda t: t.head("../escape", 8)):

@@ -1,21 +1,23 @@
-"""Per-layer reads: TieredStore.open -> LayeredEntry.layer(i) from every tier, damage, promotion, threads."""
+"""Per-layer reads: TieredStore.open -> LayeredEntry / ResidentEntry.layer(i) from every tier, damage,
+promotion, threads, read-ahead."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from store import CODECS, DiskTier, LayeredEntry, LayerReadError, MemoryTier, RedisTier, StoreClosedError, TieredStore
+from store import (CODECS, DiskTier, LayeredEntry, LayerReadError, MemoryTier, RedisTier, ResidentEntry,
+                   StoreClosedError, TieredStore, decode)
 from store.serialize import OPEN_BYTES, parse_head
-from tests.helpers import assert_same_kv, random_kv, run_in_threads
+from tests.helpers import all_layers, assert_same_kv, random_kv, run_in_threads
 
 FP = "model-a"
 SHAPE = (9, 2, 13, 8)  # nine layers, so layer 7 is neither first nor last
 
 
-def one_tier_store(tmp_path, redis_url, only: str, codec: str = "fp16") -> TieredStore:
+def one_tier_store(tmp_path, redis_url, only: str, codec: str = "fp16", read_threads: int = 4) -> TieredStore:
     tier = {"memory": lambda: MemoryTier(1 << 24), "disk": lambda: DiskTier(tmp_path / "disk", 1 << 24),
             "redis": lambda: RedisTier(redis_url, timeout_s=2.0)}[only]()
-    return TieredStore([tier], codec=codec, fingerprint=FP)
+    return TieredStore([tier], codec=codec, fingerprint=FP, read_threads=read_threads)
 
 
 def flip_layer_byte(store: TieredStore, key: str, layer: int, redis_server=None) -> None:
@@ -46,28 +48,31 @@ def test_every_layer_round_trips_from_every_tier(tmp_path, redis_url, codec, onl
     store.flush()
     whole = store.get(key)
     with store.open(key) as entry:
-        assert isinstance(entry, LayeredEntry) and entry.tier == only
+        assert isinstance(entry, ResidentEntry if only == "memory" else LayeredEntry) and entry.tier == only
         assert (entry.codec, entry.shape, entry.num_layers, entry.position) == (codec, SHAPE, 9, 2)
         assert torch.equal(entry.token_ids, kv.token_ids) and entry.fingerprint == FP
-        assert entry.nbytes == len(store.tiers[0].get(key)) and entry.layer_nbytes * 9 < entry.nbytes
+        if only != "memory":
+            assert entry.nbytes == len(store.tiers[0].get(key)) and entry.layer_nbytes * 9 < entry.nbytes
         for i in (8, 0, 4, 1, 7, 2, 6, 3, 5):
             keys, values = entry.layer(i)
-            assert keys.dtype == values.dtype == entry.dtype == whole.keys.dtype
+            assert keys.dtype == values.dtype == entry.dtype == whole.keys.dtype == kv.keys.dtype
             assert torch.equal(keys, whole.keys[i]) and torch.equal(values, whole.values[i])
-        assert_same_kv(entry.read_all(), kv, codec)
+        assert_same_kv(all_layers(entry), kv, codec)
         with pytest.raises(IndexError):
             entry.layer(9)
     stats = store.stats()["tiers"][only]
     assert stats["layer_reads"] == 18 and stats["layer_ms_mean"] > 0
-    section = parse_head(store.tiers[0].get(key)).layer_range(0)[1]
+    section = kv.nbytes // 9 if only == "memory" else parse_head(store.tiers[0].get(key)).layer_range(0)[1]
     assert stats["layer_bytes"] == 18 * section
     assert store.counts()[only].items() <= stats.items()  # the same counters, without asking the tiers
     store.close()
 
 
-@pytest.mark.parametrize("only", ["disk", "redis"])  # memory bytes never left the process: not re-checked
-def test_a_damaged_layer_fails_alone_and_the_entry_becomes_a_miss(tmp_path, redis_url, redis_server, only):
-    store = one_tier_store(tmp_path / "a", redis_url, only)
+@pytest.mark.parametrize("read_threads", [0, 4])
+@pytest.mark.parametrize("only", ["disk", "redis"])  # memory tensors never left the process: not re-checked
+def test_a_damaged_layer_fails_alone_and_the_entry_becomes_a_miss(tmp_path, redis_url, redis_server, only,
+                                                                   read_threads):
+    store = one_tier_store(tmp_path / "a", redis_url, only, read_threads=read_threads)
     key, kv = random_kv(2, shape=SHAPE)
     other_key, other_kv = random_kv(3, shape=SHAPE)
     store.put(key, kv)
@@ -77,11 +82,10 @@ def test_a_damaged_layer_fails_alone_and_the_entry_becomes_a_miss(tmp_path, redi
     store.flush()
 
     entry = store.open(key)  # the head is intact
-    for i in range(7):
-        assert torch.equal(entry.layer(i)[0], kv.keys[i].half())
     with pytest.raises(LayerReadError, match="layer 7") as caught:
-        entry.layer(7)
-    assert caught.value.corrupt
+        for i in range(8):  # read ahead, the damage may be found before layer 7 is asked for
+            assert torch.equal(entry.layer(i)[0], kv.keys[i].half().float())
+    assert caught.value.corrupt and (read_threads or i == 7)
     with pytest.raises(LayerReadError):
         entry.layer(8)  # the entry is done for
     entry.close()
@@ -89,7 +93,7 @@ def test_a_damaged_layer_fails_alone_and_the_entry_becomes_a_miss(tmp_path, redi
     stats = store.stats()
     assert stats["corrupt"] == 1 and stats["tiers"][only]["corrupt"] == 1
     with store.open(other_key) as other:  # other entries are untouched
-        assert_same_kv(other.read_all(), other_kv)
+        assert_same_kv(all_layers(other), other_kv)
     assert_same_kv(store.get(other_key), other_kv)
     store.close()
 
@@ -115,7 +119,7 @@ def test_a_damaged_head_is_a_miss(tmp_path, redis_url, redis_server, only):
 
 
 def test_redis_layers_are_range_reads(tmp_path, redis_url, redis_server):
-    store = one_tier_store(tmp_path, redis_url, "redis")
+    store = one_tier_store(tmp_path, redis_url, "redis", read_threads=0)  # no read-ahead: reads as asked
     key, kv = random_kv(6, shape=(9, 2, 200, 16))  # ~230 KB: far more than the first read
     store.put(key, kv)
     store.flush()
@@ -139,12 +143,12 @@ def test_a_head_longer_than_the_first_read(tmp_path, redis_url):
         store.flush()
         with store.open(key) as entry:
             assert torch.equal(entry.token_ids, kv.token_ids)
-            assert_same_kv(entry.read_all(), kv)
+            assert_same_kv(all_layers(entry), kv)
         store.close()
 
 
 def test_an_entry_that_goes_away_mid_read_is_a_miss_not_damage(tmp_path, redis_url, redis_server):
-    store = one_tier_store(tmp_path, redis_url, "redis")
+    store = one_tier_store(tmp_path, redis_url, "redis", read_threads=0)  # layer 1 is read after the delete
     key, kv = random_kv(8, shape=(9, 2, 200, 16))
     store.put(key, kv)
     store.flush()
@@ -176,7 +180,8 @@ def test_promotion_after_every_layer_was_read(tmp_path, redis_url):
             entry.layer(i)
         assert not memory.contains(key)  # not yet: on close
     assert memory.contains(key) and disk.contains(key)
-    assert memory.get(key) == store.tiers[2].get(key)  # the very bytes, reassembled
+    assert disk.get(key) == store.tiers[2].get(key)  # the very bytes, reassembled
+    assert_same_kv(memory.get(key), decode(disk.get(key)), "native")  # the layers as read, held as tensors
     with store.open(key) as entry:
         assert entry.tier == "memory"
     store.close()
@@ -198,14 +203,14 @@ def test_layers_can_be_read_from_several_threads(tmp_path, redis_url):
     store.close()
 
 
-def test_pinned_layers_only_with_cuda(tmp_path, redis_url):
-    store = one_tier_store(tmp_path, redis_url, "memory")
+def test_pinned_staging_only_with_cuda(tmp_path, redis_url):
+    store = one_tier_store(tmp_path, redis_url, "disk", "native")
     key, kv = random_kv(11, shape=SHAPE)
     store.put(key, kv)
     with store.open(key, pin_memory=True) as entry:
-        keys, values = entry.layer(0)
+        keys, values = entry.layer(0)  # native on the host: views of the (pinned, with CUDA) staging buffer
         assert keys.is_pinned() == values.is_pinned() == torch.cuda.is_available() == entry.pin_memory
-        assert torch.equal(keys, kv.keys[0].half())
+        assert torch.equal(keys, kv.keys[0])
     store.close()
     with pytest.raises(StoreClosedError):
         store.open(key)

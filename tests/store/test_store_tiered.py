@@ -9,10 +9,12 @@ import threading
 import time
 
 import pytest
+import torch
 
-from store import (CODECS, DiskTier, KVMismatchError, MemoryTier, RedisTier, StoreClosedError, StoreSettings,
+from store import (CODECS, BytesTier, DiskTier, KVMismatchError, MemoryTier, RedisTier, StoreClosedError, StoreSettings,
                    TieredStore, build_store, encode)
-from tests.helpers import assert_same_kv, random_kv, run_in_threads
+from store.tiered import gpu_bytes
+from tests.helpers import all_layers, assert_same_kv, random_kv, run_in_threads
 
 FP = "model-a"
 
@@ -65,10 +67,11 @@ def test_hits_are_promoted_to_faster_tiers(tmp_path, redis_url):
 
 def test_memory_and_disk_caps_evict_by_bytes(tmp_path):
     entry_bytes = len(encode(random_kv(0)[1]))
-    store = make_store(tmp_path, memory_bytes=2 * entry_bytes, disk_bytes=3 * entry_bytes)
-    keys = [store.put(k, kv) or k for k, kv in (random_kv(i) for i in range(5))]
+    kv_bytes = random_kv(0)[1].nbytes  # the memory tier holds tensors in the model's dtype
+    store = make_store(tmp_path, memory_bytes=2 * kv_bytes, disk_bytes=3 * entry_bytes)
+    keys = [store.put(k, kv) and k for k, kv in (random_kv(i) for i in range(5))]
     stats = store.stats()["tiers"]
-    assert stats["memory"]["entries"] == 2 and stats["memory"]["bytes"] <= 2 * entry_bytes
+    assert stats["memory"]["entries"] == 2 and stats["memory"]["bytes"] == 2 * kv_bytes
     assert stats["disk"]["entries"] == 3 and stats["disk"]["evictions"] == 2
     assert store.get(keys[0]) is None and store.get(keys[4]) is not None
 
@@ -133,8 +136,8 @@ def test_an_entry_must_sit_under_its_own_key(tmp_path):
     key2, _ = random_kv(7)
     with pytest.raises(KVMismatchError):
         store.put(key2, kv1)
-    store.tiers[0].put(key2, encode(kv1))  # a valid entry, but of other tokens
-    assert store.get(key2) is None and not store.tiers[0].contains(key2)
+    store.tiers[1].put(key2, encode(kv1))  # a valid disk entry, but of other tokens
+    assert store.get(key2) is None and not store.tiers[1].contains(key2)
     with pytest.raises(ValueError):
         store.get("../" + key1[3:])
 
@@ -215,7 +218,7 @@ def test_concurrent_gets_and_puts_never_see_partial_entries(tmp_path, redis_url)
             elif draw < 0.6:
                 with store.open(key) or contextlib.nullcontext() as entry:
                     if entry is not None:
-                        assert_same_kv(entry.read_all(), entries[key])
+                        assert_same_kv(all_layers(entry), entries[key])
                         seen.append(key)
             else:
                 got = store.get(key)
@@ -237,7 +240,7 @@ def test_concurrent_gets_and_puts_never_see_partial_entries(tmp_path, redis_url)
 
 
 def test_full_write_queue_drops_instead_of_blocking(tmp_path):
-    class StuckRemote(MemoryTier):  # a remote tier whose writes hang
+    class StuckRemote(BytesTier):  # a remote tier whose writes hang
         name, remote, trusted = "stuck", True, False
 
         def __init__(self) -> None:
@@ -293,6 +296,23 @@ def test_build_store_from_settings(tmp_path, redis_url):
     assert [t.name for t in no_memory.tiers] == ["disk"]
     with pytest.raises(KVMismatchError):
         no_memory.put(*random_kv(31, fingerprint="model-b"))
+    no_memory.close()
+
+
+def test_the_gpu_tier_is_built_only_on_cuda(tmp_path):
+    assert gpu_bytes("auto", "cpu") == gpu_bytes(1 << 30, "cpu") == gpu_bytes("auto", None) == 0
+    on_cpu = build_store(StoreSettings(gpu_bytes=1 << 30, read_threads=0), tmp_path / "kv", FP, device="cpu")
+    assert [t.name for t in on_cpu.tiers] == ["memory", "disk"] and on_cpu._pool is None
+    assert not on_cpu.tiers[0].pin_memory  # pinned host memory only for a model on CUDA
+    on_cpu.close()
+    if torch.cuda.is_available():
+        auto = gpu_bytes("auto", "cuda")
+        assert 0 < auto < torch.cuda.mem_get_info()[0]
+        on_gpu = build_store(StoreSettings(), tmp_path / "kv", FP, device="cuda")
+        assert [t.name for t in on_gpu.tiers][:2] == ["gpu", "memory"] and on_gpu.tiers[1].pin_memory
+        on_gpu.close()
+    with pytest.raises(ValueError):
+        StoreSettings(gpu_bytes=-1)
 
 
 # --- close, flush and delete against the background writer ---------------------------------------
@@ -379,17 +399,19 @@ def test_close_races_puts_without_losing_or_stranding_writes(tmp_path, redis_url
             call()
 
 
-def test_entries_of_format_1_are_quiet_misses(tmp_path, caplog):
+def test_entries_of_an_older_format_are_quiet_misses_then_rewritten(tmp_path, caplog):
     store = make_store(tmp_path, memory=False)
     key, kv = random_kv(42)
     store.put(key, kv)
     path = next((tmp_path / "r1").rglob("*.val"))
     data = path.read_bytes()
     end = 8 + int.from_bytes(data[4:8], "little")
-    header = data[8:end].replace(b'"v":2', b'"v":1')
+    header = data[8:end].replace(b'"v":3', b'"v":2')  # what the previous build wrote
     path.write_bytes(data[:8] + header + data[end:])
     caplog.set_level(logging.DEBUG, logger="ragblend.store")
     assert store.get(key) is None and not store.contains(key)
     stats = store.stats()
     assert (stats["stale"], stats["corrupt"], stats["tiers"]["disk"]["stale"]) == (1, 0, 1)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    store.put(key, kv)  # the miss was recomputed: written back in this format
+    assert_same_kv(store.get(key), kv) and store.stats()["stale"] == 1

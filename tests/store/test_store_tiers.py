@@ -7,8 +7,12 @@ import time
 import diskcache
 import pytest
 
-from store import DiskTier, MemoryTier, RedisTier
+import torch
+
+from store import BytesTier, DiskTier, MemoryTier, RedisTier
 from store.eviction import LRUPolicy
+from common.chunk_kv import ChunkKV
+from tests.helpers import random_kv
 from tests.servers import RedisServer
 
 A, B, C, D = (c * 64 for c in "abcd")  # valid keys
@@ -26,7 +30,7 @@ def test_lru_policy_evicts_least_recent_first():
 
 @pytest.fixture(params=["memory", "disk"])
 def local_tier(request, tmp_path):
-    return MemoryTier(250) if request.param == "memory" else DiskTier(tmp_path, 250)
+    return BytesTier(250) if request.param == "memory" else DiskTier(tmp_path, 250)
 
 
 def test_local_tier_is_lru_by_bytes(local_tier):
@@ -43,6 +47,35 @@ def test_local_tier_is_lru_by_bytes(local_tier):
     assert not local_tier.contains(D) and local_tier.stats()["entries"] == 2
     assert local_tier.delete(A) and not local_tier.delete(A)
     assert local_tier.stats()["bytes"] == 100
+
+
+def test_memory_tier_hands_back_the_tensors_it_holds_and_keeps_its_cap():
+    kvs = [random_kv(i, shape=(2, 2, 5, 4))[1] for i in range(4)]  # 640 bytes each
+    tier = MemoryTier(2 * kvs[0].nbytes + 100)
+    tier.put(A, kvs[0])
+    tier.put(B, kvs[1])
+    held = tier.get(A)
+    assert held.keys.data_ptr() == kvs[0].keys.data_ptr()  # placed already: held as given, no copy
+    assert tier.get(A).keys is held.keys and tier.get(A).values is held.values  # every hit: the same tensors
+    tier.put(C, kvs[2])  # over the cap: B, the least recently used, goes
+    assert not tier.contains(B) and tier.contains(A) and tier.contains(C)
+    stats = tier.stats()
+    assert (stats["entries"], stats["bytes"], stats["evictions"]) == (2, 2 * kvs[0].nbytes, 1)
+    assert stats["bytes"] <= stats["capacity"]
+    tier.put(D, random_kv(9, shape=(2, 2, 50, 4))[1])  # larger than the cap: refused
+    assert not tier.contains(D) and tier.stats()["entries"] == 2
+
+
+def test_memory_tier_copies_only_what_is_not_placed_yet():
+    kv = random_kv(1, shape=(2, 2, 5, 4))[1]
+    tier = MemoryTier(1 << 20, device="cpu", name="gpu")  # the gpu tier's code, on the CPU
+    strided = ChunkKV(kv.keys.transpose(2, 3).contiguous().transpose(2, 3), kv.values, kv.token_ids,
+                      kv.position, kv.context_hash, kv.fingerprint)  # same values, not contiguous
+    tier.put(A, strided)
+    held = tier.get(A)
+    assert held.keys.is_contiguous() and held.keys.data_ptr() != strided.keys.data_ptr()
+    assert torch.equal(held.keys, kv.keys) and held.values.data_ptr() == kv.values.data_ptr()
+    assert tier.stats()["device"] == "cpu" and tier.name == "gpu"
 
 
 def _files(root) -> list:

@@ -1,0 +1,107 @@
+"""The decode KV pool: every decoding request's K/V in one preallocated tensor, at a static address.
+
+    keys, values  [L, slots, H, columns, D]   columns ≥ max_len + 1, a multiple of 64
+    Decoding      one request in a slot: its length (cache_seqlens), sampling params and generator
+
+A request's prompt cache is copied into a free slot once, after its prefill (the prefill works on its
+own tensors); each decoded token is then one in-place write at the slot's length. Nothing grows, nothing
+is reallocated, so a captured CUDA graph can keep reading the same addresses (nanochat's KVCache and
+HF's StaticCache are the models). A finished or cancelled request releases its slot for the next.
+
+The last column of every slot is scratch: the padding rows of a fixed-shape decode step (blend.batch)
+write their K/V there, so they never touch a real position. Slots are handed out lowest first, so the
+rows a step runs stay packed at the front of the pool.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from blend.decode import SamplingParams
+
+
+DEFAULT_POOL_TOKENS = 8192  # positions per slot unless configured (and at most the model's context)
+
+
+class PoolFull(RuntimeError):
+    """Every slot of the decode pool is taken."""
+
+
+class PoolTooShort(ValueError):
+    """A request would grow past the pool's max_len."""
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class KVPool:
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, *, slots: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if slots < 1 or max_len < 1:
+            raise ValueError(f"a KV pool needs at least one slot and one position, got {slots} slots of {max_len}")
+        self.slots, self.max_len = slots, max_len
+        self.columns = _round_up(max_len + 1, 64)  # aligned rows for the GPU kernels; the last is scratch
+        self.scratch = self.columns - 1
+        shape = (num_layers, slots, kv_heads, self.columns, head_dim)
+        # Untouched until a slot is first used (zeroed then): a large pool costs memory only as it fills.
+        self.keys = torch.empty(shape, dtype=dtype, device=device)
+        self.values = torch.empty(shape, dtype=dtype, device=device)
+        self._free = list(range(slots))  # a heap: the lowest free slot first
+        self._zeroed: set[int] = set()
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def acquire(self) -> int:
+        if not self._free:
+            raise PoolFull(f"all {self.slots} decode slots are in use")
+        slot = heapq.heappop(self._free)
+        if slot not in self._zeroed:  # masked keys are multiplied by zero weights: they must be finite
+            self.keys[:, slot].zero_()
+            self.values[:, slot].zero_()
+            self._zeroed.add(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot in self._free or not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is not in use")
+        heapq.heappush(self._free, slot)
+
+    def load(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Copy a prompt's cache into `slot`: per layer (keys, values) [1, H, T, D]; returns T."""
+        length = layers[0][0].shape[2]
+        if length > self.max_len:
+            raise PoolTooShort(f"a prompt of {length} tokens does not fit the {self.max_len}-token decode pool")
+        for i, (k, v) in enumerate(layers):
+            self.keys[i, slot, :, :length].copy_(k[0])
+            self.values[i, slot, :, :length].copy_(v[0])
+        return length
+
+    def slot_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of one slot's K/V [L, H, max_len, D] (without the scratch column)."""
+        return self.keys[:, slot, :, :self.max_len], self.values[:, slot, :, :self.max_len]
+
+
+@dataclass(eq=False)
+class Decoding:
+    """One request decoding in a pool slot. `length` is its cache_seqlens: the next token's position."""
+
+    pool: KVPool
+    slot: int
+    length: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
+    released: bool = False
+
+    def truncate(self, length: int) -> None:
+        """Forget positions from `length` on (a step that failed is run again from there)."""
+        self.length = min(self.length, length)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool.release(self.slot)

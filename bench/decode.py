@@ -164,7 +164,8 @@ def cuda_decode_timing(device: str = "cuda", context: int = 4096, batches: tuple
     blender = Blender(model, tokenizer=None, fingerprint="random-llama")
     blender.configure_decode(slots=max(batches), max_len=context + 37 * max(batches) + steps + 8, cuda_graphs="on")
     _ = blender.pool  # built now, so the graph settings below stay as set
-    result: dict = {"device": str(device), "context_tokens": context, "dtype": str(blender.dtype).removeprefix("torch."),
+    result: dict = {"device": str(device), "context_tokens": context,
+                    "dtype": str(blender.dtype).removeprefix("torch."),
                     "own_forward_b1_ms": round(own_forward_ms(model, context, steps), 2), "batches": {}}
     log(f"own forward, batch 1: {result['own_forward_b1_ms']} ms/step")
     for batch in batches:

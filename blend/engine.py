@@ -478,7 +478,8 @@ class Blender:
 
     def configure_decode(self, *, slots: int = 8, max_len: int | None = None, cuda_graphs: str = "auto") -> None:
         """The decode pool: `slots` requests at once, `max_len` positions each (prompt + answer; at most the
-        model's context; default DEFAULT_POOL_TOKENS); cuda_graphs: auto (on CUDA) | on | off. Before the first decode only."""
+        model's context; default DEFAULT_POOL_TOKENS); cuda_graphs: auto (on CUDA) | on | off.
+        Before the first decode only."""
         if self._pool is not None:
             raise RuntimeError("the decode pool is already built")
         if cuda_graphs not in ("auto", "on", "off"):

@@ -3,10 +3,11 @@
 `StepGraphs.run(key, step, inputs)` runs `step(**inputs)` (inputs: tensors only; whatever else shapes
 the step is in `key`). Enabled, the first call for a key copies the inputs into static buffers,
 captures the step over them (`capture`, by default a torch.cuda.CUDAGraph after a warm-up on a side
-stream; it returns the static output, filled by each replay) and replays it; later calls copy the new inputs into the same buffers and replay. The output
-is the graph's static tensor: read it (e.g. `.tolist()`) before the next run. A capture that fails
-(an op that syncs with the host, a kernel graphs cannot hold) turns graphs off for good, with the
-reason logged and kept in `disabled`; that call and every later one run eagerly.
+stream; it returns the static output, filled by each replay) and replays it; later calls copy the new
+inputs into the same buffers and replay. The output is the graph's static tensor: read it (e.g.
+`.tolist()`) before the next run. A capture that fails (an op that syncs with the host, a kernel
+graphs cannot hold) turns graphs off for good, with the reason logged and kept in `disabled`; that
+call and every later one run eagerly.
 
 The capture is a parameter so the logic (static buffers, one capture per key, the fallback) runs on
 the CPU in tests; on the CPU the Blender passes enabled=False and the step always runs eagerly.

@@ -41,6 +41,7 @@ import torch
 from app.answer_metrics import answer_scores
 from blend import Blender, ChunkKV, Prefill, PromptFormat, SamplingParams, TextStream, hash_ids
 from common import write_atomic
+from store import get_codec
 
 log = logging.getLogger("ragblend.compare")
 
@@ -112,12 +113,8 @@ class Harness:
         self.sampling = SamplingParams(max_new_tokens=config.max_tokens)
 
     def _through_codec(self, kv: ChunkKV) -> ChunkKV:
-        """The KV as serving would read it back from the store."""
-        if self.config.codec == "none":
-            return kv
-        import store
-
-        return store.decode(store.encode(kv, self.config.codec), expected_fingerprint=self.blender.fingerprint)
+        """The KV as serving would read it back from the store (the codec's round trip, as store.put's)."""
+        return kv if self.config.codec == "none" else get_codec(self.config.codec).round_trip(kv)
 
     def prepare(self, item: dict[str, Any]) -> PromptKV:
         """1. Head + first K passages (dataset order) + question suffix, chunk KVs precomputed."""

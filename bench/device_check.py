@@ -1,11 +1,19 @@
-"""TTFTs on a CUDA GPU (run by bench/device_check.sh): SmolLM2 and a random Llama-3-8B-shaped model in bfloat16.
+"""What a GPU user compares (issue #25), in one run: a randomly initialised Llama-3-8B-shaped model in
+bfloat16 (random weights time like real ones; no model hub needed), prompts of --chunk-token chunks after
+a 32-token head and before a 32-token question.
 
-For each model and prompt length (4k, 16k tokens; SmolLM2 only where its context allows): chunks of
---chunk random tokens after a 32-token head, a 32-token question; every chunk's KV stored (fp16) in a
-memory tier and a disk tier. Modes: full prefill, reuse (ratio 0) and blend@0.15, each with KV from
-memory and from disk, pipelined and not. Medians of --repeats, CUDA-synchronised. Prints JSON.
-The 8B-shaped model has random weights (config only, nothing downloaded): its timings mean something,
-its answers do not.
+  baseline   HF's own sdpa forward of the same prompt (and the project's full_prefill)
+  cases      reuse, blend@0.15 / 0.3 (query, hkvd) with the KV resident on the GPU; reuse / blend@0.15 with
+             the KV from the memory tier and the disk tier, pipelined and whole (where `store` imports)
+  phases     each case's PrefillStats.timings_ms, taken with the device synchronised
+  exactness  float32 and bfloat16: HF one vs two pieces, eager vs sdpa, full_prefill vs HF, blend@1 vs HF
+             (max |Δlogit|, KL, top-1 equal); the start-up gate's verdict in each dtype
+  decode     Blender.decode_step at batch 1, 8, 32, and the model's own forward at batch 1
+
+Medians of --repeats, synchronised. JSON lands in --out (device_check.json, rewritten after every
+case: a killed run keeps what it measured); a short table is printed last. Needs only torch,
+transformers and this repository's blend/common (store for the tier cases). CPU smoke test:
+`--tiny --device cpu`.
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -22,117 +31,316 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from blend import Blender, load_model  # noqa: E402
+from blend import BLEND_ATTENTION, Blender, SamplingParams  # noqa: E402
 from common import git_commit  # noqa: E402
-from store import DiskTier, MemoryTier, TieredStore, kv_key  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=65536,
                  rope_theta=500000.0, rms_norm_eps=1e-5)
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=8192)
+HEAD, QUESTION = 32, 32
 
 
 def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def random_llama(device: torch.device):
+class Report:
+    def __init__(self, out: Path):
+        self.path, self.data = out / "device_check.json", {}
+        out.mkdir(parents=True, exist_ok=True)
+
+    def dump(self) -> None:
+        self.path.write_text(json.dumps(self.data, indent=1))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_model(device: torch.device, tiny: bool, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with device:
-            model = LlamaForCausalLM(LlamaConfig(**LLAMA3_8B)).eval()
+            config = LlamaConfig(**(TINY if tiny else LLAMA3_8B))
+            config._attn_implementation = "sdpa"
+            return LlamaForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(default)
-    return Blender(model, tokenizer=None, fingerprint="random-llama3-8b-shape")
 
 
-def measure(blender: Blender, tokens: int, chunk: int, repeats: int, tmp: Path) -> dict:
-    vocab = blender.model.config.vocab_size
-    g = torch.Generator().manual_seed(tokens)
-    ids = lambda n: torch.randint(10, vocab, (n,), generator=g).tolist()  # noqa: E731
-    head_ids, suffix = ids(32), ids(32)
-    chunks = [ids(chunk) for _ in range(max(1, (tokens - 64) // chunk))]
-    head = blender.precompute(head_ids)
-    stores = {"memory": TieredStore([MemoryTier(1 << 36)]),
-              "disk": TieredStore([DiskTier(tmp / f"disk-{tokens}-{blender.fingerprint}", 1 << 36)])}
-    keys = []
-    for c in chunks:
-        kv = blender.precompute(c, head_ids, context=head)
-        key = kv_key(blender.fingerprint, kv.context_hash, kv.token_ids)
-        for store in stores.values():
-            store.put(key, kv)
-        keys.append(key)
-    del kv
-
-    def once(mode: str, tier: str | None, pipeline: bool) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        if mode == "full":
-            prefill = blender.full_prefill(head_ids + sum(chunks, []) + suffix)
-        else:
-            entries = [stores[tier].open(k) for k in keys]
-            prefill = blender.prefill([head, *entries], suffix, 0.0 if mode == "reuse" else 0.15, pipeline=pipeline)
-        int(prefill.logits.argmax())
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    cases = [("full", None, False)] + [(m, t, p) for m in ("reuse", "blend@0.15") for t in stores
-                                        for p in (True, False)]
-    once(*cases[1])  # warm-up
-    times = {c: [] for c in cases}
+def timed(fn, device: torch.device, repeats: int):
+    fn()  # warm-up (and, on CUDA, compiles)
+    times, out = [], None
     for _ in range(repeats):
-        for case in cases:
-            times[case].append(once(*case))
-    for store in stores.values():
-        store.close()
-    out = {"prompt_tokens": 64 + len(chunks) * chunk, "full_s": round(statistics.median(times[cases[0]]), 4)}
-    for mode, tier, pipeline in cases[1:]:
-        out[f"{mode} {tier} {'pipelined' if pipeline else 'whole'}_s"] = round(
-            statistics.median(times[(mode, tier, pipeline)]), 4)
+        sync(device)
+        start = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), out
+
+
+def prompt(vocab: int, tokens: int, chunk: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(10, vocab, (n,), generator=g).tolist()  # noqa: E731
+    head, question = ids(HEAD), ids(QUESTION)
+    return head, [ids(chunk) for _ in range(max(1, (tokens - HEAD - QUESTION) // chunk))], question
+
+
+def hf_forward(model, ids: list[int], device, implementation: str = "sdpa") -> torch.Tensor:
+    """The model's own forward in `implementation`: last logits [V] (float32, host)."""
+    own = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
+    try:
+        with torch.inference_mode():
+            return model(input_ids=torch.tensor([ids], device=device), logits_to_keep=1).logits[0, -1].float().cpu()
+    finally:
+        model.set_attn_implementation(own)
+
+
+def compare(reference: torch.Tensor, x: torch.Tensor) -> dict:
+    kl = torch.nn.functional.kl_div(x.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum")
+    return {"max_abs": float((x - reference).abs().max()), "kl": float(kl), "top1": bool(x.argmax() == reference.argmax())}
+
+
+def exactness(blender: Blender, device, tokens: int, chunk: int) -> dict:
+    """One prompt's last logits computed several ways: the dtype's own spread next to the blend loop's error."""
+    from transformers import DynamicCache
+    model = blender.model
+    head, chunks, question = prompt(model.config.vocab_size, tokens, chunk, seed=123)
+    ids = head + sum(chunks, []) + question
+    reference = hf_forward(model, ids, device)
+    out = {"prompt_tokens": len(ids), "max_abs_logit": float(reference.abs().max())}
+    own = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.inference_mode():
+            cache, half = DynamicCache(config=model.config), len(ids) // 2
+            model(input_ids=torch.tensor([ids[:half]], device=device), cache=cache, use_cache=True)
+            two = model(input_ids=torch.tensor([ids[half:]], device=device), cache=cache, use_cache=True,
+                        logits_to_keep=1).logits[0, -1].float().cpu()
+    finally:
+        model.set_attn_implementation(own)
+    out["hf two pieces vs hf"] = compare(reference, two)
+    if len(ids) <= 8192:  # eager materialises the scores
+        out["hf eager vs hf sdpa"] = compare(reference, hf_forward(model, ids, device, "eager"))
+    out["full_prefill vs hf"] = compare(reference, blender.full_prefill(ids).logits)
+    head_kv = blender.precompute(head)
+    kvs = [blender.precompute(c, head, context=head_kv) for c in chunks]
+    blended = blender.prefill([head_kv, *kvs], question, 1.0)
+    out["blend@1 vs hf"] = {**compare(reference, blended.logits), "fallback": blended.stats.fallback}
     return out
+
+
+def tier_stores(tmp: Path):
+    """The memory and disk tiers, or why they are not measured (store's dependencies missing)."""
+    try:
+        from store import DiskTier, MemoryTier, TieredStore, kv_key
+    except ImportError as exc:
+        return None, None, f"store does not import here ({exc}): tier cases skipped"
+    stores = {"memory": TieredStore([MemoryTier(1 << 38)]), "disk": TieredStore([DiskTier(tmp, 1 << 38)])}
+    return stores, kv_key, None
+
+
+def measure(blender: Blender, device, tokens: int, args, tmp: Path, report: Report) -> None:
+    model = blender.model
+    head, chunks, question = prompt(model.config.vocab_size, tokens, args.chunk, seed=tokens)
+    ids = head + sum(chunks, []) + question
+    run = report.data["runs"].setdefault(str(len(ids)), {})
+    head_kv = blender.precompute(head)
+    kvs = [blender.precompute(c, head, context=head_kv) for c in chunks]
+    stores, kv_key, why = tier_stores(tmp / f"disk-{tokens}") if tokens <= args.tier_tokens else (
+        None, None, f"tier cases run up to {args.tier_tokens} tokens")
+    keys = []
+    if stores:
+        keys = [kv_key(blender.fingerprint, kv.context_hash, kv.token_ids) for kv in kvs]
+        for store in stores.values():
+            for key, kv in zip(keys, kvs):
+                store.put(key, kv)
+    else:
+        run["tiers"] = why
+
+    def case(name: str, fn) -> None:
+        try:
+            seconds, result = timed(fn, device, args.repeats)
+            run[name] = {"s": round(seconds, 4)}
+            stats = getattr(result, "stats", None)
+            if stats is not None:
+                run[name].update(phases_ms=stats.timings_ms, load_wait_ms=stats.load_wait_ms,
+                                 recomputed=stats.recomputed_tokens, fallback=stats.fallback)
+            log(f"  {len(ids)} {name}: {seconds:.4f} s")
+        except Exception as exc:  # noqa: BLE001 - recorded; the check goes on
+            run[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1200:]}
+            log(f"  {len(ids)} {name}: ERROR {exc}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        report.dump()
+
+    def blend(segments, ratio: float, selection: str = "query", pipeline: bool = False):
+        return lambda: blender.prefill([head_kv, *segments()], question, ratio, selection=selection, pipeline=pipeline)
+
+    resident = lambda: kvs  # noqa: E731
+    case("hf sdpa full", lambda: hf_forward(model, ids, device))
+    case("full_prefill", lambda: blender.full_prefill(ids))
+    case("resident reuse", blend(resident, 0.0))
+    for ratio in (0.15, 0.3):
+        for selection in ("query", "hkvd"):
+            case(f"resident blend@{ratio} {selection}", blend(resident, ratio, selection))
+    if stores:
+        pinned = blender.backend.pin_host_memory
+        for tier in stores:
+            opened = lambda tier=tier: [stores[tier].open(k, pin_memory=pinned) for k in keys]  # noqa: E731
+            for pipeline in (True, False):
+                way = "pipelined" if pipeline else "whole"
+                case(f"{tier} reuse {way}", blend(opened, 0.0, pipeline=pipeline))
+                case(f"{tier} blend@0.15 query {way}", blend(opened, 0.15, pipeline=pipeline))
+        for store in stores.values():
+            store.close()
+
+
+def decode(blender: Blender, device, context: int, batches: list[int], steps: int, report: Report) -> None:
+    """Blender.decode_step over batches of pooled requests (blend.pool), and the model's own forward at batch 1."""
+    out = report.data["decode"]
+    vocab = blender.model.config.vocab_size
+    g = torch.Generator().manual_seed(7)
+    blender.configure_decode(slots=max(batches), max_len=context + 2 * steps + 8)
+    for batch in batches:
+        sequences = []
+        try:
+            prefill = blender.full_prefill(torch.randint(10, vocab, (context,), generator=g).tolist(),
+                                           reserve=2 * steps + 4)
+            sampling = SamplingParams(max_new_tokens=steps + 2)
+            sequences = [blender.start_decode(prefill, sampling) for _ in range(batch)]
+            positions = [context] * batch
+            blender.decode_step(sequences, [11] * batch, positions)  # warm-up (on CUDA: captures its graph)
+            positions = [p + 1 for p in positions]
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(steps):
+                blender.decode_step(sequences, [12] * batch, positions)
+                positions = [p + 1 for p in positions]
+            sync(device)
+            step = (time.perf_counter() - start) / steps
+            out[f"batch {batch}"] = {"step_ms": round(step * 1000, 2), "tokens_per_s": round(batch / step, 1)}
+            if batch == 1:  # the model's own forward, one row: what the batched step must not be slower than
+                cache, position = prefill.cache, context
+                with torch.inference_mode():
+                    sync(device)
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        blender.model(input_ids=torch.tensor([[12]], device=device), use_cache=True, cache=cache,
+                                      position_ids=torch.tensor([[position]], device=device))
+                        position += 1
+                    sync(device)
+                out["own forward batch 1"] = {"step_ms": round((time.perf_counter() - start) / steps * 1000, 2)}
+            log(f"  decode batch {batch} @ {context}: {out[f'batch {batch}']}")
+        except Exception as exc:  # noqa: BLE001
+            out[f"batch {batch}"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1200:]}
+        finally:
+            for sequence in sequences:
+                sequence.release()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        report.dump()
+
+
+def table(data: dict) -> list[str]:
+    """The short summary: each case's seconds and its share of HF's own full prefill."""
+    lines = [f"commit {data.get('commit')}  device {data.get('device')}  gate: {data.get('gate')}"]
+    for tokens, run in data["runs"].items():
+        if not isinstance(run, dict):
+            lines.append(f"{tokens}: {run}")
+            continue
+        base = (run.get("hf sdpa full") or {}).get("s")
+        for name, v in run.items():
+            if isinstance(v, dict) and "s" in v:
+                share = f"{v['s'] / base:6.3f}x" if base else ""
+                assemble = (v.get("phases_ms") or {}).get("assemble")
+                extra = f"  assemble {assemble:.1f} ms" if assemble is not None else ""
+                lines.append(f"{tokens:>6} {name:<34} {v['s']:8.4f} s {share}{extra}")
+            elif isinstance(v, dict):
+                lines.append(f"{tokens:>6} {name:<34} {v.get('error', '')[:120]}")
+    for name, v in data.get("decode", {}).items():
+        lines.append(f"decode {name:<27} {v.get('step_ms', v.get('error', ''))} ms")
+    for dtype, ex in data.get("exactness", {}).items():
+        if isinstance(ex, dict):
+            lines.append(f"exactness {dtype}: " + ", ".join(
+                f"{k} {v['max_abs']:.3g}/{'=' if v['top1'] else '≠'}" for k, v in ex.items() if isinstance(v, dict)))
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="4096,16384")
-    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "device-check")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (the CPU smoke test)")
+    parser.add_argument("--tokens", default=None, help="prompt lengths (default 4096,16384,32768; tiny: 512)")
+    parser.add_argument("--chunk", type=int, default=None, help="chunk tokens (default 512; tiny: 128)")
+    parser.add_argument("--tier-tokens", type=int, default=16384, help="tier cases up to this prompt length")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", help="the measured model's dtype (exactness: float32 too)")
+    parser.add_argument("--exact-tokens", type=int, default=None, help="(default 4096; tiny: 300)")
+    parser.add_argument("--decode-context", type=int, default=None, help="(default 4096; tiny: 128)")
+    parser.add_argument("--decode-batches", default="1,8,32")
     parser.add_argument("--tests-rc", type=int, default=None, help="exit status of the CUDA blend tests")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    tiny = args.tiny
+    args.tokens = args.tokens or ("512" if tiny else "4096,16384,32768")
+    args.chunk = args.chunk or (128 if tiny else 512)
+    args.exact_tokens = args.exact_tokens or (300 if tiny else 4096)
+    args.decode_context = args.decode_context or (128 if tiny else 4096)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"gpu": False, "message": "no CUDA GPU on this machine: nothing to check"}))
         return
-    device = torch.device("cuda")
-    result = {"gpu": True, "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-              "blend_tests_rc": args.tests_rc, "models": {}}
-    result["commit"] = git_commit()
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ("smollm2", "llama3-8b-shape"):
-            log(f"loading {name}")
-            if name == "smollm2":
-                llm = load_model("embedded", cache_dir=REPO / "data/models", dtype="auto", device="cuda")
-                blender = Blender(llm.model, llm.tokenizer, llm.fingerprint)
-            else:
-                blender = random_llama(device)
-            limit = blender.model.config.max_position_embeddings
-            runs = {}
-            for tokens in (int(t) for t in args.tokens.split(",")):
-                if tokens > limit:
-                    runs[str(tokens)] = f"skipped: the model's context is {limit} tokens"
-                    continue
-                log(f"{name} at {tokens} tokens")
-                try:
-                    runs[str(tokens)] = measure(blender, tokens, args.chunk, args.repeats, Path(tmp))
-                except torch.cuda.OutOfMemoryError as exc:
-                    runs[str(tokens)] = f"out of GPU memory: {exc}"
-                torch.cuda.empty_cache()
-            result["models"][name] = {"unsupported": blender.unsupported, "dtype": str(blender.dtype), "runs": runs}
+    import transformers
+    report = Report(args.out)
+    report.data.update(commit=git_commit(), torch=torch.__version__, transformers=transformers.__version__,
+                       device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                       model="tiny llama" if tiny else "llama-3-8b shape, random weights",
+                       blend_tests_rc=args.tests_rc, gates={}, exactness={}, runs={}, decode={})
+    started = time.perf_counter()
+    # float32 first (is the loop exact where rounding is small?), then the model that is measured.
+    measured = getattr(torch, args.dtype)
+    for dtype in dict.fromkeys((torch.float32, measured)):
+        log(f"building the {dtype} model")
+        start = time.perf_counter()
+        blender = Blender(build_model(device, tiny, dtype), tokenizer=None, fingerprint=f"device-check-{dtype}")
+        report.data["gates"][str(dtype)] = {"unsupported": blender.unsupported, "backend": blender.backend.name,
+                                           "build_and_gate_s": round(time.perf_counter() - start, 2)}
+        try:
+            report.data["exactness"][str(dtype)] = exactness(blender, device, args.exact_tokens, args.chunk)
+        except Exception as exc:  # noqa: BLE001
+            report.data["exactness"][str(dtype)] = f"{type(exc).__name__}: {exc} {traceback.format_exc()[-800:]}"
+        report.dump()
+        if dtype != measured:
             del blender
-            torch.cuda.empty_cache()
-    print(json.dumps(result, indent=2))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    report.data["gate"] = blender.unsupported or "accepted"
+    blender.sync_phases = True
+    assert blender.unsupported or blender.model.config._attn_implementation == BLEND_ATTENTION
+    with tempfile.TemporaryDirectory() as tmp:
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            log(f"{tokens} tokens")
+            try:
+                measure(blender, device, tokens, args, Path(tmp), report)
+            except Exception as exc:  # noqa: BLE001
+                report.data["runs"][f"{tokens} error"] = f"{type(exc).__name__}: {exc} {traceback.format_exc()[-1200:]}"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            report.dump()
+    decode(blender, device, args.decode_context, [int(b) for b in args.decode_batches.split(",")], 16, report)
+    report.data["total_s"] = round(time.perf_counter() - started, 1)
+    report.dump()
+    print("\n".join(table(report.data)))
+    print(f"JSON: {report.path}")
 
 
 if __name__ == "__main__":

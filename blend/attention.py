@@ -13,7 +13,8 @@ region into pieces the kernel runs without waste, and merges them by their log-s
                                 (unmasked), the few inside it get a small mask
 
 The plan is built once per set of query positions (the prefill loop keeps them over many layers)
-and passed as `attention_plan`. Any other forward (decode, precompute, full prefill) passes no
+and passed as `attention_plan`; `plan.attend(...)` runs it. That is the CPU backend's plan
+(blend.backend): on CUDA the backend plans FlexAttention instead, behind the same `attend`. Any other forward (decode, precompute, full prefill) passes no
 plan and gets plain sdpa with the model's own mask. An `attention_probe` callable, when passed,
 sees (module, query, key) first: selection policies read the question's attention through it.
 A decode step (blend.batch) passes K/V as PooledKV, views of the KV pool with each row's length
@@ -85,6 +86,10 @@ class AttentionPlan:
         """Keys the queries can see (up to the last query's position)."""
         return int(self.positions[-1]) + 1
 
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        return planned_attention(query, key, value, self, scale)
+
 
 def planned_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: AttentionPlan,
                       scale: float | None = None) -> torch.Tensor:
@@ -144,7 +149,7 @@ def blend_attention_forward(module, query, key, value, attention_mask, attention
     if window is not None and attention_plan.num_keys > window:
         raise ValueError(f"the blend attention does not apply a sliding window ({window} < "
                          f"{attention_plan.num_keys} keys)")
-    return planned_attention(query, key, value, attention_plan, kwargs.get("scaling")), None
+    return attention_plan.attend(query, key, value, kwargs.get("scaling")), None
 
 
 AttentionInterface.register(BLEND_ATTENTION, blend_attention_forward)

@@ -7,12 +7,14 @@ softcapping (Gemma-2), a sliding window (Mistral, some Qwen2) once the prompt is
 chunked attention, multipliers applied outside the layers (Granite), a RoPE that cannot be
 shifted (blend.rope). These checks say why a model cannot blend; the Blender then runs full
 prefill through the model's own forward. The engine adds a last check the config cannot give:
-a probe prompt through the loop must reproduce the model's own logits.
+a probe prompt through the loop must reproduce the model's own logits, judged (`judge`) against
+the model's own rounding in its dtype on its device: its forward in one piece vs in two pieces.
 """
 from __future__ import annotations
 
 import inspect
 
+import torch
 from transformers import PreTrainedModel
 
 DECODER_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
@@ -53,3 +55,26 @@ def sliding_window(model: PreTrainedModel) -> int | None:
     if layer_types is not None and "sliding_attention" not in layer_types:
         return None
     return int(window)
+
+
+# The probe's verdict. The loop's logits may differ from the model's own forward by about what the
+# model's own forward differs from itself when the same tokens are split differently (its rounding in
+# this dtype on this device); twice that is rounding, more is a loop that computes something else.
+SPREAD_MULTIPLE = 2.0
+# The model's own spread can be 0 (the same kernels in the same order, as on the CPU): a floor of a few
+# rounding steps (ulps) of the logits' size keeps the gate from refusing the last bit of a different sum.
+# Measured on the tiny test models: the real loop is within 1.3 ulps in bfloat16 (7 in float32); a key
+# shifted one position too far, or an attention scale 10% off, is 3 ulps or more in bfloat16.
+FLOOR_ULPS = 2.0
+
+
+def tolerance(spread: float, dtype: torch.dtype, scale: float = 1.0) -> float:
+    """The largest |logit difference| `judge` accepts: SPREAD_MULTIPLE times the model's own spread plus
+    FLOOR_ULPS rounding steps of `dtype` at the logits' size `scale` (max |logit|)."""
+    return SPREAD_MULTIPLE * spread + FLOOR_ULPS * torch.finfo(dtype).eps * max(1.0, scale)
+
+
+def judge(error: float, spread: float, top1_equal: bool, dtype: torch.dtype, scale: float = 1.0) -> bool:
+    """Whether a loop whose logits are `error` (max |Δ|) from the model's own, with the same top token
+    (`top1_equal`), reproduces a model whose own forward differs from itself by `spread`."""
+    return top1_equal and error <= tolerance(spread, dtype, scale)

@@ -13,12 +13,11 @@ layer is loaded before the prefill starts: the same copies in the same order, so
 
 A layer that cannot be read (damaged, gone) makes its chunk a miss: `wait` raises ChunkMiss and
 the prefill recomputes that chunk and starts again (Blender.prefill_steps `recompute`).
-On CUDA the copies run on a side stream (pinned host layers, non-blocking copies) and `wait` makes
-the compute stream wait for that layer's event instead of the host.
+On CUDA (blend.backend's stager) the copies run on a side stream (pinned host layers, non-blocking
+copies) and `wait` makes the compute stream wait for that layer's event instead of the host.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -89,24 +88,32 @@ class ChunkMiss(RuntimeError):
 class LayerLoader:
     """Fills the slots `bounds[j]` of `keys`/`values` [L, H, N, D] with chunk j's layers, layer by layer.
 
-    `shift(keys, delta)` rotates keys by delta positions; `events` (when a list) receives
-    ("load", layer, start_s, end_s) per layer loaded, for tests and benchmarks.
+    The chunks lie back to back from position 0 (bounds[0] starts at 0). Per layer: each source's layer
+    is fetched, then every chunk is placed and RoPE-shifted by one batched operation (`rope.place` with
+    per-token cos/sin computed once here: RopeShifter), with no host synchronisation. `stager`
+    (blend.backend) says where the copies are queued and how the prefill waits for a layer.
+    `events` (when a list) receives ("load", layer, start_s, end_s) per layer loaded, for tests and benchmarks.
     """
 
     def __init__(self, sources: Sequence[LayerSource], bounds: Sequence[tuple[int, int]], keys: torch.Tensor,
-                 values: torch.Tensor, shift: Callable[[torch.Tensor, int], torch.Tensor], *,
-                 pipelined: bool, ahead: int = 2, events: list | None = None):
-        self.sources, self.bounds, self.keys, self.values, self.shift = sources, bounds, keys, values, shift
-        self.num_layers, self.ahead, self.events = keys.shape[0], max(1, ahead), events
+                 values: torch.Tensor, rope, stager, *, pipelined: bool, ahead: int = 2, events: list | None = None):
+        self.sources, self.bounds, self.keys, self.values, self.rope = sources, bounds, keys, values, rope
+        self.num_layers, self.ahead, self.events, self.stager = keys.shape[0], max(1, ahead), events, stager
+        self.cached = bounds[-1][1] if bounds else 0
+        if any(lo != prev for (lo, _), prev in zip(bounds, [0] + [hi for _, hi in bounds])):
+            raise ValueError("chunk slots must lie back to back from position 0")
+        # Per token of the cached prefix: how far its chunk moved; the rotation for that, once per prompt.
+        lengths = torch.tensor([hi - lo for lo, hi in bounds], dtype=torch.int64)
+        moves = torch.tensor([lo - s.position for s, (lo, _) in zip(sources, bounds)], dtype=torch.int64)
+        cos, sin = rope.rotation(moves.repeat_interleave(lengths), keys.dtype)                    # [N, D] each
+        self.cos, self.sin = cos.to(keys.device), sin.to(keys.device)
+        self._gathered: torch.Tensor | None = None   # [H, N, D] the layer's chunk keys, side by side
         self.wait_s = 0.0           # time the prefill spent waiting for layers
         self._cond = threading.Condition()
         self._loaded = 0            # layers 0.._loaded-1 are in the cache
         self._wanted = -1           # the highest layer the prefill has asked for
         self._error: BaseException | None = None
         self._stop = False
-        self._cuda = keys.is_cuda
-        self._stream = torch.cuda.Stream(keys.device) if self._cuda else None
-        self._ready: list = []      # CUDA: an event per loaded layer
         self._thread: threading.Thread | None = None
         if pipelined and sources:
             self._thread = threading.Thread(target=self._run, name="ragblend-kv-loader", daemon=True)
@@ -128,8 +135,7 @@ class LayerLoader:
         self.wait_s += time.perf_counter() - start
         if error is not None:
             raise error
-        if self._cuda:  # the copies were queued on the side stream: compute waits for them, the host does not
-            torch.cuda.current_stream(self.keys.device).wait_event(self._ready[i])
+        self.stager.wait(min(i, self.num_layers - 1))  # CUDA: the compute stream waits for the copies, the host does not
 
     def close(self) -> None:
         """Stop loading (the prefill is done or was abandoned) and wait for the thread."""
@@ -142,7 +148,7 @@ class LayerLoader:
     # ---- the loader's side ----
 
     def _run(self) -> None:
-        with torch.inference_mode(), torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext():
+        with torch.inference_mode(), self.stager.scope():
             for i in range(self.num_layers):
                 with self._cond:  # bounded read-ahead: at most `ahead` layers past what the prefill asked for
                     self._cond.wait_for(lambda: self._stop or i <= self._wanted + self.ahead
@@ -163,18 +169,24 @@ class LayerLoader:
     def _load(self, i: int) -> None:
         start = time.perf_counter()
         dtype, device = self.keys.dtype, self.keys.device
-        for j, (source, (lo, hi)) in enumerate(zip(self.sources, self.bounds)):
+        keys, values = [], []
+        for j, source in enumerate(self.sources):
             try:
                 k, v = source.layer(i, device, dtype)                            # [H, T, D] each
             except Exception as exc:
                 raise ChunkMiss(j, exc) from exc
-            # keys: [H, T, D], rotated from the chunk's own positions to lo..hi-1
-            self.keys[i, :, lo:hi] = self.shift(k, lo - source.position)
-            self.values[i, :, lo:hi] = v
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            self._ready.append(event)
+            keys.append(k)
+            values.append(v)
+        if keys:
+            n = self.cached
+            if len(keys) == 1:
+                gathered = keys[0]
+            else:  # one buffer per prompt, refilled each layer (in stream order on CUDA)
+                if self._gathered is None:
+                    self._gathered = self.keys.new_empty(self.keys.shape[1], n, self.keys.shape[3])
+                gathered = torch.cat(keys, dim=1, out=self._gathered)             # [H, N, D]
+            self.rope.place(self.keys[i, :, :n], gathered, self.cos, self.sin)    # rotated to 0..N-1
+            torch.cat(values, dim=1, out=self.values[i, :, :n])
+        self.stager.mark(i)
         if self.events is not None:
             self.events.append(("load", i, start, time.perf_counter()))
-

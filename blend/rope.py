@@ -41,6 +41,7 @@ class RopeShifter:
         self.inv_freq = inv_freq.detach().to(torch.float64)
         # The model's own rotation, so the half-split layout always matches its attention.
         self._apply_rotary = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self._half_split = _is_half_split(self._apply_rotary, head_dim)
 
     def shift(self, keys: torch.Tensor, delta: int) -> torch.Tensor:
         """Rotate keys [..., T, D] by `delta` positions (negative moves them back)."""
@@ -52,3 +53,45 @@ class RopeShifter:
         # cos/sin broadcast over [..., T, D]; a one-token "query" keeps the unused half of the work small
         _, rotated = self._apply_rotary(keys[..., :1, :], keys, cos, sin)
         return rotated
+
+    def rotation(self, deltas: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] in `dtype` rotating token t by deltas[t] positions ([T] int64): computed once per
+        prompt, the same float64 angles cast to `dtype` as `shift` uses, so `place` equals it bit for bit."""
+        angle = deltas.to(self.inv_freq.device, torch.float64)[:, None] * self.inv_freq[None]   # [T, D/2]
+        angle = torch.cat([angle, angle], dim=-1)                                             # [T, D]
+        return angle.cos().to(dtype), angle.sin().to(dtype)
+
+    def place(self, out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """out [..., T, D] = keys [..., T, D] rotated by per-token cos/sin [T, D] (from `rotation`): every chunk
+        of a layer in one batched rotation, written straight into the prompt buffer."""
+        if not self._half_split:  # another layout: the model's own rotation, then a copy
+            out.copy_(_model_rotation(self._apply_rotary, keys, cos, sin))
+            return
+        rotate_half_into(out, keys, cos, sin)
+
+
+def rotate_half_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """HF's `keys * cos + rotate_half(keys) * sin`, written into `out` with fewer passes over memory:
+    first half k1·c − k2·s, second half k2·c + k1·s (cos/sin repeat over the halves). The same roundings
+    in the same order (x + (−y) is x − y exactly), so the same bits."""
+    half = keys.shape[-1] // 2
+    k1, k2, c, s = keys[..., :half], keys[..., half:], cos[..., :half], sin[..., :half]
+    torch.mul(k1, c, out=out[..., :half]).sub_(k2 * s)
+    torch.mul(k2, c, out=out[..., half:]).add_(k1 * s)
+
+
+def _is_half_split(apply_rotary, head_dim: int) -> bool:
+    """Whether the model's rotation is the rotate_half form `rotate_half_into` computes (checked bit for bit)."""
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 3, head_dim, generator=g)
+    angle = torch.rand(3, head_dim // 2, generator=g, dtype=torch.float64) * 100
+    cos, sin = torch.cat([angle, angle], -1).cos().float(), torch.cat([angle, angle], -1).sin().float()
+    out = torch.empty_like(keys)
+    rotate_half_into(out, keys, cos, sin)
+    return torch.equal(out, _model_rotation(apply_rotary, keys, cos, sin))
+
+
+def _model_rotation(apply_rotary, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # keys [H, T, D], cos/sin [T, D] as HF lays them out: keys [1, H, T, D], cos/sin [1, T, D]
+    keys = keys[None]
+    return apply_rotary(keys[..., :1, :], keys, cos[None], sin[None])[1][0]

@@ -103,7 +103,7 @@ def select(policy: Policy, ctx: SelectionContext, boundary_tokens: int = 0) -> t
         scores = scores.clone()
         for start, end in ctx.chunks:
             scores[start - ctx.exact:min(end, start + boundary_tokens) - ctx.exact] = float("inf")
-    picked = scores.topk(ctx.count).indices if ctx.count else torch.empty(0, dtype=torch.long)
+    picked = scores.topk(ctx.count).indices if ctx.count else torch.empty(0, dtype=torch.long, device=scores.device)
     return picked.sort().values, scores
 
 
@@ -113,7 +113,7 @@ def ranks(x: torch.Tensor) -> torch.Tensor:
     """[n] rank of each value in [0, 1] (1 = highest): a scale-free way to combine scores."""
     order = x.argsort()
     r = torch.empty_like(x, dtype=torch.float32)
-    r[order] = torch.arange(x.numel(), dtype=torch.float32) / max(x.numel() - 1, 1)
+    r[order] = torch.arange(x.numel(), dtype=torch.float32, device=x.device) / max(x.numel() - 1, 1)
     return r
 
 
@@ -121,8 +121,8 @@ def question_attention(ctx: SelectionContext, heads: str = "mean") -> torch.Tens
     """[n] attention the question pays each candidate (mean over its tokens): the mean over the
     recorded layers of the mean (or max) over heads."""
     total = torch.zeros(ctx.n)
-    for a in ctx.attention.values():                    # [Hq, n]
-        total += a.amax(0) if heads == "max" else a.mean(0)
+    for a in ctx.attention.values():                    # [Hq, n], on the model's device
+        total = total.to(a.device) + (a.amax(0) if heads == "max" else a.mean(0))
     return total / max(len(ctx.attention), 1)
 
 

@@ -185,3 +185,11 @@ def test_blend_ratio_is_a_share_or_auto(tmp_path):
     for bad in ("fast", 1.5):
         with pytest.raises(ValueError):
             load_settings(data_dir=tmp_path, blend={"ratio": bad})
+
+
+def test_config_validates_device_and_dtype(tmp_path):
+    # (moved from tests/blend/test_device.py: the blend tests import nothing from app)
+    settings = load_settings(data_dir=tmp_path, model={"device": "cuda:1", "dtype": "auto"})
+    assert (settings.model.device, settings.model.dtype) == ("cuda:1", "auto")
+    with pytest.raises(ValueError, match="model.device must be"):
+        load_settings(data_dir=tmp_path, model={"device": "gpu"})

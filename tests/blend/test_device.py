@@ -31,15 +31,6 @@ def test_asking_for_a_missing_gpu_is_a_clear_error_not_a_cpu_run():
         resolve_device("cuda:0")
 
 
-def test_config_validates_device_and_dtype(tmp_path):
-    from app.config import load_settings
-
-    settings = load_settings(data_dir=tmp_path, model={"device": "cuda:1", "dtype": "auto"})
-    assert (settings.model.device, settings.model.dtype) == ("cuda:1", "auto")
-    with pytest.raises(ValueError, match="model.device must be"):
-        load_settings(data_dir=tmp_path, model={"device": "gpu"})
-
-
 def test_the_blend_path_keeps_its_tensors_on_the_model_device():
     blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama")
     assert blender.device.type == TEST_DEVICE.type

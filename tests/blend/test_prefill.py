@@ -34,10 +34,10 @@ def test_ratio_one_reproduces_full_prefill(tiny_blender):
 
 
 def test_full_prefill_matches_hf_forward(tiny_blender):
-    ids = torch.tensor([prompt_ids()])
+    ids = torch.tensor([prompt_ids()], device=tiny_blender.device)
     with torch.no_grad():
         reference = tiny_blender.model(input_ids=ids).logits[0, -1]
-    assert (tiny_blender.full_prefill(prompt_ids()).logits - reference).abs().max() < 1e-4
+    assert (tiny_blender.full_prefill(prompt_ids()).logits - reference.cpu()).abs().max() < 1e-4
 
 
 def test_ratio_zero_is_full_reuse_of_shifted_kv(tiny_blender):
@@ -51,10 +51,11 @@ def test_ratio_zero_is_full_reuse_of_shifted_kv(tiny_blender):
         start += seg.num_tokens
     keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # [L, H, cached, D]
     cache = DynamicCache(ddp_cache_data=[(k[None], v[None]) for k, v in zip(keys, values)])
-    positions = torch.arange(start, start + len(SUFFIX))[None]
+    positions = torch.arange(start, start + len(SUFFIX), device=tiny_blender.device)[None]
     with torch.no_grad():
-        reference = tiny_blender.model(input_ids=torch.tensor([SUFFIX]), position_ids=positions, cache=cache).logits
-    assert (result.logits - reference[0, -1]).abs().max() < 1e-4
+        reference = tiny_blender.model(input_ids=torch.tensor([SUFFIX], device=tiny_blender.device),
+                                       position_ids=positions, cache=cache).logits
+    assert (result.logits - reference[0, -1].cpu()).abs().max() < 1e-4
     for layer, (k, v) in enumerate(zip(keys, values)):
         assert torch.allclose(result.cache.layers[layer].keys[0, :, :start], k, atol=1e-5)
         assert torch.equal(result.cache.layers[layer].values[0, :, :start], v)

@@ -1,0 +1,165 @@
+"""The device seam: what the blend path does differently on each device, chosen once per Blender.
+
+Everything device-specific in a blended prefill sits behind one small interface (nanochat's
+flash_attention.py and HF's AttentionInterface are the models: pick the implementation once, call
+one signature everywhere):
+
+    prepare(model)                        adapt the model's modules (CPU: SkinnyLinear for decode rows)
+    plan(positions, num_keys)            which keys each query sees, built once per set of queries;
+                                          plan.attend(query, key, value, scale) -> [B, Tq, Hq, D] is
+                                          their causal attention (blend.attention calls it per layer)
+    stager(device)                        where the layer loader queues a layer's copies and shift,
+                                          and how the prefill waits for it (CUDA: a side stream + events)
+
+Shifting keys is the same few torch ops on every device (blend.rope.RopeShifter.place: every chunk of
+a layer in one batched rotation), so it needs no backend of its own.
+
+CpuBackend: blend.attention's planned pieces (the CPU flash kernel on visible key windows, merged by
+log-sum-exp) and SkinnyLinear. CudaBackend: FlexAttention, compiled, with a block mask built on the
+device from the query positions (no host synchronisation), and sdpa's flash kernel for a causal
+square; its logic runs eagerly on the CPU too (`compile=False`), which is how the tests check it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch.nn import functional as F
+
+from blend.attention import AttentionPlan
+from blend.skinny import use_skinny_linears
+
+FLEX_BLOCK = 128  # FlexAttention's default block: the block mask says which key blocks each query block sees
+
+
+class Backend:
+    """The CPU's pieces; CudaBackend overrides what a GPU does differently."""
+    name = "cpu"
+    pin_host_memory = False   # pinned host pages only help copies to a GPU
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        use_skinny_linears(model)  # decode steps' few rows: a faster matmul form on the CPU (blend.skinny)
+
+    def plan(self, positions: torch.Tensor, num_keys: int | None = None):
+        """A plan for queries at `positions` ([Tq] sorted); `num_keys` (the last position + 1) is a hint
+        a GPU backend uses instead of reading the positions back (the CPU reads them anyway)."""
+        return AttentionPlan.build(positions)
+
+
+    def stager(self, device: torch.device) -> Stager:
+        return Stager()
+
+
+class Stager:
+    """Host-synchronous staging: a layer is there once the loader has written it."""
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def mark(self, layer: int) -> None:
+        pass
+
+    def wait(self, layer: int) -> None:
+        pass
+
+
+class StreamStager(Stager):
+    """CUDA: the loader queues its copies on a side stream; the compute stream waits on each layer's event,
+    so the host never blocks on a copy."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.stream, self.ready = device, torch.cuda.Stream(device), []
+
+    def scope(self):
+        return torch.cuda.stream(self.stream)
+
+    def mark(self, layer: int) -> None:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self.ready.append(event)
+
+    def wait(self, layer: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.ready[layer])
+
+
+@dataclass(frozen=True)
+class FlexPlan:
+    positions: torch.Tensor       # [Tq] absolute query positions (on the device)
+    num_keys: int                 # keys the queries see: 0..num_keys-1
+    block_mask: object | None     # FlexAttention BlockMask; None for a causal square (queries 0..num_keys-1)
+    flex: object                  # flex_attention, compiled or not
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        # query: [B, Hq, Tq, D]; key/value: [B, Hkv, Tk, D] -> [B, Tq, Hq, D]
+        gqa = query.shape[1] != key.shape[1]
+        key, value = key[:, :, :self.num_keys], value[:, :, :self.num_keys]
+        if self.block_mask is None:
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            out = self.flex(query, key, value, block_mask=self.block_mask, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous()
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    pin_host_memory = True
+
+    def __init__(self, compile: bool = True):
+        self.compile = compile
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        pass  # F.linear is what a GPU wants for any row count
+
+    @cached_property
+    def _flex(self):
+        from torch.nn.attention.flex_attention import flex_attention
+        # Compiled on the GPU (the first call of a shape compiles, seconds; later shapes go dynamic);
+        # eager elsewhere, where it computes the same thing slowly (the tests' twin).
+        return torch.compile(flex_attention) if self.compile else flex_attention
+
+    def plan(self, positions: torch.Tensor, num_keys: int | None = None) -> FlexPlan:
+        tq = positions.numel()
+        if tq == 0:
+            raise ValueError("an attention plan needs at least one query")
+        if num_keys is None:   # a host read; the engine passes it
+            num_keys = int(positions[-1]) + 1
+        if tq == num_keys:  # sorted queries 0..n-1 over keys 0..n-1: a causal square, sdpa's flash kernel
+            return FlexPlan(positions, num_keys, None, self._flex)
+        return FlexPlan(positions, num_keys, flex_block_mask(positions, num_keys), self._flex)
+
+    def stager(self, device: torch.device) -> Stager:
+        return StreamStager(device) if device.type == "cuda" else Stager()
+
+
+def flex_block_mask(positions: torch.Tensor, num_keys: int, block: int = FLEX_BLOCK):
+    """BlockMask for sorted queries at `positions` seeing keys k <= position, built with tensor ops on the
+    positions' device (no host read). Per block of `block` queries (positions p_min..p_max): key blocks
+    wholly at or before p_min are fully visible; those up to p_max's block are partly visible (masked)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    tq = positions.numel()
+    q_blocks, k_blocks = -(-tq // block), -(-num_keys // block)
+    padded = torch.cat([positions, positions[-1:].expand(q_blocks * block - tq)])  # [q_blocks * block]
+    rows = padded.view(q_blocks, block)
+    full = torch.div(rows[:, 0] + 1, block, rounding_mode="floor")                  # [q_blocks] fully visible
+    last = torch.div(rows[:, -1], block, rounding_mode="floor")                     # last partly visible
+    partial = (last - full + 1).clamp(min=0)
+    blocks = torch.arange(k_blocks, device=positions.device)
+    partial_index = (full[:, None] + blocks[None]).clamp(max=k_blocks - 1)           # [q_blocks, k_blocks]
+    full_index = blocks[None].expand(q_blocks, k_blocks)
+
+    def causal_by_position(b, h, q, k):
+        return k <= padded[q]
+
+    as_mask = lambda t: t.to(torch.int32)[None, None].contiguous()  # noqa: E731 - [1, 1, ...]
+    return BlockMask.from_kv_blocks(as_mask(partial), as_mask(partial_index), as_mask(full), as_mask(full_index),
+                                    BLOCK_SIZE=block, mask_mod=causal_by_position, seq_lengths=(tq, num_keys),
+                                    compute_q_blocks=False)
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The backend for a model on `device`: chosen once, when the Blender is built."""
+    return CudaBackend() if device.type == "cuda" else Backend()

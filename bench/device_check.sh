@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check (issues #14, #25). Where a CUDA GPU is present: runs the blend tests with RAGBLEND_TEST_DEVICE=cuda
+# GPU check (issues #14, #25, #26, #27). Where a CUDA GPU is present: runs the blend tests with RAGBLEND_TEST_DEVICE=cuda
 # (every tests/blend file but the SmolLM2 ones: no model hub on a GPU machine), then bench/device_check.py
 # (HF sdpa full prefill vs reuse / blend on a random Llama-3-8B-shaped model in bfloat16; exactness; the gate;
 # decode), JSON into $OUT (or a temp folder), a short table last. Where there is none: says so, exits 0.
@@ -25,4 +25,10 @@ RAGBLEND_TEST_DEVICE=cuda timeout 150 "$PY" -m pytest -q -p no:cacheprovider tes
 tests_rc=$?
 tail -3 "$OUT/blend_tests.txt" >&2
 "$PY" bench/device_check.py --out "$OUT" --tests-rc "$tests_rc"
-# (the store tiers' own GPU cases: bench/store.py, added here by the tiers work)
+# The store tiers on the device (gpu / pinned memory / disk / int8: read + verify + decode, GB/s) and the pooled
+# decode step (eager vs CUDA graphs at batch 1/8/32, tokens compared, the model's own forward at batch 1).
+echo "store tiers on CUDA..." >&2
+timeout 120 "$PY" bench/store.py --device cuda --tokens 512 --chunks 8 --repeats 3 > "$OUT/store_cuda.json"
+echo "decode on CUDA..." >&2
+timeout 150 "$PY" bench/decode.py --device cuda > "$OUT/decode_cuda.json"
+tail -c 2000 "$OUT/decode_cuda.json"

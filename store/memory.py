@@ -34,24 +34,57 @@ class MemoryReader:
         pass
 
 
-class BytesTier:
-    name = "bytes"
+class _LRUEntries:
+    """Entries in a dict under an LRU byte cap, thread-safe: what both in-process tiers share."""
+
     remote = False
-    trusted = True  # bytes here never left this process: the store may skip re-checking the digest
+    trusted = True  # what is held here never left this process: the store may skip re-checking digests
 
     def __init__(self, capacity_bytes: int) -> None:
-        self._data: dict[str, bytes] = {}
+        self._data: dict[str, Any] = {}
         self._lru = LRUPolicy(capacity_bytes)
         self._lock = threading.Lock()
         self._evictions = 0
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> Any:
+        """The entry (bytes or a ChunkKV, as the tier holds), refreshing its recency; None on a miss."""
         validate_key(key)
         with self._lock:
-            data = self._data.get(key)
-            if data is not None:
+            entry = self._data.get(key)
+            if entry is not None:
                 self._lru.touch(key)
-            return data
+            return entry
+
+    def _hold(self, key: str, entry: Any, nbytes: int) -> None:
+        with self._lock:
+            self._data[key] = entry
+            for old in self._lru.add(key, nbytes):
+                del self._data[old]
+                self._evictions += 1
+
+    def delete(self, key: str) -> bool:
+        validate_key(key)
+        with self._lock:
+            self._lru.remove(key)
+            return self._data.pop(key, None) is not None
+
+    def contains(self, key: str) -> bool:
+        validate_key(key)
+        with self._lock:
+            return key in self._data
+
+    def keys(self) -> Iterator[str]:
+        with self._lock:
+            return iter(self._lru.keys())
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"entries": len(self._data), "bytes": self._lru.nbytes, "capacity": self._lru.capacity,
+                    "evictions": self._evictions, "errors": 0}
+
+
+class BytesTier(_LRUEntries):
+    name = "bytes"
 
     def head(self, key: str, nbytes: int) -> bytes | None:
         """The first `nbytes` of an entry, without touching its recency."""
@@ -68,62 +101,24 @@ class BytesTier:
     def put(self, key: str, data: bytes) -> None:
         validate_key(key)
         data = bytes(data)  # immutable: nobody can change an entry behind the store's back
-        if not self._lru.fits(len(data)):
-            return
-        with self._lock:
-            self._data[key] = data
-            for old in self._lru.add(key, len(data)):
-                del self._data[old]
-                self._evictions += 1
-
-    def delete(self, key: str) -> bool:
-        validate_key(key)
-        with self._lock:
-            self._lru.remove(key)
-            return self._data.pop(key, None) is not None
-
-    def contains(self, key: str) -> bool:
-        validate_key(key)
-        with self._lock:
-            return key in self._data
-
-    def keys(self) -> Iterator[str]:
-        with self._lock:
-            return iter(self._lru.keys())
+        if self._lru.fits(len(data)):
+            self._hold(key, data, len(data))
 
     def close(self) -> None:
         pass
 
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {"entries": len(self._data), "bytes": self._lru.nbytes, "capacity": self._lru.capacity,
-                    "evictions": self._evictions, "errors": 0}
 
-
-class MemoryTier:
+class MemoryTier(_LRUEntries):
     """ChunkKVs held as tensors on `device` (see the module doc). `pin_memory`: host buffers are
     page-locked (only with CUDA present)."""
 
-    remote = False
-    trusted = True
     holds_tensors = True
 
     def __init__(self, capacity_bytes: int, device: torch.device | str = "cpu", name: str = "memory",
                  pin_memory: bool = False) -> None:
+        super().__init__(capacity_bytes)
         self.name, self.device = name, torch.device(device)
         self.pin_memory = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
-        self._data: dict[str, ChunkKV] = {}
-        self._lru = LRUPolicy(capacity_bytes)
-        self._lock = threading.Lock()
-        self._evictions = 0
-
-    def get(self, key: str) -> ChunkKV | None:
-        validate_key(key)
-        with self._lock:
-            kv = self._data.get(key)
-            if kv is not None:
-                self._lru.touch(key)
-            return kv
 
     def _placed(self, t: torch.Tensor) -> torch.Tensor:
         """`t` on the tier's device, contiguous (and pinned when asked): `t` itself when it already is."""
@@ -140,26 +135,7 @@ class MemoryTier:
             return
         held = ChunkKV(self._placed(kv.keys), self._placed(kv.values), kv.token_ids, kv.position,
                        kv.context_hash, kv.fingerprint)
-        with self._lock:
-            self._data[key] = held
-            for old in self._lru.add(key, held.nbytes):
-                del self._data[old]
-                self._evictions += 1
-
-    def delete(self, key: str) -> bool:
-        validate_key(key)
-        with self._lock:
-            self._lru.remove(key)
-            return self._data.pop(key, None) is not None
-
-    def contains(self, key: str) -> bool:
-        validate_key(key)
-        with self._lock:
-            return key in self._data
-
-    def keys(self) -> Iterator[str]:
-        with self._lock:
-            return iter(self._lru.keys())
+        self._hold(key, held, held.nbytes)
 
     def close(self) -> None:
         with self._lock:
@@ -167,7 +143,4 @@ class MemoryTier:
             self._lru = LRUPolicy(self._lru.capacity)
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {"entries": len(self._data), "bytes": self._lru.nbytes, "capacity": self._lru.capacity,
-                    "evictions": self._evictions, "errors": 0, "device": str(self.device),
-                    "pinned": self.pin_memory}
+        return {**super().stats(), "device": str(self.device), "pinned": self.pin_memory}

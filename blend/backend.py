@@ -10,6 +10,8 @@ one signature everywhere):
                                           their causal attention (blend.attention calls it per layer)
     stager(device)                        where the layer loader queues a layer's copies and shift,
                                           and how the prefill waits for it (CUDA: a side stream + events)
+    empty(shape, dtype, device)           a prompt's K/V buffer (host: recycled, blend.buffers; a GPU's
+                                          caching allocator already reuses its memory)
 
 Shifting keys is the same few torch ops on every device (blend.rope.RopeShifter.place: every chunk of
 a layer in one batched rotation), so it needs no backend of its own.
@@ -29,6 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from blend.attention import AttentionPlan
+from blend.buffers import BufferRecycler
 from blend.skinny import use_skinny_linears
 
 FLEX_BLOCK = 128  # FlexAttention's default block: the block mask says which key blocks each query block sees
@@ -47,9 +50,17 @@ class Backend:
         a GPU backend uses instead of reading the positions back (the CPU reads them anyway)."""
         return AttentionPlan.build(positions)
 
-
     def stager(self, device: torch.device) -> Stager:
         return Stager()
+
+    @cached_property
+    def _host_buffers(self) -> BufferRecycler:
+        return BufferRecycler()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":  # a fresh host buffer this large page-faults on first touch (blend.buffers)
+            return self._host_buffers.empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
 
 
 class Stager:

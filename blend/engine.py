@@ -464,8 +464,10 @@ class Blender:
     def _empty_kv(self, length: int, reserve: int = 0, fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [L, H, length + reserve, D], zeroed unless `fill` is False (the reserve is decode room)."""
         shape = (self.num_layers, self.kv_heads, length + reserve, self.head_dim)
-        make = torch.zeros if fill else torch.empty
-        return make(shape, dtype=self.dtype, device=self.device), make(shape, dtype=self.dtype, device=self.device)
+        keys, values = (self.backend.empty(shape, self.dtype, self.device) for _ in range(2))
+        if fill:
+            keys.zero_(), values.zero_()
+        return keys, values
 
     # ---- decode ---------------------------------------------------------------------------
     # Decoding runs in a preallocated KV pool (blend.pool), one fixed-shape step over its slots (blend.batch),

@@ -105,7 +105,7 @@ class LayerLoader:
         # Per token of the cached prefix: how far its chunk moved; the rotation for that, once per prompt.
         lengths = torch.tensor([hi - lo for lo, hi in bounds], dtype=torch.int64)
         moves = torch.tensor([lo - s.position for s, (lo, _) in zip(sources, bounds)], dtype=torch.int64)
-        cos, sin = rope.rotation(moves.repeat_interleave(lengths), keys.dtype)                    # [N, D] each
+        cos, sin = rope.rotation(moves.repeat_interleave(lengths), keys.dtype)                    # [N, D/2] or [N, D]
         self.cos, self.sin = cos.to(keys.device), sin.to(keys.device)
         self._gathered: torch.Tensor | None = None   # [H, N, D] the layer's chunk keys, side by side
         self.wait_s = 0.0           # time the prefill spent waiting for layers

@@ -55,15 +55,17 @@ class RopeShifter:
         return rotated
 
     def rotation(self, deltas: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] in `dtype` rotating token t by deltas[t] positions ([T] int64): computed once per
-        prompt, the same float64 angles cast to `dtype` as `shift` uses, so `place` equals it bit for bit."""
+        """cos, sin in `dtype` rotating token t by deltas[t] positions ([T] int64), for `place`: computed once
+        per prompt, the same float64 angles cast to `dtype` as `shift` uses, so `place` equals it bit for bit.
+        [T, D/2] for the rotate_half layout (both halves turn by the same angles), else [T, D]."""
         angle = deltas.to(self.inv_freq.device, torch.float64)[:, None] * self.inv_freq[None]   # [T, D/2]
-        angle = torch.cat([angle, angle], dim=-1)                                             # [T, D]
+        if not self._half_split:
+            angle = torch.cat([angle, angle], dim=-1)                                         # [T, D]
         return angle.cos().to(dtype), angle.sin().to(dtype)
 
     def place(self, out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """out [..., T, D] = keys [..., T, D] rotated by per-token cos/sin [T, D] (from `rotation`): every chunk
-        of a layer in one batched rotation, written straight into the prompt buffer."""
+        """out [..., T, D] = keys [..., T, D] rotated by per-token cos/sin (from `rotation`): every chunk of a
+        layer in one batched rotation, written straight into the prompt buffer."""
         if not self._half_split:  # another layout: the model's own rotation, then a copy
             out.copy_(_model_rotation(self._apply_rotary, keys, cos, sin))
             return
@@ -72,8 +74,9 @@ class RopeShifter:
 
 def rotate_half_into(out: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """HF's `keys * cos + rotate_half(keys) * sin`, written into `out` with fewer passes over memory:
-    first half k1·c − k2·s, second half k2·c + k1·s (cos/sin repeat over the halves). The same roundings
-    in the same order (x + (−y) is x − y exactly), so the same bits."""
+    first half k1·c − k2·s, second half k2·c + k1·s (cos/sin [T, D] repeat over the halves, so [T, D/2]
+    will do: contiguous, it is read faster). The same roundings in the same order (x + (−y) is x − y
+    exactly), so the same bits."""
     half = keys.shape[-1] // 2
     k1, k2, c, s = keys[..., :half], keys[..., half:], cos[..., :half], sin[..., :half]
     torch.mul(k1, c, out=out[..., :half]).sub_(k2 * s)

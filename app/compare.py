@@ -58,7 +58,7 @@ class CompareConfig:
     passages: int
     ratios: list[float]
     precompute: str      # "head" | "zero"
-    codec: str           # "none" | "fp16" | "int8"
+    codec: str           # "none" or a store codec: "native" | "fp16" | "int8"
     check_layer: int
     deviation: str
     selections: list[str]  # policies compared; the first is the default

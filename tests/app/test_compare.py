@@ -115,3 +115,14 @@ def test_compare_report_and_resume(tmp_path, tiny_dataset, monkeypatch):
     assert compare(tmp_path, tiny_dataset, out, limit=2, resume=True)["questions"] == report["questions"]
     # ...and refuses to mix in results of another config.
     compare(tmp_path, tiny_dataset, out, limit=2, resume=True, max_tokens=4, expect=2)
+
+
+def test_the_cli_names_every_store_codec_when_it_refuses_one(tmp_path):
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+
+    dataset = tmp_path / "none.json"
+    dataset.write_text("[]")
+    result = CliRunner().invoke(cli, ["compare", "--dataset", str(dataset), "--codec", "bf8"])
+    assert result.exit_code == 2 and "unknown --codec 'bf8': use none, native, fp16, int8" in result.output

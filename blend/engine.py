@@ -194,11 +194,12 @@ class Blender:
                                  self.prefill([head, self._precompute_at(ids[a:b], a)], ids[b:], 0.0).logits)}
         for what, (got, reference) in checks.items():
             error, scale = float((got - reference).abs().max()), float(reference.abs().max())
-            if not judge(error, spread, bool(got.argmax() == reference.argmax()), self.dtype, scale):
+            top1_equal = bool(got.argmax() == reference.argmax())
+            if not judge(error, spread, top1_equal, self.dtype, scale):
                 return (f"the {what} does not reproduce {type(self.model).__name__}'s own forward in {self.dtype} "
                         f"(max |logit difference| {error:.3g} on a probe prompt, over "
                         f"{tolerance(spread, self.dtype, scale):.3g} allowed: the model's own one-vs-two-pieces "
-                        f"spread is {spread:.3g}; top-1 {'equal' if got.argmax() == reference.argmax() else 'differs'})")
+                        f"spread is {spread:.3g}; top-1 {'equal' if top1_equal else 'differs'})")
         return None
 
     @torch.inference_mode()
@@ -466,7 +467,8 @@ class Blender:
         shape = (self.num_layers, self.kv_heads, length + reserve, self.head_dim)
         keys, values = (self.backend.empty(shape, self.dtype, self.device) for _ in range(2))
         if fill:
-            keys.zero_(), values.zero_()
+            keys.zero_()
+            values.zero_()
         return keys, values
 
     # ---- decode ---------------------------------------------------------------------------

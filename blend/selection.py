@@ -120,10 +120,8 @@ def ranks(x: torch.Tensor) -> torch.Tensor:
 def question_attention(ctx: SelectionContext, heads: str = "mean") -> torch.Tensor:
     """[n] attention the question pays each candidate (mean over its tokens): the mean over the
     recorded layers of the mean (or max) over heads."""
-    total = torch.zeros(ctx.n)
-    for a in ctx.attention.values():                    # [Hq, n], on the model's device
-        total = total.to(a.device) + (a.amax(0) if heads == "max" else a.mean(0))
-    return total / max(len(ctx.attention), 1)
+    per_layer = [a.amax(0) if heads == "max" else a.mean(0) for a in ctx.attention.values()]  # [n] each, on the device
+    return sum(per_layer) / len(per_layer) if per_layer else torch.zeros(ctx.n)
 
 
 # ---- the policies -------------------------------------------------------------------------------

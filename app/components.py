@@ -132,7 +132,7 @@ class Serving:
         parts, s = engine.parts, settings.server
         self.engine, self._parts, self._lane, self._limits = engine, parts, lane, settings.limits
         self.scheduler = Scheduler(parts.blender.decode_step, max_batch=s.max_batch, queue_size=s.queue_size,
-                                   slice_s=s.prefill_slice_ms / 1000, prefill_share=s.prefill_share)
+                                   slice_s=s.prefill_slice_ms / 1000, max_stall_s=s.max_stall_ms / 1000)
         self.model_name = parts.llm.name
         self.blend_disabled: str | None = getattr(parts.blender, "unsupported", None)  # the model gate's reason
 

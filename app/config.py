@@ -66,8 +66,8 @@ class ServerSettings(BaseModel):
     queue_size: int = Field(16, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     max_batch: int = Field(8, ge=1)  # requests decoded together (slots on the model thread)
-    prefill_slice_ms: float = Field(100.0, gt=0)  # prefill work between two decode steps (at least one layer)
-    prefill_share: float = Field(0.75, gt=0, lt=1)  # ... and at least this share of the thread while streams decode
+    prefill_slice_ms: float = Field(100.0, gt=0)  # the least prefill work between two decode steps (one layer at least)
+    max_stall_ms: float = Field(1500.0, gt=0)  # the most a streaming answer waits for its next token on prefills
     stuck_after_s: float = Field(120.0, gt=0)  # /health is 503 once the model thread is on one piece this long
     shutdown_grace_s: float = Field(5.0, ge=0)  # running queries may finish within this at shutdown
 

@@ -16,7 +16,9 @@ prefill ends and gives it back when its program closes, cancelled or done). The 
        in flight, else only to keep tasks at TASK_SHARE of the thread's time (requests before tasks,
        so a query waits about one chunk's precompute behind an upload, and its tokens keep flowing)
     3. one batched decode step for every request waiting on logits, each then resumed with its row
-A long prefill thus costs the streams already answering one slice per token, not its whole length.
+Prefill first (vLLM's and SGLang's default order): a request still prefilling adds a row to every later
+step, so its prefill runs before the streams already answering get their next token, but for at most
+`max_stall_s` between two of their tokens: a long prompt is cut into slices, one decode step after each.
 An error in one request (bad input, a corrupt chunk) ends that request only; a batched step that
 fails is retried row by row, so only the failing row sees the error.
 """
@@ -98,9 +100,9 @@ class _Task:
 
 class Scheduler:
     def __init__(self, decode_step: DecodeFn, *, max_batch: int, queue_size: int, slice_s: float = 0.1,
-                 prefill_share: float = 0.75, offload_threads: int = 1):
+                 max_stall_s: float = 1.5, offload_threads: int = 1):
         self.decode_step, self.max_batch, self.queue_size, self.slice_s = decode_step, max_batch, queue_size, slice_s
-        self.prefill_share = prefill_share
+        self.max_stall_s = max_stall_s
         self._last_decode_s = 0.0  # how long the last batched step took
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()   # guarded by _cond
@@ -277,14 +279,16 @@ class Scheduler:
     def _prefill_slice(self) -> bool:
         """Advance the oldest request that is neither decoding nor offloaded, for up to one slice.
 
-        A slice lasts at least `slice_s` and long enough to give prefills `prefill_share` of the thread
-        next to the decode steps: a prefill that crawls at one layer per token would let the streams
-        already answering finish before it joins them, and nothing would ever be decoded together."""
+        While streams are answering, a slice may last until they have waited `max_stall_s` for their next
+        token (the step after it included), at least `slice_s`: the prefill joins their batch as early as
+        that allows. A prefill crawling at a share of the thread instead would leave every step until it
+        joins a row short, and the last stream to join decoding alone at the end."""
         slot = next((s for s in self._slots if s.state == "ready"), None)
         if slot is None:
             return False
-        share = self.prefill_share / (1 - self.prefill_share)
-        deadline = time.monotonic() + max(self.slice_s, self._last_decode_s * share)
+        streaming = any(s.state == "decode" for s in self._slots)
+        budget = max(self.slice_s, self.max_stall_s - self._last_decode_s) if streaming else self.slice_s
+        deadline = time.monotonic() + budget
         with self._working(slot.label):
             while self._advance(slot) and time.monotonic() < deadline:
                 pass

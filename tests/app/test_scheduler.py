@@ -109,28 +109,48 @@ def test_requests_joining_and_leaving_each_get_their_own_tokens(decoder):
     assert sum(len(batch) for batch in decoder.batches) == 7 + 2 + 5  # one row per token after the first
 
 
-@pytest.mark.parametrize("share", [0.5, 0.75])
-def test_a_prefill_gets_its_share_of_the_thread_next_to_decoding_streams(share):
-    """Between two decode steps of a stream, a waiting prefill runs share/(1-share) times as long as the
-    step took (not one short slice per token), so it joins the batch while the stream still answers."""
+def stream_and_join(max_stall_s: float, slices: int, slice_s: float):
+    """Stream "a" (80 tokens, 40 ms steps); once it decodes, "b" joins with `slices` prefill slices.
+    Returns the decoder and the times b's slices ended."""
     decoder, slice_times = Decoder(step_s=0.04), []
-    scheduler = make(decoder, slice_s=0.001, prefill_share=share)
+    scheduler = make(decoder, slice_s=0.001, max_stall_s=max_stall_s)
 
     async def main():
         streaming = asyncio.create_task(collect(scheduler.submit(counting("a", 80))))
         await asyncio.sleep(0.2)  # "a" is decoding
-        joining = collect(scheduler.submit(counting("b", 4, prefill_slices=60, slice_s=0.005, slice_times=slice_times)))
+        joining = collect(scheduler.submit(counting("b", 4, prefill_slices=slices, slice_s=slice_s,
+                                                    slice_times=slice_times)))
         return await asyncio.gather(streaming, joining)
 
     a, b = run(main())
     assert scheduler.stop()
     assert a[-1] == "a:done" and b[-1] == "b:done"
-    first, last = slice_times[0], slice_times[-1]
-    during = [span for span in decoder.spans if first <= span[0] and span[1] <= last]  # steps amid b's prefill
-    assert len(during) >= 2
-    gaps = [(after[0] - before[1]) / (before[1] - before[0]) for before, after in zip(during, during[1:])]
-    assert min(gaps) >= 0.95 * share / (1 - share), gaps
     assert any(len(batch) == 2 for batch in decoder.batches)  # b joined a's steps
+    return decoder, slice_times
+
+
+def test_a_prefill_runs_before_the_streams_next_token_when_it_fits_the_stall_bound():
+    """Prefill first: b's whole prefill (0.3 s) runs between two of a's steps, not a slice per token."""
+    decoder, slice_times = stream_and_join(max_stall_s=2.0, slices=60, slice_s=0.005)
+    first, last = slice_times[0], slice_times[-1]
+    assert not [span for span in decoder.spans if first <= span[0] <= last]
+
+
+def test_a_long_prefill_is_cut_so_streams_wait_at_most_the_stall_bound():
+    """A prefill longer than max_stall_s runs in slices of about max_stall_s less a step, a step after each."""
+    max_stall_s, slice_s = 0.15, 0.01
+    decoder, slice_times = stream_and_join(max_stall_s=max_stall_s, slices=60, slice_s=slice_s)
+    first, last = slice_times[0], slice_times[-1]
+    during = [span for span in decoder.spans if first <= span[0] <= last]  # a's steps amid b's prefill
+    assert len(during) >= 2
+    # Each step starts at least max_stall_s after the one before (the slice fills the stall bound) ...
+    for before, after in zip(during, during[1:]):
+        assert after[0] - before[0] >= 0.95 * max_stall_s, (before, after)
+    # ... and no more of b's slices run between two steps than fit in that bound (a slow machine fits fewer).
+    ends = [end for _, end in during]
+    most = int(max_stall_s / slice_s) + 1
+    for before, after in zip(ends, ends[1:]):
+        assert sum(1 for t in slice_times if before <= t <= after) <= most
 
 
 def test_max_batch_bounds_the_slots_and_the_queue_bounds_the_wait(decoder):

@@ -586,6 +586,7 @@ class Blender:
         temperature, top_p = sampling_rows(params, self.device)
         noise = draw_noise(params, generators, self.model.get_output_embeddings().weight.shape[0], self.device)
         key_columns = stepper.key_columns(positions)
+        pool.readable(rows, key_columns)  # outside any graph: what the step reads, masked keys too, is finite
         inputs = {"tokens": token_row.to(self.device), "positions": position_row.to(self.device),
                   "temperature": temperature, "top_p": top_p}
         if noise is not None:

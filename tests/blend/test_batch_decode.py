@@ -60,7 +60,9 @@ def test_alone_matches_hf_forward(tiny_blender):
             position = len(ids) + step - 1
             rows = torch.tensor([token], device=TEST_DEVICE)
             positions = torch.full((1,), position, device=TEST_DEVICE)
-            logits = stepper.logits(rows, positions, stepper.key_columns([position]))[0].float().cpu()
+            columns = stepper.key_columns([position])
+            tiny_blender.pool.readable(1, columns)  # as Blender.decode_step does before each step
+            logits = stepper.logits(rows, positions, columns)[0].float().cpu()
             assert (logits - want_logits[step]).abs().max() < 1e-4
             token = want[step]
         seq.release()
@@ -154,9 +156,35 @@ def test_pool_slots_are_reused_lowest_first_and_released_once():
     with pytest.raises(ValueError):
         pool.release(b)
     assert pool.acquire() == 1
-    assert torch.count_nonzero(pool.keys[:, :3]) == 0  # a slot is zeroed when first used: masked keys are finite
     with pytest.raises(PoolTooShort):
         pool.load(0, [(torch.zeros(1, 3, 11, 4), torch.zeros(1, 3, 11, 4))] * 2)
+
+
+def test_a_step_reads_finite_keys_and_the_pool_is_touched_only_as_far_as_steps_read():
+    pool = KVPool(2, 3, 4, slots=3, max_len=200, dtype=torch.float32, device="cpu")
+    assert pool.columns == 256
+    pool.keys.fill_(float("nan"))  # what untouched memory may hold
+    pool.values.fill_(float("nan"))
+    prompt = torch.full((1, 3, 10, 4), 2.0)
+    pool.load(pool.acquire(), [(prompt, prompt)] * 2)
+    pool.readable(2, 64)
+    for kv in (pool.keys, pool.values):
+        assert torch.isfinite(kv[:, :2, :, :64]).all()
+        assert kv[:, 0, :, :10].eq(2).all() and kv[:, :2, :, 10:64].eq(0).all()  # the prompt kept, the rest zeros
+        assert kv[:, :, :, 64:].isnan().all() and kv[:, 2].isnan().all()  # nothing past what a step reads
+    pool.keys[:, 1, :, 20] = 5.0  # a token decoded into slot 1: a later, wider read keeps it
+    pool.readable(2, 128)
+    assert pool.keys[:, 1, :, 20].eq(5).all() and torch.isfinite(pool.keys[:, :2, :, :128]).all()
+    assert pool.keys[:, :2, :, 128:].isnan().all()
+
+
+def test_decoding_over_a_pool_of_garbage_gives_the_tokens_alone(tiny_blender):
+    """Whatever the pool's untouched memory holds (NaN here), the masked keys a step reads are finite."""
+    tiny_blender.configure_decode(slots=2, max_len=300)
+    tiny_blender.pool.keys.fill_(float("nan"))
+    tiny_blender.pool.values.fill_(float("nan"))
+    want = hf_greedy(tiny_blender, PROMPTS[3], STEPS)[0]
+    assert list(tiny_blender.decode(tiny_blender.full_prefill(PROMPTS[3]), SamplingParams(STEPS))) == want
 
 
 def test_a_cancelled_decode_frees_its_slot_and_the_prefill_cache_is_untouched(tiny_blender):

@@ -18,7 +18,8 @@ prefill ends and gives it back when its program closes, cancelled or done). The 
     3. one batched decode step for every request waiting on logits, each then resumed with its row
 Prefill first (vLLM's and SGLang's default order): a request still prefilling adds a row to every later
 step, so its prefill runs before the streams already answering get their next token, but for at most
-`max_stall_s` between two of their tokens: a long prompt is cut into slices, one decode step after each.
+`max_stall_s` between two of their tokens (plus the rest of the layer it is in): a long prompt is cut into
+slices, one decode step after each.
 An error in one request (bad input, a corrupt chunk) ends that request only; a batched step that
 fails is retried row by row, so only the failing row sees the error.
 """

@@ -43,17 +43,23 @@ class _StoreCollector:
 
 
 class _DecodeStepCollector:
-    """Batched decode steps by their number of rows (requests decoded together), from the scheduler."""
+    """Batched decode steps by their number of rows (requests decoded together), and the seconds they took
+    (their ratio is the step time at each batch size), from the scheduler."""
 
-    def __init__(self, steps: Callable[[], dict[int, int]]):
+    def __init__(self, steps: Callable[[], dict[int, tuple[int, float]]]):
         self._steps = steps
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily("ragblend:decode_steps", "Batched decode steps by rows decoded together.",
-                                     labels=["rows"])
-        for rows, count in sorted(self._steps().items()):
-            family.add_metric([str(rows)], count)
-        yield family
+        steps = CounterMetricFamily("ragblend:decode_steps", "Batched decode steps by rows decoded together.",
+                                    labels=["rows"])
+        seconds = CounterMetricFamily("ragblend:decode_step_seconds",
+                                      "Seconds spent in batched decode steps, by rows decoded together.",
+                                      labels=["rows"])
+        for rows, (count, spent) in sorted(self._steps().items()):
+            steps.add_metric([str(rows)], count)
+            seconds.add_metric([str(rows)], spent)
+        yield steps
+        yield seconds
 
 
 class Metrics:
@@ -61,7 +67,7 @@ class Metrics:
 
     def __init__(self, queue_depth: Callable[[], int], running: Callable[[], int],
                  store_stats: Callable[[], dict[str, Any] | None],
-                 decode_steps: Callable[[], dict[int, int]] = dict):
+                 decode_steps: Callable[[], dict[int, tuple[int, float]]] = dict):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("ragblend:http_requests", "HTTP requests by endpoint and status.",
                                 ["endpoint", "status"], registry=r)

@@ -114,6 +114,7 @@ class Scheduler:
         self._offload = concurrent.futures.ThreadPoolExecutor(offload_threads, thread_name_prefix="ragblend-prep")
         self._current: tuple[str, float] | None = None  # (what the model thread runs, since when)
         self.decode_steps: Counter[int] = Counter()  # batched steps by their number of rows
+        self.decode_seconds: Counter[int] = Counter()  # ... and the seconds they took
         self._request_s = 1.0  # moving average of a request's time in its slot, for Retry-After
         self._next_task_at = 0.0  # while requests are in flight, no model task before this (monotonic)
 
@@ -185,6 +186,11 @@ class Scheduler:
             "max_batch": self.max_batch,
             "model_tasks_waiting": tasks,
         }
+
+    def step_totals(self) -> dict[int, tuple[int, float]]:
+        """Batched decode steps by rows decoded together: (how many, seconds spent in them), for /metrics."""
+        steps, seconds = dict(self.decode_steps), dict(self.decode_seconds)  # copies: the model thread adds
+        return {rows: (n, seconds.get(rows, 0.0)) for rows, n in steps.items()}
 
     def busy_s(self) -> float:
         """How long the model thread has been on its current piece of work (0 when idle)."""
@@ -314,7 +320,6 @@ class Scheduler:
         if not slots:
             return
         steps = [s.step for s in slots]
-        self.decode_steps[len(steps)] += 1
         with self._working(f"decode step ({len(slots)} rows)"):
             start = time.monotonic()
             try:
@@ -329,6 +334,8 @@ class Scheduler:
                         rows.append(self.decode_step([step.sequence], [step.token], [step.position])[0])
                     except Exception as exc:
                         rows.append(exc)
+            self.decode_steps[len(steps)] += 1
+            self.decode_seconds[len(steps)] += time.monotonic() - start
             for slot, row in zip(slots, rows):
                 slot.state, slot.step = "ready", None
                 if isinstance(row, BaseException):

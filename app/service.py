@@ -51,7 +51,7 @@ class Service:
         self.serving: Serving | None = None
         self.lane = Worker(settings.server.queue_size, name="ragblend-ingest")
         self.metrics = Metrics(lambda: self.waiting, lambda: self.running, self._store_stats,
-                               lambda: dict(self.scheduler.decode_steps) if self.scheduler else {})
+                               lambda: self.scheduler.step_totals() if self.scheduler else {})
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.stopping: float | None = None  # when shutdown began (monotonic)

@@ -46,10 +46,11 @@ def stream(url: str, request: dict, deltas_seen: threading.Event | None = None, 
     return text, result
 
 
-def decode_steps(url: str) -> dict[int, float]:
+def decode_steps(url: str, name: str = "decode_steps") -> dict[int, float]:
+    """/metrics' ragblend:<name>_total by rows."""
     metrics = httpx.get(f"{url}/metrics").text
     return {int(rows): float(count) for rows, count in
-            re.findall(r'^ragblend:decode_steps_total\{rows="(\d+)"\} ([0-9.e+]+)$', metrics, re.MULTILINE)}
+            re.findall(rf'^ragblend:{name}_total\{{rows="(\d+)"\}} ([0-9.e+-]+)$', metrics, re.MULTILINE)}
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,8 @@ def test_concurrent_requests_get_exactly_their_tokens_alone(live_server, corpus,
     after = decode_steps(live_server.url)
     shared = {rows: after.get(rows, 0) - before.get(rows, 0) for rows in after if rows >= 2}
     assert sum(shared.values()) > 0, f"no step decoded two requests together: {after}"
+    seconds = decode_steps(live_server.url, "decode_step_seconds")  # every batch size run took time
+    assert sorted(seconds) == sorted(after) and all(seconds[rows] > 0 for rows in after), (seconds, after)
 
 
 def test_a_request_cancelled_mid_stream_changes_nothing_for_the_others(live_server, server_engine, corpus, alone):

@@ -12,7 +12,9 @@ send `--requests-per-stream` streaming /v1/query requests (at least 2 requests p
 `ignore_eos`, so every answer is `--max-tokens` long and throughput compares like with like.
 
 Per run: TTFT p50/p95 (client-side, send → first SSE delta, queue wait included), time between tokens
-p50/p95 (gaps between deltas), output tokens/s overall (all completion tokens / wall time).
+p50/p95 (gaps between deltas), output tokens/s overall (all completion tokens / wall time), and the server's
+own mean decode step by rows decoded together (from /metrics: what the model thread spent in the steps, apart
+from the gaps between them).
 Prints JSON on stdout (with the commit and the load average), progress on stderr.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -95,6 +98,15 @@ def ask(url: str, question: str, mode: str, top_k: int, max_tokens: int) -> dict
             "end": time.perf_counter(), "start": start, "stats": result["stats"]}
 
 
+def step_totals(url: str) -> dict[int, tuple[float, float]]:
+    """/metrics' batched decode steps by rows: (steps, seconds)."""
+    text = httpx.get(f"{url}/metrics").text
+    found = {name: {int(rows): float(value) for rows, value in
+                    re.findall(rf'^ragblend:{name}_total{{rows="(\d+)"}} (\S+)$', text, re.MULTILINE)}
+             for name in ("decode_steps", "decode_step_seconds")}
+    return {rows: (n, found["decode_step_seconds"].get(rows, 0.0)) for rows, n in found["decode_steps"].items()}
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100)."""
     ordered = sorted(values)
@@ -106,10 +118,13 @@ def run(url: str, questions: list[str], mode: str, streams: int, per_stream: int
     """`streams` client threads, each sending its share of the requests one after another."""
     asked = [questions[i % len(questions)] for i in range(max(2, streams * per_stream))]
     shares = [asked[s::streams] for s in range(streams)]
+    steps_before = step_totals(url)
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         per_thread = list(pool.map(lambda share: [ask(url, q, mode, top_k, max_tokens) for q in share], shares))
     wall = time.perf_counter() - start
+    steps = {rows: (n - steps_before.get(rows, (0, 0))[0], spent - steps_before.get(rows, (0, 0))[1])
+             for rows, (n, spent) in step_totals(url).items()}
     results = [r for thread in per_thread for r in thread]
     ttfts, gaps = [r["ttft_s"] for r in results], [g for r in results for g in r["gaps_s"]]
     tokens = sum(r["stats"]["completion_tokens"] for r in results)
@@ -123,6 +138,8 @@ def run(url: str, questions: list[str], mode: str, streams: int, per_stream: int
         "wall_s": round(wall, 1),
         "server_prefill_p50_ms": round(statistics.median(r["stats"]["prefill_ms"] for r in results), 1),
         "prompt_tokens_mean": round(statistics.mean(r["stats"]["prompt_tokens"] for r in results), 1),
+        "server_step_ms_by_rows": {rows: round(spent / n * 1000, 1) for rows, (n, spent) in sorted(steps.items()) if n},
+        "server_steps_by_rows": {rows: int(n) for rows, (n, _) in sorted(steps.items()) if n},
     }
 
 

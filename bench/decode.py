@@ -57,11 +57,9 @@ def fill_rows(blender, batch: int, context: int, seed: int = 0) -> list[Decoding
     generator = torch.Generator(device=pool.keys.device).manual_seed(seed)
     for b in range(batch):
         slot, length = pool.acquire(), context + 37 * b
-
-        def random_kv() -> torch.Tensor:  # [1, H, length, D], a layer's keys or values as a prefill leaves them
-            return torch.randn(1, blender.kv_heads, length, blender.head_dim, generator=generator,
-                               dtype=pool.keys.dtype, device=pool.keys.device)
-        pool.load(slot, [(random_kv(), random_kv()) for _ in range(blender.num_layers)])
+        shape = (1, blender.kv_heads, length, blender.head_dim)  # a layer's K or V, as a prefill's cache lands
+        pool.load(slot, [tuple(torch.randn(shape, generator=generator, dtype=pool.keys.dtype, device=pool.keys.device)
+                               for _ in range(2)) for _ in range(blender.num_layers)])
         rows.append(Decoding(pool, slot, length, SamplingParams()))
     return rows
 

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -98,13 +99,12 @@ def ask(url: str, question: str, mode: str, top_k: int, max_tokens: int) -> dict
             "end": time.perf_counter(), "start": start, "stats": result["stats"]}
 
 
-def step_totals(url: str) -> dict[int, tuple[float, float]]:
-    """/metrics' batched decode steps by rows: (steps, seconds)."""
+def step_totals(url: str) -> tuple[Counter, Counter]:
+    """/metrics' batched decode steps by rows decoded together, and the seconds spent in them."""
     text = httpx.get(f"{url}/metrics").text
-    found = {name: {int(rows): float(value) for rows, value in
-                    re.findall(rf'^ragblend:{name}_total{{rows="(\d+)"}} (\S+)$', text, re.MULTILINE)}
-             for name in ("decode_steps", "decode_step_seconds")}
-    return {rows: (n, found["decode_step_seconds"].get(rows, 0.0)) for rows, n in found["decode_steps"].items()}
+    return tuple(Counter({int(rows): float(value) for rows, value in
+                          re.findall(rf'^ragblend:{name}_total{{rows="(\d+)"}} (\S+)$', text, re.MULTILINE)})
+                 for name in ("decode_steps", "decode_step_seconds"))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -118,13 +118,13 @@ def run(url: str, questions: list[str], mode: str, streams: int, per_stream: int
     """`streams` client threads, each sending its share of the requests one after another."""
     asked = [questions[i % len(questions)] for i in range(max(2, streams * per_stream))]
     shares = [asked[s::streams] for s in range(streams)]
-    steps_before = step_totals(url)
+    steps_before, seconds_before = step_totals(url)
     start = time.perf_counter()
     with ThreadPoolExecutor(streams) as pool:
         per_thread = list(pool.map(lambda share: [ask(url, q, mode, top_k, max_tokens) for q in share], shares))
     wall = time.perf_counter() - start
-    steps = {rows: (n - steps_before.get(rows, (0, 0))[0], spent - steps_before.get(rows, (0, 0))[1])
-             for rows, (n, spent) in step_totals(url).items()}
+    steps_after, seconds_after = step_totals(url)
+    steps, seconds = steps_after - steps_before, seconds_after - seconds_before  # this run's (positive) counts
     results = [r for thread in per_thread for r in thread]
     ttfts, gaps = [r["ttft_s"] for r in results], [g for r in results for g in r["gaps_s"]]
     tokens = sum(r["stats"]["completion_tokens"] for r in results)
@@ -138,8 +138,8 @@ def run(url: str, questions: list[str], mode: str, streams: int, per_stream: int
         "wall_s": round(wall, 1),
         "server_prefill_p50_ms": round(statistics.median(r["stats"]["prefill_ms"] for r in results), 1),
         "prompt_tokens_mean": round(statistics.mean(r["stats"]["prompt_tokens"] for r in results), 1),
-        "server_step_ms_by_rows": {rows: round(spent / n * 1000, 1) for rows, (n, spent) in sorted(steps.items()) if n},
-        "server_steps_by_rows": {rows: int(n) for rows, (n, _) in sorted(steps.items()) if n},
+        "server_step_ms_by_rows": {rows: round(seconds[rows] / n * 1000, 1) for rows, n in sorted(steps.items())},
+        "server_steps_by_rows": {rows: int(n) for rows, n in sorted(steps.items())},
     }
 
 

@@ -113,8 +113,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="ragblend-model", daemon=True)
         self._offload = concurrent.futures.ThreadPoolExecutor(offload_threads, thread_name_prefix="ragblend-prep")
         self._current: tuple[str, float] | None = None  # (what the model thread runs, since when)
-        self.decode_steps: Counter[int] = Counter()  # batched steps by their number of rows
-        self.decode_seconds: Counter[int] = Counter()  # ... and the seconds they took
+        self._decode_steps: Counter[int] = Counter()  # batched steps by their number of rows (step_totals)
+        self._decode_seconds: Counter[int] = Counter()  # ... and the seconds they took
         self._request_s = 1.0  # moving average of a request's time in its slot, for Retry-After
         self._next_task_at = 0.0  # while requests are in flight, no model task before this (monotonic)
 
@@ -189,7 +189,7 @@ class Scheduler:
 
     def step_totals(self) -> dict[int, tuple[int, float]]:
         """Batched decode steps by rows decoded together: (how many, seconds spent in them), for /metrics."""
-        steps, seconds = dict(self.decode_steps), dict(self.decode_seconds)  # copies: the model thread adds
+        steps, seconds = dict(self._decode_steps), dict(self._decode_seconds)  # copies: the model thread adds
         return {rows: (n, seconds.get(rows, 0.0)) for rows, n in steps.items()}
 
     def busy_s(self) -> float:
@@ -334,8 +334,8 @@ class Scheduler:
                         rows.append(self.decode_step([step.sequence], [step.token], [step.position])[0])
                     except Exception as exc:
                         rows.append(exc)
-            self.decode_steps[len(steps)] += 1
-            self.decode_seconds[len(steps)] += time.monotonic() - start
+            self._decode_steps[len(steps)] += 1
+            self._decode_seconds[len(steps)] += time.monotonic() - start
             for slot, row in zip(slots, rows):
                 slot.state, slot.step = "ready", None
                 if isinstance(row, BaseException):

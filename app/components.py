@@ -50,7 +50,7 @@ class Components:
             raise ValueError(f"invalid blend settings: {exc}") from None
         # the decode KV pool: one slot per request the scheduler runs at once (app.scheduler)
         blender.configure_decode(slots=self.settings.server.max_batch, max_len=m.kv_pool_tokens,
-                                 cuda_graphs=m.cuda_graphs)
+                                 cuda_graphs=m.cuda_graphs, cpu_kernel=m.cpu_kernel)
         return blender
 
     @cached_property

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from blend.cpu_attention import decode_attention
 from blend.decode import sample_rows
 from blend.pool import KVPool
 
@@ -47,17 +48,21 @@ def bucket(rows: int, slots: int) -> int:
 @dataclass
 class PooledKV:
     """One layer's K or V for the step's rows: a view [rows, H, columns, D] of the pool, with the mask
-    `visible` [rows, 1, 1, columns] (True where a key is at or before the row's position)."""
+    `visible` [rows, 1, 1, columns] (True where a key is at or before the row's position) for sdpa, or
+    each row's key count `lengths` [rows] (0 for a padding row) for the CPU kernel (blend.cpu_attention)."""
 
     rows: torch.Tensor
-    visible: torch.Tensor
+    visible: torch.Tensor | None
+    lengths: torch.Tensor | None = None
 
 
 class PoolView:
     """The KV pool as the HF decoder layers' `cache` for one step."""
 
-    def __init__(self, pool: KVPool, positions: torch.Tensor, key_columns: int, visible: torch.Tensor):
-        self.pool, self.positions, self.key_columns, self.visible = pool, positions, key_columns, visible
+    def __init__(self, pool: KVPool, positions: torch.Tensor, key_columns: int, visible: torch.Tensor | None,
+                 lengths: torch.Tensor | None):
+        self.pool, self.positions, self.key_columns = pool, positions, key_columns
+        self.visible, self.lengths = visible, lengths
         self.rows = torch.arange(positions.shape[0], device=positions.device)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -66,7 +71,8 @@ class PoolView:
         keys[self.rows, :, self.positions] = key_states[:, :, 0]
         values[self.rows, :, self.positions] = value_states[:, :, 0]
         n, t = self.rows.shape[0], self.key_columns
-        return PooledKV(keys[:n, :, :t], self.visible), PooledKV(values[:n, :, :t], self.visible)
+        return (PooledKV(keys[:n, :, :t], self.visible, self.lengths),
+                PooledKV(values[:n, :, :t], self.visible, self.lengths))
 
 
 def pooled_attention_forward(module, query: torch.Tensor, key: PooledKV, value: PooledKV, attention_mask,
@@ -76,16 +82,21 @@ def pooled_attention_forward(module, query: torch.Tensor, key: PooledKV, value: 
     rows, hq, _, dim = query.shape
     hkv = key.rows.shape[1]
     grouped = query.view(rows, hkv, hq // hkv, dim)                                  # [rows, Hkv, G, D]
-    out = F.scaled_dot_product_attention(grouped, key.rows, value.rows, attn_mask=key.visible, scale=scaling)
+    if key.lengths is not None:
+        out = decode_attention(grouped, key.rows, value.rows, key.lengths, scaling)
+    else:
+        out = F.scaled_dot_product_attention(grouped, key.rows, value.rows, attn_mask=key.visible, scale=scaling)
     return out.view(rows, 1, hq, dim), None                                         # head h·G + g, as HF's repeat_kv
 
 
 class DecodeStepper:
-    """The step itself, for a model and its pool (shapes fixed by the inputs and `key_columns`)."""
+    """The step itself, for a model and its pool (shapes fixed by the inputs and `key_columns`). `cpu_kernel`:
+    its attention through blend.cpu_attention (a float32 pool on the CPU, the kernel built), else sdpa."""
 
-    def __init__(self, model, pool: KVPool, num_layers: int):
+    def __init__(self, model, pool: KVPool, num_layers: int, cpu_kernel: bool = False):
         self.model, self.decoder, self.pool, self.num_layers = model, model.model, pool, num_layers
         self.columns = torch.arange(pool.columns, device=pool.keys.device)
+        self.cpu_kernel = cpu_kernel
 
     def key_columns(self, positions: list[int]) -> int:
         """The keys a step reads: the longest row's rounded up to a multiple of KEY_BLOCK on the CPU (less
@@ -103,8 +114,11 @@ class DecodeStepper:
         position_ids = positions[:, None]                                              # [rows, 1]
         hidden = self.decoder.embed_tokens(tokens[:, None])                            # [rows, 1, hidden]
         position_embeddings = self.decoder.rotary_emb(hidden, position_ids=position_ids)
-        visible = (self.columns[:key_columns][None, :] <= position_ids)[:, None, None, :]  # [rows, 1, 1, T]
-        cache = PoolView(self.pool, positions, key_columns, visible)
+        if self.cpu_kernel:  # each row's own keys; none for a padding row (at the scratch column)
+            visible, lengths = None, torch.where(positions == self.pool.scratch, 0, positions + 1)  # [rows]
+        else:
+            visible, lengths = (self.columns[:key_columns][None, :] <= position_ids)[:, None, None, :], None
+        cache = PoolView(self.pool, positions, key_columns, visible, lengths)              # visible: [rows, 1, 1, T]
         for layer in self.decoder.layers[: self.num_layers]:
             hidden = layer(hidden, attention_mask=None, position_ids=position_ids, cache=cache,
                            position_embeddings=position_embeddings)

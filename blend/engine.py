@@ -42,6 +42,7 @@ from typing import Callable, Generator, Iterator, Literal, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from blend import cpu_attention
 from blend.attention import BLEND_ATTENTION
 from blend.backend import backend_for
 from blend.batch import DecodeStepper, bucket
@@ -475,20 +476,24 @@ class Blender:
     # Decoding runs in a preallocated KV pool (blend.pool), one fixed-shape step over its slots (blend.batch),
     # captured as CUDA graphs on a GPU (blend.graphs). Built on first use, sized by configure_decode.
 
-    _decode_config: tuple[int, int | None, str] = (8, None, "auto")   # slots, max_len (None: the context), graphs
+    _decode_config: tuple[int, int | None, str, str] = (8, None, "auto", "auto")  # slots, max_len, graphs, kernel
     _pool: KVPool | None = None
     _stepper: DecodeStepper | None = None
     _graphs: StepGraphs | None = None
 
-    def configure_decode(self, *, slots: int = 8, max_len: int | None = None, cuda_graphs: str = "auto") -> None:
+    def configure_decode(self, *, slots: int = 8, max_len: int | None = None, cuda_graphs: str = "auto",
+                         cpu_kernel: str = "auto") -> None:
         """The decode pool: `slots` requests at once, `max_len` positions each (prompt + answer; at most the
-        model's context; default DEFAULT_POOL_TOKENS); cuda_graphs: auto (on CUDA) | on | off.
+        model's context; default DEFAULT_POOL_TOKENS); cuda_graphs: auto (on CUDA) | on | off; cpu_kernel:
+        auto (a float32 model on the CPU: the attention through blend.cpu_attention, when it builds) | off.
         Before the first decode only."""
         if self._pool is not None:
             raise RuntimeError("the decode pool is already built")
         if cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
-        self._decode_config = (slots, max_len, cuda_graphs)
+        if cpu_kernel not in ("auto", "off"):
+            raise ValueError(f"cpu_kernel must be auto or off, got {cpu_kernel!r}")
+        self._decode_config = (slots, max_len, cuda_graphs, cpu_kernel)
 
     @property
     def decode_max_len(self) -> int:
@@ -500,10 +505,12 @@ class Blender:
     @property
     def pool(self) -> KVPool:
         if self._pool is None:
-            slots, _, graphs = self._decode_config
+            slots, _, graphs, kernel = self._decode_config
             self._pool = KVPool(self.num_layers, self.kv_heads, self.head_dim, slots=slots,
                                 max_len=self.decode_max_len, dtype=self.dtype, device=self.device)
-            self._stepper = DecodeStepper(self.model, self._pool, self.num_layers)
+            use_kernel = (kernel == "auto" and self.device.type == "cpu" and self.dtype == torch.float32
+                          and cpu_attention.load() is not None)
+            self._stepper = DecodeStepper(self.model, self._pool, self.num_layers, cpu_kernel=use_kernel)
             on_cuda = self.device.type == "cuda"
             if graphs == "on" and not on_cuda:
                 log.warning("model.cuda_graphs: on needs CUDA; the decode step runs eagerly",
@@ -516,6 +523,12 @@ class Blender:
         """Why the decode step is not a CUDA graph (None: it is, or will be at its first step)."""
         _ = self.pool
         return self._graphs.disabled
+
+    @property
+    def cpu_kernel(self) -> bool:
+        """Whether the decode step's attention is the CPU kernel (blend.cpu_attention) rather than sdpa."""
+        _ = self.pool
+        return self._stepper.cpu_kernel
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -586,7 +599,8 @@ class Blender:
         temperature, top_p = sampling_rows(params, self.device)
         noise = draw_noise(params, generators, self.model.get_output_embeddings().weight.shape[0], self.device)
         key_columns = stepper.key_columns(positions)
-        pool.readable(rows, key_columns)  # outside any graph: what the step reads, masked keys too, is finite
+        if not stepper.cpu_kernel:  # sdpa reads masked keys too: outside any graph, make them finite
+            pool.readable(rows, key_columns)
         inputs = {"tokens": token_row.to(self.device), "positions": position_row.to(self.device),
                   "temperature": temperature, "top_p": top_p}
         if noise is not None:

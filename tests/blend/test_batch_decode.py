@@ -178,9 +178,11 @@ def test_a_step_reads_finite_keys_and_the_pool_is_touched_only_as_far_as_steps_r
     assert pool.keys[:, :2, :, 128:].isnan().all()
 
 
-def test_decoding_over_a_pool_of_garbage_gives_the_tokens_alone(tiny_blender):
-    """Whatever the pool's untouched memory holds (NaN here), the masked keys a step reads are finite."""
-    tiny_blender.configure_decode(slots=2, max_len=300)
+@pytest.mark.parametrize("cpu_kernel", ["auto", "off"])
+def test_decoding_over_a_pool_of_garbage_gives_the_tokens_alone(tiny_blender, cpu_kernel):
+    """Whatever the pool's untouched memory holds (NaN here): sdpa's masked keys are made finite first, the
+    CPU kernel reads no key past a row's length."""
+    tiny_blender.configure_decode(slots=2, max_len=300, cpu_kernel=cpu_kernel)
     tiny_blender.pool.keys.fill_(float("nan"))
     tiny_blender.pool.values.fill_(float("nan"))
     want = hf_greedy(tiny_blender, PROMPTS[3], STEPS)[0]

@@ -1,0 +1,152 @@
+/* Decode attention on the CPU (blend/cpu_attention.py builds and calls it): for each row of a decode step,
+ * the query heads that share a KV head attend over that row's own keys [0, length), read once, in place in
+ * the KV pool. Tasks are (row, KV head, CHUNK keys), spread over the threads; each row's chunks are merged
+ * in order by their maxima, so a row's result depends on its own keys only, never on the step's other rows.
+ *
+ * Plain C with GCC/Clang vector types (no intrinsics): the compiler maps them to the machine's vectors. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define CHUNK 256 /* keys per task: 64 KB of K and of V at head_dim 64, in L2 while the task works on them */
+
+typedef float floats8 __attribute__((vector_size(32)));
+typedef float floats8_unaligned __attribute__((vector_size(32), aligned(4)));
+typedef int32_t ints8 __attribute__((vector_size(32)));
+
+/* exp(x) for x <= 0 (scores minus their max), 8 lanes: Cephes' expf polynomial, relative error ~1e-7. */
+static inline floats8 exp8_nonpositive(floats8 x) {
+    floats8 low = (floats8){0} - 87.0f; /* exp(-87) ~ 1.6e-38: below it 2^n leaves the floats */
+    ints8 below = x < low;
+    x = (floats8)(((ints8)x & ~below) | ((ints8)low & below));
+    ints8 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ints8); /* nearest x / ln 2, as x <= 0 */
+    floats8 fn = __builtin_convertvector(n, floats8);
+    floats8 r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+    floats8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (floats8)((n + 127) << 23); /* times 2^n, built in the exponent bits */
+}
+
+/* scale · (q · k) for the 4 keys k, k + dim, .. (dim a multiple of 8): four independent sums, added across
+ * their lanes together. */
+static inline void dots4(const float *q, const float *k, int64_t dim, float scale, float *scores) {
+    floats8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t d = 0; d < dim; d += 8) {
+        floats8 qd = *(const floats8_unaligned *)(q + d);
+        a0 += qd * *(const floats8_unaligned *)(k + d);
+        a1 += qd * *(const floats8_unaligned *)(k + dim + d);
+        a2 += qd * *(const floats8_unaligned *)(k + 2 * dim + d);
+        a3 += qd * *(const floats8_unaligned *)(k + 3 * dim + d);
+    }
+    /* halves added (x: a0 | a1, y: a2 | a3), then quarters, then pairs: a0, a2, a1, a3 in lanes 0, 2, 4, 6 */
+    floats8 x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    floats8 y = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    floats8 z = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
+                __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+    floats8 w = z + __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6);
+    scores[0] = w[0] * scale, scores[1] = w[4] * scale, scores[2] = w[2] * scale, scores[3] = w[6] * scale;
+}
+
+/* One task: queries q [group, dim] over `count` keys/values k, v [count, dim]. Writes each query's
+ * unnormalised output, max score and sum of exp: part [group, dim + 2]. Inlined with dim a constant
+ * (attend_chunk), so the loops over dim unroll. */
+static inline __attribute__((always_inline)) void attend(const float *q, const float *k, const float *v,
+                                                         int64_t count, int64_t group, const int64_t dim,
+                                                         float scale, float *part) {
+    float scores[CHUNK] __attribute__((aligned(32)));
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * dim;
+        float *out = part + g * (dim + 2), max = -INFINITY, sum = 0.0f;
+        int64_t t = 0;
+        if (dim % 8 == 0)
+            for (; t + 4 <= count; t += 4) dots4(qg, k + t * dim, dim, scale, scores + t);
+        for (; t < count; t++) {
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[t * dim + d];
+            scores[t] = dot * scale;
+        }
+#pragma omp simd reduction(max : max)
+        for (t = 0; t < count; t++) max = scores[t] > max ? scores[t] : max;
+        for (t = count; t % 8; t++) scores[t] = max; /* whole vectors for exp: the padding is never summed */
+        for (t = 0; t < count; t += 8)
+            *(floats8 *)(scores + t) = exp8_nonpositive(*(floats8 *)(scores + t) - max);
+#pragma omp simd reduction(+ : sum)
+        for (t = 0; t < count; t++) sum += scores[t];
+        for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
+        for (t = 0; t < count; t++)
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) out[d] += scores[t] * v[t * dim + d];
+        out[dim] = max;
+        out[dim + 1] = sum;
+    }
+}
+
+static void attend_chunk(const float *q, const float *k, const float *v, int64_t count, int64_t group,
+                         int64_t dim, float scale, float *part) {
+    switch (dim) { /* the common head sizes as constants; any other runs the same code with dim unknown */
+        case 64: attend(q, k, v, count, group, 64, scale, part); break;
+        case 128: attend(q, k, v, count, group, 128, scale, part); break;
+        default: attend(q, k, v, count, group, dim, scale, part);
+    }
+}
+
+/* q, out [rows, heads, group, dim] contiguous. Row r, KV head h of k at k + r*k_row + h*k_head, its keys
+ * dim floats apart (v likewise); lengths [rows]: keys per row (0: a padding row, output zeros).
+ * Returns 0, or -1 when out of memory. */
+int decode_attention(const float *q, const float *k, const float *v, const int64_t *lengths, float *out,
+                     int64_t rows, int64_t heads, int64_t group, int64_t dim, int64_t k_row, int64_t k_head,
+                     int64_t v_row, int64_t v_head, float scale, int threads) {
+    int64_t *first = malloc((rows + 1) * sizeof(int64_t)); /* row r's tasks: [first[r], first[r + 1]) */
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t r = 0; r < rows; r++) first[r + 1] = first[r] + heads * ((lengths[r] + CHUNK - 1) / CHUNK);
+    int64_t tasks = first[rows], width = group * (dim + 2);
+    float *parts = malloc((tasks ? tasks : 1) * width * sizeof(float));
+    if (!parts) {
+        free(first);
+        return -1;
+    }
+
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t r = 0;
+        while (first[r + 1] <= task) r++;
+        int64_t chunks = (first[r + 1] - first[r]) / heads, h = (task - first[r]) / chunks;
+        int64_t start = (task - first[r]) % chunks * CHUNK;
+        int64_t count = lengths[r] - start < CHUNK ? lengths[r] - start : CHUNK;
+        attend_chunk(q + (r * heads + h) * group * dim, k + r * k_row + h * k_head + start * dim,
+                     v + r * v_row + h * v_head + start * dim, count, group, dim, scale, parts + task * width);
+    }
+
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t rh = 0; rh < rows * heads; rh++) {
+        int64_t r = rh / heads, h = rh % heads, chunks = (first[r + 1] - first[r]) / heads;
+        const float *row_parts = parts + (first[r] + h * chunks) * width;
+        for (int64_t g = 0; g < group; g++) {
+            float *o = out + (rh * group + g) * dim, max = -INFINITY, sum = 0.0f;
+            for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
+            for (int64_t c = 0; c < chunks; c++) {
+                float m = row_parts[c * width + g * (dim + 2) + dim];
+                max = m > max ? m : max;
+            }
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *part = row_parts + c * width + g * (dim + 2);
+                float weight = expf(part[dim] - max);
+                sum += weight * part[dim + 1];
+                for (int64_t d = 0; d < dim; d++) o[d] += weight * part[d];
+            }
+            if (sum > 0.0f)
+                for (int64_t d = 0; d < dim; d++) o[d] /= sum;
+        }
+    }
+    free(parts);
+    free(first);
+    return 0;
+}

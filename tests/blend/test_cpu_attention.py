@@ -1,0 +1,111 @@
+"""The CPU decode attention kernel: each row's queries over its own keys, as sdpa with a length mask gives
+them, reading nothing past a row's length; a row's result is the same bit for bit whatever else the step
+holds; without a compiler the decode step falls back to sdpa, with the reason."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blend import Blender, SamplingParams, cpu_attention
+from tests.blend.conftest import TEST_DEVICE, random_ids, tiny_model
+
+# The kernel is the CPU's: on a GPU test run (bench/device_check.sh) these are not its business.
+pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the CPU decode kernel")
+needs_kernel = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
+                                  reason="no C compiler to build the kernel")
+
+LENGTHS = [1, 255, 256, 257, 700, 0, 3]  # around the kernel's 256-key chunks; 0 is a padding row
+
+
+def pool_rows(lengths: list[int], heads: int, dim: int, columns: int = 768, seed: int = 0):
+    """K and V as the decode step sees them: views [rows, H, columns, D] of a pool with a spare slot, NaN past
+    each row's length (memory no step has written)."""
+    generator = torch.Generator().manual_seed(seed)
+    pools = [torch.randn(len(lengths) + 1, heads, columns, dim, generator=generator) for _ in range(2)]
+    for pool in pools:
+        for row, length in enumerate(lengths):
+            pool[row, :, length:] = float("nan")
+    return [pool[: len(lengths)] for pool in pools]
+
+
+def sdpa_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: list[int]):
+    out = torch.zeros_like(query)
+    for row, length in enumerate(lengths):
+        if length:
+            out[row] = F.scaled_dot_product_attention(query[row: row + 1], keys[row: row + 1, :, :length],
+                                                      values[row: row + 1, :, :length])[0]
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, group, dim", [(3, 3, 64), (2, 4, 128), (1, 1, 16), (2, 3, 12)])
+def test_kernel_equals_sdpa_over_each_rows_own_keys(heads, group, dim):
+    assert cpu_attention.load() is not None, cpu_attention.unavailable()
+    keys, values = pool_rows(LENGTHS, heads, dim)
+    query = torch.randn(len(LENGTHS), heads, group, dim, generator=torch.Generator().manual_seed(1))
+    out = cpu_attention.decode_attention(query, keys, values, torch.tensor(LENGTHS))
+    assert torch.isfinite(out).all()  # the NaN past each row's length was never read
+    assert torch.allclose(out, sdpa_reference(query, keys, values, LENGTHS), atol=1e-5, rtol=1e-4)
+    assert out[LENGTHS.index(0)].eq(0).all()
+
+
+@needs_kernel
+def test_a_rows_result_does_not_depend_on_the_steps_other_rows():
+    keys, values = pool_rows(LENGTHS, 3, 64)
+    query = torch.randn(len(LENGTHS), 3, 3, 64, generator=torch.Generator().manual_seed(2))
+    together = cpu_attention.decode_attention(query, keys, values, torch.tensor(LENGTHS))
+    for row, length in enumerate(LENGTHS):
+        alone = cpu_attention.decode_attention(query[row: row + 1], keys[row: row + 1], values[row: row + 1],
+                                               torch.tensor([length]))
+        assert torch.equal(alone[0], together[row]), f"row {row}"
+
+
+def test_the_kernel_refuses_what_it_cannot_read_in_place():
+    keys, values = pool_rows([4], 2, 8)
+    query = torch.randn(1, 2, 2, 8)
+    with pytest.raises(TypeError, match="float32"):
+        cpu_attention.decode_attention(query.double(), keys, values, torch.tensor([4]))
+    with pytest.raises(ValueError, match="in place"):
+        cpu_attention.decode_attention(query, keys.transpose(2, 3), values, torch.tensor([4]))
+    with pytest.raises(ValueError, match="over a view of 768"):
+        cpu_attention.decode_attention(query, keys, values, torch.tensor([769]))
+
+
+@needs_kernel
+def test_the_blender_decodes_through_the_kernel_or_sdpa_to_the_same_tokens():
+    prompts = [random_ids(13, 31), random_ids(40, 32), random_ids(7, 33)]
+    tokens = {}
+    for setting in ("auto", "off"):
+        blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama")
+        blender.configure_decode(slots=4, max_len=96, cpu_kernel=setting)
+        assert blender.cpu_kernel == (setting == "auto")
+        sequences = [blender.start_decode(blender.full_prefill(ids), SamplingParams(10)) for ids in prompts]
+        rows = [[int(blender.full_prefill(ids).logits.argmax())] for ids in prompts]
+        for _ in range(9):
+            following = blender.decode_step(sequences, [r[-1] for r in rows], [s.length for s in sequences])
+            for row, token in zip(rows, following):
+                row.append(token)
+        tokens[setting] = rows
+    assert tokens["auto"] == tokens["off"]
+
+
+@pytest.mark.parametrize("compiler", ["missing", "failing"])
+def test_without_a_working_compiler_the_decode_step_uses_sdpa_with_the_reason(monkeypatch, tmp_path, compiler):
+    monkeypatch.setattr(cpu_attention, "_library", None)
+    monkeypatch.setattr(cpu_attention, "_reason", None)
+    script = tmp_path / "cc"  # answers --version, fails to compile
+    script.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "cc 0.1" && exit 0\necho "cc: out of luck" >&2\nexit 1\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("CC", str(script) if compiler == "failing" else "/nonexistent/cc")
+    monkeypatch.setenv("RAGBLEND_KERNEL_DIR", str(tmp_path / "kernels"))
+    blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama")
+    blender.configure_decode(slots=2, max_len=64)
+    assert not blender.cpu_kernel
+    assert ("out of luck" if compiler == "failing" else "/nonexistent/cc") in cpu_attention.unavailable()
+    ids = random_ids(9, 34)
+    assert len(list(blender.decode(blender.full_prefill(ids), SamplingParams(6)))) == 6
+    assert not list((tmp_path / "kernels").glob("**/*"))  # nothing half-built left behind

@@ -45,12 +45,12 @@ class Components:
         b, m = self.settings.blend, self.settings.model
         try:
             blender = Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
-                              deviation=b.deviation, selection=b.selection)
+                              deviation=b.deviation, selection=b.selection, cpu_kernel=m.cpu_kernel)
         except ValueError as exc:
             raise ValueError(f"invalid blend settings: {exc}") from None
         # the decode KV pool: one slot per request the scheduler runs at once (app.scheduler)
         blender.configure_decode(slots=self.settings.server.max_batch, max_len=m.kv_pool_tokens,
-                                 cuda_graphs=m.cuda_graphs, cpu_kernel=m.cpu_kernel)
+                                 cuda_graphs=m.cuda_graphs)
         return blender
 
     @cached_property

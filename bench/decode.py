@@ -4,10 +4,10 @@
     python bench/decode.py --device cuda [--context 4096] [--batches 1,8,32] [--steps 30]
 
 CPU (the default): times `Blender.decode_step` for B rows of the embedded SmolLM2, each in its own KV pool
-slot holding about `--context` tokens (random K/V: the cost does not depend on the values), with the
-model's linears as the Blender sets them on the CPU (`SkinnyLinear`, blend.skinny) and as plain
-`nn.Linear`, interleaved in one run. Prints JSON: per form and B, ms per step and per token, and the
-step's cost relative to the first B.
+slot holding about `--context` tokens (random K/V: the cost does not depend on the values), in three forms
+interleaved in one run: as the Blender runs it on the CPU (`kernel`: the C kernels of blend.cpu_kernels for the
+linears and the attention), with torch's sdpa and `SkinnyLinear`'s MKL form instead (`sdpa`, blend.skinny), and
+with plain `nn.Linear` (`plain`). Prints JSON: per form and B, ms per step and per token, and the step's cost relative to the first B.
 
 CUDA (`--device cuda`, for bench/device_check.sh): a randomly initialised Llama-3-8B-shaped model in
 bfloat16 (config only, nothing downloaded), B rows of `--context` tokens: the step eager and as CUDA
@@ -90,29 +90,36 @@ def release(rows: list[Decoding]) -> None:
 def cpu_timing(args) -> dict:
     from app.components import Components
     from app.config import load_settings
+    from blend import cpu_kernels
 
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    components = Components(load_settings(model={"cache_dir": str(REPO / "data" / "models")},
-                                          server={"max_batch": max(batches)}))
-    blender = components.blender
-    forms = {"skinny": SkinnyLinear, "plain": nn.Linear}
+    blenders = {}
+    for kernel in ("auto", "off"):
+        settings = load_settings(model={"cache_dir": str(REPO / "data" / "models"), "cpu_kernel": kernel},
+                                 server={"max_batch": max(batches)})
+        blenders[kernel] = Components(settings).blender
+    # the step as the Blender runs it on the CPU (kernel), with torch's sdpa instead, and with plain nn.Linear too
+    forms = {"kernel": ("auto", SkinnyLinear), "sdpa": ("off", SkinnyLinear), "plain": ("off", nn.Linear)}
     result = {form: {} for form in forms}
-    for batch in batches:  # interleaved: both forms at each B
-        for form, cls in forms.items():
-            set_linears(blender.model, cls)
+    for batch in batches:  # interleaved: every form at each B
+        for form, (kernel, linear) in forms.items():
+            blender = blenders[kernel]
+            set_linears(blender.model, linear)
             rows = fill_rows(blender, batch, args.context)
             ms, _ = timed_steps(blender, rows, args.steps)
             release(rows)
+            set_linears(blender.model, SkinnyLinear)
             result[form][batch] = {"step_ms": round(ms, 1), "per_token_ms": round(ms / batch, 1)}
             log(f"{form} B={batch}: {ms:.1f} ms/step")
-    set_linears(blender.model, SkinnyLinear)
     for form in forms:
         one = result[form][batches[0]]["step_ms"]
         for row in result[form].values():
             row["step_vs_first"] = round(row["step_ms"] / one, 2)
-    return {"device": "cpu", "context_tokens": args.context, "threads": torch.get_num_threads(), "forms": result}
+    return {"device": "cpu", "context_tokens": args.context, "threads": torch.get_num_threads(),
+            "cpu_kernels": blenders["auto"].cpu_kernels, "cpu_kernels_unavailable": cpu_kernels.unavailable(),
+            "forms": result}
 
 
 def random_llama(device: torch.device, shape: dict):

@@ -30,6 +30,7 @@ from functools import cached_property
 import torch
 from torch.nn import functional as F
 
+from blend import cpu_kernels
 from blend.attention import AttentionPlan
 from blend.buffers import BufferRecycler
 from blend.skinny import use_skinny_linears
@@ -41,9 +42,17 @@ class Backend:
     """The CPU's pieces; CudaBackend overrides what a GPU does differently."""
     name = "cpu"
     pin_host_memory = False   # pinned host pages only help copies to a GPU
+    kernels = False           # the decode step's linears and attention through blend.cpu_kernels (set by prepare)
+
+    def __init__(self, cpu_kernel: str = "auto"):
+        self.cpu_kernel = cpu_kernel
 
     def prepare(self, model: torch.nn.Module) -> None:
-        use_skinny_linears(model)  # decode steps' few rows: a faster matmul form on the CPU (blend.skinny)
+        """The CPU decode kernels for a float32 model (cpu_kernel auto; built now, else the reason logged), and
+        decode steps' few-row linears in a faster form (blend.skinny)."""
+        dtype = next(model.parameters()).dtype
+        self.kernels = self.cpu_kernel == "auto" and dtype == torch.float32 and cpu_kernels.load() is not None
+        use_skinny_linears(model, kernel=self.kernels)
 
     def plan(self, positions: torch.Tensor, num_keys: int | None = None):
         """A plan for queries at `positions` ([Tq] sorted); `num_keys` (the last position + 1) is a hint
@@ -171,6 +180,9 @@ def flex_block_mask(positions: torch.Tensor, num_keys: int, block: int = FLEX_BL
                                     compute_q_blocks=False)
 
 
-def backend_for(device: torch.device) -> Backend:
-    """The backend for a model on `device`: chosen once, when the Blender is built."""
-    return CudaBackend() if device.type == "cuda" else Backend()
+def backend_for(device: torch.device, cpu_kernel: str = "auto") -> Backend:
+    """The backend for a model on `device`: chosen once, when the Blender is built. cpu_kernel: auto | off (the
+    CPU decode kernels, blend.cpu_kernels)."""
+    if cpu_kernel not in ("auto", "off"):
+        raise ValueError(f"cpu_kernel must be auto or off, got {cpu_kernel!r}")
+    return CudaBackend() if device.type == "cuda" else Backend(cpu_kernel)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from blend.cpu_attention import decode_attention
+from blend.cpu_kernels import decode_attention
 from blend.decode import sample_rows
 from blend.pool import KVPool
 
@@ -49,7 +49,7 @@ def bucket(rows: int, slots: int) -> int:
 class PooledKV:
     """One layer's K or V for the step's rows: a view [rows, H, columns, D] of the pool, with the mask
     `visible` [rows, 1, 1, columns] (True where a key is at or before the row's position) for sdpa, or
-    each row's key count `lengths` [rows] (0 for a padding row) for the CPU kernel (blend.cpu_attention)."""
+    each row's key count `lengths` [rows] (0 for a padding row) for the CPU kernel (blend.cpu_kernels)."""
 
     rows: torch.Tensor
     visible: torch.Tensor | None
@@ -90,13 +90,13 @@ def pooled_attention_forward(module, query: torch.Tensor, key: PooledKV, value: 
 
 
 class DecodeStepper:
-    """The step itself, for a model and its pool (shapes fixed by the inputs and `key_columns`). `cpu_kernel`:
-    its attention through blend.cpu_attention (a float32 pool on the CPU, the kernel built), else sdpa."""
+    """The step itself, for a model and its pool (shapes fixed by the inputs and `key_columns`).
+    `attention_kernel`: its attention through blend.cpu_kernels (a float32 model on the CPU), else sdpa."""
 
-    def __init__(self, model, pool: KVPool, num_layers: int, cpu_kernel: bool = False):
+    def __init__(self, model, pool: KVPool, num_layers: int, attention_kernel: bool = False):
         self.model, self.decoder, self.pool, self.num_layers = model, model.model, pool, num_layers
         self.columns = torch.arange(pool.columns, device=pool.keys.device)
-        self.cpu_kernel = cpu_kernel
+        self.attention_kernel = attention_kernel
 
     def key_columns(self, positions: list[int]) -> int:
         """The keys a step reads: the longest row's rounded up to a multiple of KEY_BLOCK on the CPU (less
@@ -114,7 +114,7 @@ class DecodeStepper:
         position_ids = positions[:, None]                                              # [rows, 1]
         hidden = self.decoder.embed_tokens(tokens[:, None])                            # [rows, 1, hidden]
         position_embeddings = self.decoder.rotary_emb(hidden, position_ids=position_ids)
-        if self.cpu_kernel:  # each row's own keys; none for a padding row (at the scratch column)
+        if self.attention_kernel:  # each row's own keys; none for a padding row (at the scratch column)
             visible, lengths = None, torch.where(positions == self.pool.scratch, 0, positions + 1)  # [rows]
         else:
             visible, lengths = (self.columns[:key_columns][None, :] <= position_ids)[:, None, None, :], None

@@ -42,7 +42,6 @@ from typing import Callable, Generator, Iterator, Literal, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from blend import cpu_attention
 from blend.attention import BLEND_ATTENTION
 from blend.backend import backend_for
 from blend.batch import DecodeStepper, bucket
@@ -134,7 +133,7 @@ class _QuestionAttention:
 class Blender:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str, *,
                  check_layer: int = 1, deviation: Literal["value", "key"] = "value", selection: str = "query",
-                 boundary_tokens: int = 0, gradual: Gradual | None = None):
+                 boundary_tokens: int = 0, gradual: Gradual | None = None, cpu_kernel: str = "auto"):
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
         self.decoder = model.model
         config = model.config.get_text_config(decoder=True)
@@ -149,7 +148,7 @@ class Blender:
         self.boundary_tokens, self.gradual = boundary_tokens, gradual  # options on any policy (blend.selection)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device  # every tensor the blend path makes lives here
-        self.backend = backend_for(self.device)        # the device's attention, staging and layer forms
+        self.backend = backend_for(self.device, cpu_kernel)  # the device's attention, staging, layer forms
         self.backend.prepare(model)
         self.sync_phases = False   # phase timings wait for the device (benchmarks; see _Clock)
         self.sliding_window = sliding_window(model)  # prompts longer than this run in full
@@ -476,24 +475,20 @@ class Blender:
     # Decoding runs in a preallocated KV pool (blend.pool), one fixed-shape step over its slots (blend.batch),
     # captured as CUDA graphs on a GPU (blend.graphs). Built on first use, sized by configure_decode.
 
-    _decode_config: tuple[int, int | None, str, str] = (8, None, "auto", "auto")  # slots, max_len, graphs, kernel
+    _decode_config: tuple[int, int | None, str] = (8, None, "auto")   # slots, max_len (None: the context), graphs
     _pool: KVPool | None = None
     _stepper: DecodeStepper | None = None
     _graphs: StepGraphs | None = None
 
-    def configure_decode(self, *, slots: int = 8, max_len: int | None = None, cuda_graphs: str = "auto",
-                         cpu_kernel: str = "auto") -> None:
+    def configure_decode(self, *, slots: int = 8, max_len: int | None = None, cuda_graphs: str = "auto") -> None:
         """The decode pool: `slots` requests at once, `max_len` positions each (prompt + answer; at most the
-        model's context; default DEFAULT_POOL_TOKENS); cuda_graphs: auto (on CUDA) | on | off; cpu_kernel:
-        auto (a float32 model on the CPU: the attention through blend.cpu_attention, when it builds) | off.
+        model's context; default DEFAULT_POOL_TOKENS); cuda_graphs: auto (on CUDA) | on | off.
         Before the first decode only."""
         if self._pool is not None:
             raise RuntimeError("the decode pool is already built")
         if cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
-        if cpu_kernel not in ("auto", "off"):
-            raise ValueError(f"cpu_kernel must be auto or off, got {cpu_kernel!r}")
-        self._decode_config = (slots, max_len, cuda_graphs, cpu_kernel)
+        self._decode_config = (slots, max_len, cuda_graphs)
 
     @property
     def decode_max_len(self) -> int:
@@ -505,12 +500,10 @@ class Blender:
     @property
     def pool(self) -> KVPool:
         if self._pool is None:
-            slots, _, graphs, kernel = self._decode_config
+            slots, _, graphs = self._decode_config
             self._pool = KVPool(self.num_layers, self.kv_heads, self.head_dim, slots=slots,
                                 max_len=self.decode_max_len, dtype=self.dtype, device=self.device)
-            use_kernel = (kernel == "auto" and self.device.type == "cpu" and self.dtype == torch.float32
-                          and cpu_attention.load() is not None)
-            self._stepper = DecodeStepper(self.model, self._pool, self.num_layers, cpu_kernel=use_kernel)
+            self._stepper = DecodeStepper(self.model, self._pool, self.num_layers, attention_kernel=self.backend.kernels)
             on_cuda = self.device.type == "cuda"
             if graphs == "on" and not on_cuda:
                 log.warning("model.cuda_graphs: on needs CUDA; the decode step runs eagerly",
@@ -525,10 +518,9 @@ class Blender:
         return self._graphs.disabled
 
     @property
-    def cpu_kernel(self) -> bool:
-        """Whether the decode step's attention is the CPU kernel (blend.cpu_attention) rather than sdpa."""
-        _ = self.pool
-        return self._stepper.cpu_kernel
+    def cpu_kernels(self) -> bool:
+        """Whether decode steps run their linears and attention through the CPU kernels (blend.cpu_kernels)."""
+        return self.backend.kernels
 
     @property
     def eos_ids(self) -> frozenset[int]:
@@ -599,7 +591,7 @@ class Blender:
         temperature, top_p = sampling_rows(params, self.device)
         noise = draw_noise(params, generators, self.model.get_output_embeddings().weight.shape[0], self.device)
         key_columns = stepper.key_columns(positions)
-        if not stepper.cpu_kernel:  # sdpa reads masked keys too: outside any graph, make them finite
+        if not stepper.attention_kernel:  # sdpa reads masked keys too: outside any graph, make them finite
             pool.readable(rows, key_columns)
         inputs = {"tokens": token_row.to(self.device), "positions": position_row.to(self.device),
                   "temperature": temperature, "top_p": top_p}

@@ -11,7 +11,12 @@ One row is a GEMV, which MKL runs on one thread here (50 ms, 1 thread or 2); one
 a GEMM it spreads over both (38.5 ms). Three rows likewise run as four (45 → 40 ms). Other counts gain
 nothing from padding (PADDED_ROWS).
 
-`use_skinny_linears(model)` switches the model's plain `nn.Linear` modules to `SkinnyLinear`
+Where the CPU decode kernels are built (blend.cpu_kernels), 1..8 rows of a float32 layer go through
+`linear_rows` instead, which streams the weights over both threads at near the memory's speed (all 30 layers +
+the LM head: 1 row 24 ms, 4 rows 28 ms, 8 rows 34 ms); a row's result is then the same whatever the rows with
+it, as in the attention kernel.
+
+`use_skinny_linears(model, kernel)` switches the model's plain `nn.Linear` modules to `SkinnyLinear`
 (the same parameters; only `forward` differs, and only for 1..SKINNY_ROWS rows on the CPU).
 """
 from __future__ import annotations
@@ -20,16 +25,24 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from blend import cpu_kernels
+
 SKINNY_ROWS = 16  # up to this many rows (tokens in the batch) take the (W @ xᵀ)ᵀ path
 PADDED_ROWS = {1: 2, 3: 4}  # row counts run with zero rows added, as a count MKL threads better
 
 
 class SkinnyLinear(nn.Linear):
+    kernel = False  # 1..LINEAR_ROWS float32 rows through cpu_kernels.linear_rows (set by use_skinny_linears)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if not 1 <= rows <= SKINNY_ROWS or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)                     # [rows, in]
+        if self.kernel and rows <= cpu_kernels.LINEAR_ROWS and x.dtype == torch.float32:
+            out = cpu_kernels.linear_rows(flat, self.weight)
+            out = out if self.bias is None else out + self.bias
+            return out.view(*x.shape[:-1], self.out_features)
         if rows in PADDED_ROWS:
             flat = torch.cat([flat, flat.new_zeros(PADDED_ROWS[rows] - rows, self.in_features)])
         out = (self.weight @ flat.t()).t()[:rows]                    # [rows, out]
@@ -38,11 +51,14 @@ class SkinnyLinear(nn.Linear):
         return out.contiguous().view(*x.shape[:-1], self.out_features)
 
 
-def use_skinny_linears(model: nn.Module) -> int:
-    """Switch `model`'s plain nn.Linear modules to SkinnyLinear in place; returns how many."""
+def use_skinny_linears(model: nn.Module, kernel: bool = False) -> int:
+    """Switch `model`'s plain nn.Linear modules to SkinnyLinear in place, through the CPU kernel (`kernel`: the
+    caller has built it) where a float32 weight is contiguous; returns how many."""
     switched = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = SkinnyLinear  # same module, same weights: only forward changes
             switched += 1
+        if isinstance(module, SkinnyLinear):
+            module.kernel = kernel and module.weight.dtype == torch.float32 and module.weight.is_contiguous()
     return switched

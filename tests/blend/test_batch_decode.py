@@ -182,11 +182,12 @@ def test_a_step_reads_finite_keys_and_the_pool_is_touched_only_as_far_as_steps_r
 def test_decoding_over_a_pool_of_garbage_gives_the_tokens_alone(tiny_blender, cpu_kernel):
     """Whatever the pool's untouched memory holds (NaN here): sdpa's masked keys are made finite first, the
     CPU kernel reads no key past a row's length."""
-    tiny_blender.configure_decode(slots=2, max_len=300, cpu_kernel=cpu_kernel)
-    tiny_blender.pool.keys.fill_(float("nan"))
-    tiny_blender.pool.values.fill_(float("nan"))
-    want = hf_greedy(tiny_blender, PROMPTS[3], STEPS)[0]
-    assert list(tiny_blender.decode(tiny_blender.full_prefill(PROMPTS[3]), SamplingParams(STEPS))) == want
+    blender = Blender(tiny_blender.model, tokenizer=None, fingerprint=tiny_blender.fingerprint, cpu_kernel=cpu_kernel)
+    blender.configure_decode(slots=2, max_len=300)
+    blender.pool.keys.fill_(float("nan"))
+    blender.pool.values.fill_(float("nan"))
+    want = hf_greedy(blender, PROMPTS[3], STEPS)[0]
+    assert list(blender.decode(blender.full_prefill(PROMPTS[3]), SamplingParams(STEPS))) == want
 
 
 def test_a_cancelled_decode_frees_its_slot_and_the_prefill_cache_is_untouched(tiny_blender):

@@ -1,18 +1,25 @@
-/* Decode attention on the CPU (blend/cpu_attention.py builds and calls it): for each row of a decode step,
- * the query heads that share a KV head attend over that row's own keys [0, length), read once, in place in
- * the KV pool. Tasks are (row, KV head, CHUNK keys), spread over the threads; each row's chunks are merged
- * in order by their maxima, so a row's result depends on its own keys only, never on the step's other rows.
+/* A decode step's two memory-bound parts on the CPU (blend/cpu_kernels.py builds and calls them):
  *
- * Plain C with GCC/Clang vector types (no intrinsics): the compiler maps them to the machine's vectors. */
+ *   decode_attention  for each row, the query heads that share a KV head over that row's own keys
+ *                     [0, length), read once, in place in the KV pool
+ *   linear_rows       1..8 rows times a weight matrix, the weights streamed once by all threads
+ *
+ * Each row's result depends on its own inputs only, never on the step's other rows: a request decodes the
+ * same tokens alone or batched. Plain C with GCC/Clang vector types (no intrinsics): the compiler maps them
+ * to the machine's vectors. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#define CHUNK 256 /* keys per task: 64 KB of K and of V at head_dim 64, in L2 while the task works on them */
-
 typedef float floats8 __attribute__((vector_size(32)));
 typedef float floats8_unaligned __attribute__((vector_size(32), aligned(4)));
 typedef int32_t ints8 __attribute__((vector_size(32)));
+
+/* ---- decode attention ---------------------------------------------------------------------------------
+ * Tasks are (row, KV head, CHUNK keys), spread over the threads; each row's chunks are merged in order by
+ * their maxima. */
+
+#define CHUNK 256 /* keys per task: 64 KB of K and of V at head_dim 64, in L2 while the task works on them */
 
 /* exp(x) for x <= 0 (scores minus their max), 8 lanes: Cephes' expf polynomial, relative error ~1e-7. */
 static inline floats8 exp8_nonpositive(floats8 x) {
@@ -79,10 +86,18 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
             *(floats8 *)(scores + t) = exp8_nonpositive(*(floats8 *)(scores + t) - max);
 #pragma omp simd reduction(+ : sum)
         for (t = 0; t < count; t++) sum += scores[t];
-        for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
-        for (t = 0; t < count; t++)
+        if (dim % 8 == 0) { /* the output row in vector registers while V's rows are added in */
+            floats8 acc[dim / 8];
+            for (int64_t i = 0; i < dim / 8; i++) acc[i] = (floats8){0};
+            for (t = 0; t < count; t++)
+                for (int64_t i = 0; i < dim / 8; i++) acc[i] += scores[t] * *(const floats8_unaligned *)(v + t * dim + 8 * i);
+            for (int64_t i = 0; i < dim / 8; i++) *(floats8_unaligned *)(out + 8 * i) = acc[i];
+        } else {
+            for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
+            for (t = 0; t < count; t++)
 #pragma omp simd
-            for (int64_t d = 0; d < dim; d++) out[d] += scores[t] * v[t * dim + d];
+                for (int64_t d = 0; d < dim; d++) out[d] += scores[t] * v[t * dim + d];
+        }
         out[dim] = max;
         out[dim + 1] = sum;
     }
@@ -148,5 +163,49 @@ int decode_attention(const float *q, const float *k, const float *v, const int64
     }
     free(parts);
     free(first);
+    return 0;
+}
+
+/* ---- few-row linears ---------------------------------------------------------------------------------- */
+
+/* out [R, n] = x [R, k] · w [n, k]ᵀ for this thread's share of the outputs: one running sum per (row, output)
+ * over k, in the same order whatever R is, so a row's result does not depend on the other rows of the step. */
+static inline __attribute__((always_inline)) void linear_block(const float *x, const float *w, float *out,
+                                                               int64_t n, int64_t k, const int R) {
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < n; o++) {
+        const float *wo = w + o * k;
+        floats8 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = (floats8){0};
+        int64_t d = 0;
+        for (; d + 8 <= k; d += 8) {
+            floats8 wd = *(const floats8_unaligned *)(wo + d);
+            for (int r = 0; r < R; r++) acc[r] += wd * *(const floats8_unaligned *)(x + r * k + d);
+        }
+        for (int r = 0; r < R; r++) {
+            float sum = 0.0f;
+            for (int i = 0; i < 8; i++) sum += acc[r][i];
+            for (int64_t t = d; t < k; t++) sum += wo[t] * x[r * k + t];
+            out[r * n + o] = sum;
+        }
+    }
+}
+
+/* out [rows, n] = x [rows, k] · w [n, k]ᵀ for 1..8 rows (a decode step's), w streamed from memory once, by all
+ * threads (MKL runs one row as a GEMV on one thread, a few as a GEMM packed for many). Returns 0, or -1 for
+ * another row count. */
+int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, int64_t k, int threads) {
+    if (rows < 1 || rows > 8) return -1;
+#pragma omp parallel num_threads(threads)
+    switch (rows) { /* the row count as a constant: the accumulators stay in registers */
+        case 1: linear_block(x, w, out, n, k, 1); break;
+        case 2: linear_block(x, w, out, n, k, 2); break;
+        case 3: linear_block(x, w, out, n, k, 3); break;
+        case 4: linear_block(x, w, out, n, k, 4); break;
+        case 5: linear_block(x, w, out, n, k, 5); break;
+        case 6: linear_block(x, w, out, n, k, 6); break;
+        case 7: linear_block(x, w, out, n, k, 7); break;
+        default: linear_block(x, w, out, n, k, 8); break;
+    }
     return 0;
 }

@@ -1,6 +1,7 @@
-"""The CPU decode attention kernel: each row's queries over its own keys, as sdpa with a length mask gives
-them, reading nothing past a row's length; a row's result is the same bit for bit whatever else the step
-holds; without a compiler the decode step falls back to sdpa, with the reason."""
+"""The CPU decode kernels: the attention gives each row's queries over its own keys as sdpa does, reading
+nothing past a row's length; the linears give x @ Wᵀ; a row's result is the same bit for bit whatever else the
+step holds; the Blender decodes the same tokens through them as without them; without a compiler the decode
+step falls back to sdpa and MKL, with the reason."""
 from __future__ import annotations
 
 import os
@@ -10,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blend import Blender, SamplingParams, cpu_attention
+from blend import Blender, SamplingParams, cpu_kernels
+from blend.skinny import SkinnyLinear
 from tests.blend.conftest import TEST_DEVICE, random_ids, tiny_model
 
 # The kernel is the CPU's: on a GPU test run (bench/device_check.sh) these are not its business.
@@ -44,10 +46,10 @@ def sdpa_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 @needs_kernel
 @pytest.mark.parametrize("heads, group, dim", [(3, 3, 64), (2, 4, 128), (1, 1, 16), (2, 3, 12)])
 def test_kernel_equals_sdpa_over_each_rows_own_keys(heads, group, dim):
-    assert cpu_attention.load() is not None, cpu_attention.unavailable()
+    assert cpu_kernels.load() is not None, cpu_kernels.unavailable()
     keys, values = pool_rows(LENGTHS, heads, dim)
     query = torch.randn(len(LENGTHS), heads, group, dim, generator=torch.Generator().manual_seed(1))
-    out = cpu_attention.decode_attention(query, keys, values, torch.tensor(LENGTHS))
+    out = cpu_kernels.decode_attention(query, keys, values, torch.tensor(LENGTHS))
     assert torch.isfinite(out).all()  # the NaN past each row's length was never read
     assert torch.allclose(out, sdpa_reference(query, keys, values, LENGTHS), atol=1e-5, rtol=1e-4)
     assert out[LENGTHS.index(0)].eq(0).all()
@@ -57,32 +59,48 @@ def test_kernel_equals_sdpa_over_each_rows_own_keys(heads, group, dim):
 def test_a_rows_result_does_not_depend_on_the_steps_other_rows():
     keys, values = pool_rows(LENGTHS, 3, 64)
     query = torch.randn(len(LENGTHS), 3, 3, 64, generator=torch.Generator().manual_seed(2))
-    together = cpu_attention.decode_attention(query, keys, values, torch.tensor(LENGTHS))
+    together = cpu_kernels.decode_attention(query, keys, values, torch.tensor(LENGTHS))
     for row, length in enumerate(LENGTHS):
-        alone = cpu_attention.decode_attention(query[row: row + 1], keys[row: row + 1], values[row: row + 1],
+        alone = cpu_kernels.decode_attention(query[row: row + 1], keys[row: row + 1], values[row: row + 1],
                                                torch.tensor([length]))
         assert torch.equal(alone[0], together[row]), f"row {row}"
 
 
-def test_the_kernel_refuses_what_it_cannot_read_in_place():
+@needs_kernel
+@pytest.mark.parametrize("features", [576, 12])  # the vector loop, and its scalar tail
+def test_linear_rows_equal_the_matmul_and_each_row_alone(features):
+    assert cpu_kernels.load() is not None, cpu_kernels.unavailable()
+    generator = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(193, features, generator=generator), torch.randn(8, features, generator=generator)
+    together = cpu_kernels.linear_rows(x, weight)
+    assert torch.allclose(together, x @ weight.t(), atol=1e-4, rtol=1e-5)
+    for rows in range(1, 9):  # every row count the kernel is built for: row 0 the same bit for bit
+        assert torch.equal(cpu_kernels.linear_rows(x[:rows], weight)[0], together[0]), f"{rows} rows"
+    with pytest.raises(ValueError, match="1..8 rows"):
+        cpu_kernels.linear_rows(torch.randn(9, features), weight)
+
+
+def test_the_kernels_refuse_what_they_cannot_read_in_place():
     keys, values = pool_rows([4], 2, 8)
     query = torch.randn(1, 2, 2, 8)
     with pytest.raises(TypeError, match="float32"):
-        cpu_attention.decode_attention(query.double(), keys, values, torch.tensor([4]))
+        cpu_kernels.decode_attention(query.double(), keys, values, torch.tensor([4]))
     with pytest.raises(ValueError, match="in place"):
-        cpu_attention.decode_attention(query, keys.transpose(2, 3), values, torch.tensor([4]))
+        cpu_kernels.decode_attention(query, keys.transpose(2, 3), values, torch.tensor([4]))
     with pytest.raises(ValueError, match="over a view of 768"):
-        cpu_attention.decode_attention(query, keys, values, torch.tensor([769]))
+        cpu_kernels.decode_attention(query, keys, values, torch.tensor([769]))
 
 
 @needs_kernel
-def test_the_blender_decodes_through_the_kernel_or_sdpa_to_the_same_tokens():
+def test_the_blender_decodes_the_same_tokens_through_the_kernels_as_without():
     prompts = [random_ids(13, 31), random_ids(40, 32), random_ids(7, 33)]
     tokens = {}
     for setting in ("auto", "off"):
-        blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama")
-        blender.configure_decode(slots=4, max_len=96, cpu_kernel=setting)
-        assert blender.cpu_kernel == (setting == "auto")
+        blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama", cpu_kernel=setting)
+        blender.configure_decode(slots=4, max_len=96)
+        assert blender.cpu_kernels == (setting == "auto")
+        linears = [m for m in blender.model.modules() if isinstance(m, SkinnyLinear)]
+        assert linears and all(m.kernel == (setting == "auto") for m in linears)
         sequences = [blender.start_decode(blender.full_prefill(ids), SamplingParams(10)) for ids in prompts]
         rows = [[int(blender.full_prefill(ids).logits.argmax())] for ids in prompts]
         for _ in range(9):
@@ -94,9 +112,9 @@ def test_the_blender_decodes_through_the_kernel_or_sdpa_to_the_same_tokens():
 
 
 @pytest.mark.parametrize("compiler", ["missing", "failing"])
-def test_without_a_working_compiler_the_decode_step_uses_sdpa_with_the_reason(monkeypatch, tmp_path, compiler):
-    monkeypatch.setattr(cpu_attention, "_library", None)
-    monkeypatch.setattr(cpu_attention, "_reason", None)
+def test_without_a_working_compiler_the_decode_step_uses_sdpa_and_mkl_with_the_reason(monkeypatch, tmp_path, compiler):
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    monkeypatch.setattr(cpu_kernels, "_reason", None)
     script = tmp_path / "cc"  # answers --version, fails to compile
     script.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "cc 0.1" && exit 0\necho "cc: out of luck" >&2\nexit 1\n')
     script.chmod(0o755)
@@ -104,8 +122,8 @@ def test_without_a_working_compiler_the_decode_step_uses_sdpa_with_the_reason(mo
     monkeypatch.setenv("RAGBLEND_KERNEL_DIR", str(tmp_path / "kernels"))
     blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama")
     blender.configure_decode(slots=2, max_len=64)
-    assert not blender.cpu_kernel
-    assert ("out of luck" if compiler == "failing" else "/nonexistent/cc") in cpu_attention.unavailable()
+    assert not blender.cpu_kernels
+    assert ("out of luck" if compiler == "failing" else "/nonexistent/cc") in cpu_kernels.unavailable()
     ids = random_ids(9, 34)
     assert len(list(blender.decode(blender.full_prefill(ids), SamplingParams(6)))) == 6
     assert not list((tmp_path / "kernels").glob("**/*"))  # nothing half-built left behind

@@ -1,17 +1,23 @@
-"""The decode step's attention on the CPU as a small C kernel (kernels/decode_attention.c), built once per
-machine with the system's C compiler and called through ctypes.
+"""A decode step's memory-bound parts on the CPU as small C kernels (kernels/cpu_decode.c), built once per
+machine with the system's C compiler and called through ctypes. A decode step streams every weight and each
+row's K/V from memory for little arithmetic, and torch's CPU kernels do that at a fraction of the machine's
+bandwidth (2 cores, ~25 GB/s here):
 
-torch's CPU sdpa runs a decode step's few queries per KV head (the query heads that share it) as tiny
-GEMMs over 512-key blocks, at about a third of the memory bandwidth (one layer of SmolLM2, 4 rows of 2.5k
-keys: 1.6 ms, against 0.6 ms to read its K/V once). The kernel reads each row's keys up to its own length
-once, and adds four dot products at a time across their vector lanes: all 30 layers of a 4-row step
-48 → 28 ms, of a 1-row step 16 → 8.5 ms (BENCHMARKS.md, round 7). Each row's result depends on its own
-keys only, never on the other rows of the step or on the masked columns after its length.
+- `decode_attention`: sdpa runs a step's few queries per KV head (the query heads sharing it) as tiny GEMMs
+  over 512-key blocks: one SmolLM2 layer, 4 rows of 2.5k keys, 1.6 ms against 0.6 ms to read its K/V once.
+  The kernel reads each row's keys once, up to its own length: all 30 layers, 4 rows 50 → 28 ms, 1 row
+  16 → 8 ms.
+- `linear_rows`: MKL runs one row as a GEMV on one thread, and 2–16 rows, even as (W @ xᵀ)ᵀ (blend.skinny),
+  at ~14 GB/s. The kernel streams the weights once over both threads: all linears + the LM head, 1 row
+  38 → 24 ms, 4 rows 40 → 28 ms, 8 rows 56 → 34 ms.
+
+Each row's result depends on its own inputs only, never on the step's other rows (nor on the masked columns
+after a row's length), so a request decodes the same tokens alone or batched.
 
 The library is compiled with `-march=native` (this machine's vectors) into a per-user cache, named by a
 hash of the source, the compiler and the CPU, written by atomic rename (processes may build it at once).
 Without a compiler, or when the build fails, `load()` returns None with the reason in `unavailable()`,
-and the decode step uses torch's sdpa instead.
+and the decode step uses torch's sdpa and MKL instead.
 """
 from __future__ import annotations
 
@@ -29,8 +35,9 @@ import torch
 
 log = logging.getLogger("ragblend.blend")
 
-SOURCE = Path(__file__).with_name("kernels") / "decode_attention.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+SOURCE = Path(__file__).with_name("kernels") / "cpu_decode.c"
+LINEAR_ROWS = 8  # linear_rows takes 1..this many rows
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -56,7 +63,7 @@ def _build() -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + _compiler_identity(compiler).encode()).hexdigest()[:16]
-    target = cache_dir() / f"decode_attention-{digest}.so"
+    target = cache_dir() / f"cpu_decode-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -66,16 +73,17 @@ def _build() -> ctypes.CDLL:
             if done.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
             os.replace(built, target)
-        log.info("built the CPU decode attention kernel", extra={"path": str(target)})
+        log.info("built the CPU decode kernels", extra={"path": str(target)})
     library = ctypes.CDLL(str(target))
-    function = library.decode_attention
-    function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+    library.decode_attention.restype = ctypes.c_int
+    library.decode_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
+    library.linear_rows.restype = ctypes.c_int
+    library.linear_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return library
 
 
 def load() -> ctypes.CDLL | None:
-    """The built kernel library, building it at the first call; None (reason logged once) if it cannot be."""
+    """The built kernels' library, building it at the first call; None (reason logged once) if it cannot be."""
     global _library, _reason
     with _lock:
         if _library is None and _reason is None:
@@ -83,13 +91,13 @@ def load() -> ctypes.CDLL | None:
                 _library = _build()
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 _reason = f"{type(exc).__name__}: {exc}"
-                log.warning("no CPU decode attention kernel; the decode step uses torch's sdpa",
+                log.warning("no CPU decode kernels; the decode step uses torch's sdpa and MKL",
                             extra={"reason": _reason})
         return _library
 
 
 def unavailable() -> str | None:
-    """Why `load()` gave no kernel (None: it gave one, or was not called yet)."""
+    """Why `load()` gave no kernels (None: it gave them, or was not called yet)."""
     return _reason
 
 
@@ -99,8 +107,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     the pool: rows `D` apart) up to lengths [rows] (int64; 0 for a padding row, whose output is zeros);
     returns [rows, Hkv, G, D]. float32 on the CPU; `load()` must have given a library."""
     rows, heads, group, dim = query.shape
-    if query.dtype != torch.float32 or keys.dtype != torch.float32 or values.dtype != torch.float32:
-        raise TypeError("the CPU decode attention kernel takes float32 tensors")
+    _check_float32(query, keys, values)
     if keys.stride()[2:] != (dim, 1) or values.stride()[2:] != (dim, 1):
         raise ValueError("the kernel reads each row's keys as [T, D] rows in place: got strides "
                          f"{keys.stride()} and {values.stride()}")
@@ -115,3 +122,22 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if status != 0:
         raise MemoryError("the CPU decode attention kernel could not allocate its work buffers")
     return out
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] (1..LINEAR_ROWS rows) @ weight [out, in]ᵀ → [rows, out], float32 on the CPU."""
+    rows, features = x.shape
+    _check_float32(x, weight)
+    if not 1 <= rows <= LINEAR_ROWS or weight.shape[1] != features or not weight.is_contiguous():
+        raise ValueError(f"linear_rows takes 1..{LINEAR_ROWS} rows and a contiguous [out, {features}] weight, got "
+                         f"{rows} rows and {tuple(weight.shape)}")
+    x = x.contiguous()
+    out = x.new_empty(rows, weight.shape[0])
+    _library.linear_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], features,
+                         torch.get_num_threads())
+    return out
+
+
+def _check_float32(*tensors: torch.Tensor) -> None:
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        raise TypeError("the CPU decode kernels take float32 tensors on the CPU")

@@ -7,7 +7,8 @@ CPU (the default): times `Blender.decode_step` for B rows of the embedded SmolLM
 slot holding about `--context` tokens (random K/V: the cost does not depend on the values), in three forms
 interleaved in one run: as the Blender runs it on the CPU (`kernel`: the C kernels of blend.cpu_kernels for the
 linears and the attention), with torch's sdpa and `SkinnyLinear`'s MKL form instead (`sdpa`, blend.skinny), and
-with plain `nn.Linear` (`plain`). Prints JSON: per form and B, ms per step and per token, and the step's cost relative to the first B.
+with plain `nn.Linear` (`plain`). Prints JSON: per form and B, ms per step and per token, and the step's cost
+relative to the first B.
 
 CUDA (`--device cuda`, for bench/device_check.sh): a randomly initialised Llama-3-8B-shaped model in
 bfloat16 (config only, nothing downloaded), B rows of `--context` tokens: the step eager and as CUDA

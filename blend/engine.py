@@ -503,7 +503,8 @@ class Blender:
             slots, _, graphs = self._decode_config
             self._pool = KVPool(self.num_layers, self.kv_heads, self.head_dim, slots=slots,
                                 max_len=self.decode_max_len, dtype=self.dtype, device=self.device)
-            self._stepper = DecodeStepper(self.model, self._pool, self.num_layers, attention_kernel=self.backend.kernels)
+            self._stepper = DecodeStepper(self.model, self._pool, self.num_layers,
+                                          attention_kernel=self.backend.kernels)
             on_cuda = self.device.type == "cuda"
             if graphs == "on" and not on_cuda:
                 log.warning("model.cuda_graphs: on needs CUDA; the decode step runs eagerly",

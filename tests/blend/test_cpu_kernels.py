@@ -116,7 +116,8 @@ def test_without_a_working_compiler_the_decode_step_uses_sdpa_and_mkl_with_the_r
     monkeypatch.setattr(cpu_kernels, "_library", None)
     monkeypatch.setattr(cpu_kernels, "_reason", None)
     script = tmp_path / "cc"  # answers --version, fails to compile
-    script.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "cc 0.1" && exit 0\necho "cc: out of luck" >&2\nexit 1\n')
+    script.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "cc 0.1" && exit 0\n'
+                      'echo "cc: out of luck" >&2\nexit 1\n')
     script.chmod(0o755)
     monkeypatch.setenv("CC", str(script) if compiler == "failing" else "/nonexistent/cc")
     monkeypatch.setenv("RAGBLEND_KERNEL_DIR", str(tmp_path / "kernels"))

@@ -89,8 +89,10 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         if (dim % 8 == 0) { /* the output row in vector registers while V's rows are added in */
             floats8 acc[dim / 8];
             for (int64_t i = 0; i < dim / 8; i++) acc[i] = (floats8){0};
-            for (t = 0; t < count; t++)
-                for (int64_t i = 0; i < dim / 8; i++) acc[i] += scores[t] * *(const floats8_unaligned *)(v + t * dim + 8 * i);
+            for (t = 0; t < count; t++) {
+                const float *vt = v + t * dim;
+                for (int64_t i = 0; i < dim / 8; i++) acc[i] += scores[t] * *(const floats8_unaligned *)(vt + 8 * i);
+            }
             for (int64_t i = 0; i < dim / 8; i++) *(floats8_unaligned *)(out + 8 * i) = acc[i];
         } else {
             for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;

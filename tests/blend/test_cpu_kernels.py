@@ -57,6 +57,7 @@ def test_kernel_equals_sdpa_over_each_rows_own_keys(heads, group, dim):
 
 @needs_kernel
 def test_a_rows_result_does_not_depend_on_the_steps_other_rows():
+    assert cpu_kernels.load() is not None, cpu_kernels.unavailable()
     keys, values = pool_rows(LENGTHS, 3, 64)
     query = torch.randn(len(LENGTHS), 3, 3, 64, generator=torch.Generator().manual_seed(2))
     together = cpu_kernels.decode_attention(query, keys, values, torch.tensor(LENGTHS))

@@ -104,7 +104,7 @@ def unavailable() -> str | None:
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                      scale: float | None = None) -> torch.Tensor:
     """query [rows, Hkv, G, D] (the G query heads of each KV head) over keys/values [rows, Hkv, T, D] (views of
-    the pool: rows `D` apart) up to lengths [rows] (int64; 0 for a padding row, whose output is zeros);
+    the pool, each key's D floats contiguous) up to lengths [rows] (int64; 0 for a padding row, whose output is zeros);
     returns [rows, Hkv, G, D]. float32 on the CPU; `load()` must have given a library."""
     rows, heads, group, dim = query.shape
     _check_float32(query, keys, values)

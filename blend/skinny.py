@@ -40,12 +40,11 @@ class SkinnyLinear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)                     # [rows, in]
         if self.kernel and rows <= cpu_kernels.LINEAR_ROWS and x.dtype == torch.float32:
-            out = cpu_kernels.linear_rows(flat, self.weight)
-            out = out if self.bias is None else out + self.bias
-            return out.view(*x.shape[:-1], self.out_features)
-        if rows in PADDED_ROWS:
-            flat = torch.cat([flat, flat.new_zeros(PADDED_ROWS[rows] - rows, self.in_features)])
-        out = (self.weight @ flat.t()).t()[:rows]                    # [rows, out]
+            out = cpu_kernels.linear_rows(flat, self.weight)         # [rows, out]
+        else:
+            if rows in PADDED_ROWS:
+                flat = torch.cat([flat, flat.new_zeros(PADDED_ROWS[rows] - rows, self.in_features)])
+            out = (self.weight @ flat.t()).t()[:rows]                # [rows, out]
         if self.bias is not None:
             out = out + self.bias
         return out.contiguous().view(*x.shape[:-1], self.out_features)

@@ -16,8 +16,9 @@ one signature everywhere):
 Shifting keys is the same few torch ops on every device (blend.rope.RopeShifter.place: every chunk of
 a layer in one batched rotation), so it needs no backend of its own.
 
-CpuBackend: blend.attention's planned pieces (the CPU flash kernel on visible key windows, merged by
-log-sum-exp) and SkinnyLinear. CudaBackend: FlexAttention, compiled, with a block mask built on the
+CpuBackend: the C kernels of blend.cpu_kernels for a float32 model (a prefill's attention, a decode
+step's attention and linears); else blend.attention's planned pieces (the CPU flash kernel on visible key
+windows, merged by log-sum-exp) and SkinnyLinear's MKL form. CudaBackend: FlexAttention, compiled, with a block mask built on the
 device from the query positions (no host synchronisation), and sdpa's flash kernel for a causal
 square; its logic runs eagerly on the CPU too (`compile=False`), which is how the tests check it.
 """
@@ -43,21 +44,25 @@ class Backend:
     name = "cpu"
     pin_host_memory = False   # pinned host pages only help copies to a GPU
     kernels = False           # the decode step's linears and attention through blend.cpu_kernels (set by prepare)
+    prefill_kernel = False    # and a prefill's attention, where the head size suits it
 
     def __init__(self, cpu_kernel: str = "auto"):
         self.cpu_kernel = cpu_kernel
 
     def prepare(self, model: torch.nn.Module) -> None:
-        """The CPU decode kernels for a float32 model (cpu_kernel auto; built now, else the reason logged), and
-        decode steps' few-row linears in a faster form (blend.skinny)."""
+        """The CPU kernels for a float32 model (cpu_kernel auto; built now, else the reason logged), and decode
+        steps' few-row linears in a faster form (blend.skinny)."""
         dtype = next(model.parameters()).dtype
         self.kernels = self.cpu_kernel == "auto" and dtype == torch.float32 and cpu_kernels.load() is not None
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.prefill_kernel = self.kernels and head_dim % cpu_kernels.PREFILL_DIM_MULTIPLE == 0
         use_skinny_linears(model, kernel=self.kernels)
 
-    def plan(self, positions: torch.Tensor, num_keys: int | None = None):
+    def plan(self, positions: torch.Tensor, num_keys: int | None = None) -> AttentionPlan | KernelPlan:
         """A plan for queries at `positions` ([Tq] sorted); `num_keys` (the last position + 1) is a hint
         a GPU backend uses instead of reading the positions back (the CPU reads them anyway)."""
-        return AttentionPlan.build(positions)
+        return KernelPlan(positions) if self.prefill_kernel else AttentionPlan.build(positions)
 
     def stager(self, device: torch.device) -> Stager:
         return Stager()
@@ -121,6 +126,21 @@ class FlexPlan:
         else:
             out = self.flex(query, key, value, block_mask=self.block_mask, scale=scale, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous()
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The CPU kernel's plan is the positions themselves: each query sees the keys at or before its own
+    (blend.cpu_kernels.prefill_attention)."""
+    positions: torch.Tensor       # [Tq] absolute query positions, strictly increasing
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.positions[-1]) + 1
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        return cpu_kernels.prefill_attention(query, key, value, self.positions, scale)   # [1, Tq, Hq, D]
 
 
 class CudaBackend(Backend):

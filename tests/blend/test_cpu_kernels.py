@@ -1,7 +1,8 @@
-"""The CPU decode kernels: the attention gives each row's queries over its own keys as sdpa does, reading
+"""The CPU kernels: the decode attention gives each row's queries over its own keys as sdpa does, reading
 nothing past a row's length; the linears give x @ Wᵀ; a row's result is the same bit for bit whatever else the
-step holds; the Blender decodes the same tokens through them as without them; without a compiler the decode
-step falls back to sdpa and MKL, with the reason."""
+step holds; the prefill attention gives queries at any sorted positions what the masked reference gives,
+reading no key past the last position; the Blender prefills and decodes the same tokens through them as
+without them; without a compiler it falls back to sdpa and MKL, with the reason."""
 from __future__ import annotations
 
 import os
@@ -12,11 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from blend import Blender, SamplingParams, cpu_kernels
+from blend.attention import AttentionPlan, dense_attention
+from blend.backend import KernelPlan
 from blend.skinny import SkinnyLinear
 from tests.blend.conftest import TEST_DEVICE, random_ids, tiny_model
+from tests.blend.test_attention import scattered
 
 # The kernel is the CPU's: on a GPU test run (bench/device_check.sh) these are not its business.
-pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the CPU decode kernel")
+pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the CPU kernels")
 needs_kernel = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None,
                                   reason="no C compiler to build the kernel")
 
@@ -90,6 +94,74 @@ def test_the_kernels_refuse_what_they_cannot_read_in_place():
         cpu_kernels.decode_attention(query, keys.transpose(2, 3), values, torch.tensor([4]))
     with pytest.raises(ValueError, match="over a view of 768"):
         cpu_kernels.decode_attention(query, keys, values, torch.tensor([769]))
+
+
+PREFILL_CASES = {  # around the kernel's 16-query tasks and 64-key blocks
+    "scattered with suffix": (scattered(200, 1400, 0.15, 20), 1500),
+    "scattered from position 0": (scattered(0, 300, 0.3, 0), 300),
+    "queries equal keys": (torch.arange(0, 130), 130),
+    "contiguous after a prefix": (torch.arange(63, 129), 200),
+    "one query at position 0": (torch.tensor([0]), 10),
+    "one query per block": (torch.arange(5, 1000, 64), 1000),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, dim", [((9, 3), 64), ((8, 2), 128), ((4, 4), 16)], ids=["gqa", "d128", "mha"])
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+def test_prefill_kernel_equals_the_masked_reference(case, heads, dim):
+    assert cpu_kernels.load() is not None, cpu_kernels.unavailable()
+    positions, num_keys = PREFILL_CASES[case]
+    generator = torch.Generator().manual_seed(4)
+    # queries as a layer makes them ([B, T, H, D] transposed); keys peaky, so a masking error shows
+    query = torch.randn(1, positions.numel(), heads[0], dim, generator=generator).transpose(1, 2)
+    keys = torch.randn(1, heads[1], num_keys, dim, generator=generator) * 2
+    values = torch.randn(1, heads[1], num_keys, dim, generator=generator)
+    reference = dense_attention(query, keys, values, positions)
+    last = int(positions[-1])
+    keys[:, :, last + 1:], values[:, :, last + 1:] = float("nan"), float("nan")  # never read
+    out = cpu_kernels.prefill_attention(query, keys, values, positions)
+    assert out.shape == (1, positions.numel(), heads[0], dim)
+    assert (out - reference).abs().max() < 1e-4
+
+
+def test_the_prefill_kernel_refuses_what_it_cannot_take():
+    query, keys = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 10, 16)
+    positions = torch.tensor([2, 5, 9])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        cpu_kernels.prefill_attention(query, keys, keys, torch.tensor([2, 9, 5]))
+    with pytest.raises(ValueError, match="over 10 keys"):
+        cpu_kernels.prefill_attention(query, keys, keys, torch.tensor([2, 5, 10]))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpu_kernels.prefill_attention(query[..., :12], keys[..., :12], keys[..., :12], positions)
+    with pytest.raises(ValueError, match="one prompt"):
+        cpu_kernels.prefill_attention(query.expand(2, -1, -1, -1), keys.expand(2, -1, -1, -1),
+                                      keys.expand(2, -1, -1, -1), positions)
+    with pytest.raises(TypeError, match="float32"):
+        cpu_kernels.prefill_attention(query.double(), keys, keys, positions)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim, kernel", [(16, True), (8, False)])
+def test_the_blenders_prefill_attention_is_the_kernel_where_the_head_size_suits_it(head_dim, kernel):
+    model = tiny_model("llama", num_attention_heads=64 // head_dim, num_key_value_heads=64 // head_dim // 2)
+    blender = Blender(model, tokenizer=None, fingerprint="tiny-llama")
+    assert isinstance(blender.backend.plan(torch.tensor([3, 8])), KernelPlan if kernel else AttentionPlan)
+
+
+@needs_kernel
+def test_the_blender_prefills_the_same_as_without_the_kernels():
+    head, chunks, suffix = random_ids(12, 40), [random_ids(70, 41), random_ids(90, 42)], random_ids(9, 43)
+    results = {}
+    for setting in ("auto", "off"):
+        blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama", cpu_kernel=setting)
+        assert isinstance(blender.backend.plan(torch.tensor([1, 4])), KernelPlan if setting == "auto" else AttentionPlan)
+        segments = [blender.precompute(head)] + [blender.precompute(ids, head) for ids in chunks]
+        results[setting] = [blender.prefill(segments, suffix, ratio) for ratio in (0.0, 0.3, 1.0)]
+    for auto, off in zip(results["auto"], results["off"]):
+        assert torch.equal(auto.selected, off.selected)
+        assert torch.allclose(auto.logits, off.logits, atol=1e-4, rtol=1e-4)
+        assert int(auto.logits.argmax()) == int(off.logits.argmax())
 
 
 @needs_kernel

@@ -7,7 +7,7 @@ import torch
 
 import blend.attention
 import blend.engine
-from blend import BLEND_ATTENTION, Blender
+from blend import BLEND_ATTENTION, Blender, cpu_kernels
 from blend.gate import judge
 from blend.rope import RopeShifter
 from tests.blend.conftest import ARCHS, tiny_model
@@ -58,9 +58,12 @@ def layer_skipped(monkeypatch):
 
 
 def wrong_scale(monkeypatch):
-    attend = blend.attention.planned_attention
+    """Both of the CPU's prefill attentions: the planned pieces (bfloat16) and the C kernel (float32)."""
+    attend, kernel = blend.attention.planned_attention, cpu_kernels.prefill_attention
     monkeypatch.setattr(blend.attention, "planned_attention",
                         lambda q, k, v, plan, scale=None: attend(q, k, v, plan, scale * 1.5))
+    monkeypatch.setattr(cpu_kernels, "prefill_attention",
+                        lambda q, k, v, positions, scale=None: kernel(q, k, v, positions, scale * 1.5))
 
 
 BROKEN = {"keys shifted 5 positions too far": (shifted_too_far, "RoPE shift"),

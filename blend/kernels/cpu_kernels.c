@@ -1,0 +1,420 @@
+/* A decode step's two memory-bound parts on the CPU (blend/cpu_kernels.py builds and calls them):
+ *
+ *   decode_attention  for each row, the query heads that share a KV head over that row's own keys
+ *                     [0, length), read once, in place in the KV pool
+ *   linear_rows       1..8 rows times a weight matrix, the weights streamed once by all threads
+ *
+ * Each row's result depends on its own inputs only, never on the step's other rows: a request decodes the
+ * same tokens alone or batched. Plain C with GCC/Clang vector types (no intrinsics): the compiler maps them
+ * to the machine's vectors. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+typedef float floats8 __attribute__((vector_size(32)));
+typedef float floats8_unaligned __attribute__((vector_size(32), aligned(4)));
+typedef int32_t ints8 __attribute__((vector_size(32)));
+
+/* ---- decode attention ---------------------------------------------------------------------------------
+ * Tasks are (row, KV head, CHUNK keys), spread over the threads; each row's chunks are merged in order by
+ * their maxima. */
+
+#define CHUNK 256 /* keys per task: 64 KB of K and of V at head_dim 64, in L2 while the task works on them */
+
+/* exp(x) for x <= 0 (scores minus their max), 8 lanes: Cephes' expf polynomial, relative error ~1e-7. */
+static inline floats8 exp8_nonpositive(floats8 x) {
+    floats8 low = (floats8){0} - 87.0f; /* exp(-87) ~ 1.6e-38: below it 2^n leaves the floats */
+    ints8 below = x < low;
+    x = (floats8)(((ints8)x & ~below) | ((ints8)low & below));
+    ints8 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ints8); /* nearest x / ln 2, as x <= 0 */
+    floats8 fn = __builtin_convertvector(n, floats8);
+    floats8 r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+    floats8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (floats8)((n + 127) << 23); /* times 2^n, built in the exponent bits */
+}
+
+/* scale · (q · k) for the 4 keys k, k + dim, .. (dim a multiple of 8): four independent sums, added across
+ * their lanes together. */
+static inline void dots4(const float *q, const float *k, int64_t dim, float scale, float *scores) {
+    floats8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t d = 0; d < dim; d += 8) {
+        floats8 qd = *(const floats8_unaligned *)(q + d);
+        a0 += qd * *(const floats8_unaligned *)(k + d);
+        a1 += qd * *(const floats8_unaligned *)(k + dim + d);
+        a2 += qd * *(const floats8_unaligned *)(k + 2 * dim + d);
+        a3 += qd * *(const floats8_unaligned *)(k + 3 * dim + d);
+    }
+    /* halves added (x: a0 | a1, y: a2 | a3), then quarters, then pairs: a0, a2, a1, a3 in lanes 0, 2, 4, 6 */
+    floats8 x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    floats8 y = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    floats8 z = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
+                __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
+    floats8 w = z + __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6);
+    scores[0] = w[0] * scale, scores[1] = w[4] * scale, scores[2] = w[2] * scale, scores[3] = w[6] * scale;
+}
+
+/* One task: queries q [group, dim] over `count` keys/values k, v [count, dim]. Writes each query's
+ * unnormalised output, max score and sum of exp: part [group, dim + 2]. Inlined with dim a constant
+ * (attend_chunk), so the loops over dim unroll. */
+static inline __attribute__((always_inline)) void attend(const float *q, const float *k, const float *v,
+                                                         int64_t count, int64_t group, const int64_t dim,
+                                                         float scale, float *part) {
+    float scores[CHUNK] __attribute__((aligned(32)));
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * dim;
+        float *out = part + g * (dim + 2), max = -INFINITY, sum = 0.0f;
+        int64_t t = 0;
+        if (dim % 8 == 0)
+            for (; t + 4 <= count; t += 4) dots4(qg, k + t * dim, dim, scale, scores + t);
+        for (; t < count; t++) {
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[t * dim + d];
+            scores[t] = dot * scale;
+        }
+#pragma omp simd reduction(max : max)
+        for (t = 0; t < count; t++) max = scores[t] > max ? scores[t] : max;
+        for (t = count; t % 8; t++) scores[t] = max; /* whole vectors for exp: the padding is never summed */
+        for (t = 0; t < count; t += 8)
+            *(floats8 *)(scores + t) = exp8_nonpositive(*(floats8 *)(scores + t) - max);
+#pragma omp simd reduction(+ : sum)
+        for (t = 0; t < count; t++) sum += scores[t];
+        if (dim % 8 == 0) { /* the output row in vector registers while V's rows are added in */
+            floats8 acc[dim / 8];
+            for (int64_t i = 0; i < dim / 8; i++) acc[i] = (floats8){0};
+            for (t = 0; t < count; t++) {
+                const float *vt = v + t * dim;
+                for (int64_t i = 0; i < dim / 8; i++) acc[i] += scores[t] * *(const floats8_unaligned *)(vt + 8 * i);
+            }
+            for (int64_t i = 0; i < dim / 8; i++) *(floats8_unaligned *)(out + 8 * i) = acc[i];
+        } else {
+            for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
+            for (t = 0; t < count; t++)
+#pragma omp simd
+                for (int64_t d = 0; d < dim; d++) out[d] += scores[t] * v[t * dim + d];
+        }
+        out[dim] = max;
+        out[dim + 1] = sum;
+    }
+}
+
+static void attend_chunk(const float *q, const float *k, const float *v, int64_t count, int64_t group,
+                         int64_t dim, float scale, float *part) {
+    switch (dim) { /* the common head sizes as constants; any other runs the same code with dim unknown */
+        case 64: attend(q, k, v, count, group, 64, scale, part); break;
+        case 128: attend(q, k, v, count, group, 128, scale, part); break;
+        default: attend(q, k, v, count, group, dim, scale, part);
+    }
+}
+
+/* q, out [rows, heads, group, dim] contiguous. Row r, KV head h of k at k + r*k_row + h*k_head, its keys
+ * dim floats apart (v likewise); lengths [rows]: keys per row (0: a padding row, output zeros).
+ * Returns 0, or -1 when out of memory. */
+int decode_attention(const float *q, const float *k, const float *v, const int64_t *lengths, float *out,
+                     int64_t rows, int64_t heads, int64_t group, int64_t dim, int64_t k_row, int64_t k_head,
+                     int64_t v_row, int64_t v_head, float scale, int threads) {
+    int64_t *first = malloc((rows + 1) * sizeof(int64_t)); /* row r's tasks: [first[r], first[r + 1]) */
+    if (!first) return -1;
+    first[0] = 0;
+    for (int64_t r = 0; r < rows; r++) first[r + 1] = first[r] + heads * ((lengths[r] + CHUNK - 1) / CHUNK);
+    int64_t tasks = first[rows], width = group * (dim + 2);
+    float *parts = malloc((tasks ? tasks : 1) * width * sizeof(float));
+    if (!parts) {
+        free(first);
+        return -1;
+    }
+
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < tasks; task++) {
+        int64_t r = 0;
+        while (first[r + 1] <= task) r++;
+        int64_t chunks = (first[r + 1] - first[r]) / heads, h = (task - first[r]) / chunks;
+        int64_t start = (task - first[r]) % chunks * CHUNK;
+        int64_t count = lengths[r] - start < CHUNK ? lengths[r] - start : CHUNK;
+        attend_chunk(q + (r * heads + h) * group * dim, k + r * k_row + h * k_head + start * dim,
+                     v + r * v_row + h * v_head + start * dim, count, group, dim, scale, parts + task * width);
+    }
+
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t rh = 0; rh < rows * heads; rh++) {
+        int64_t r = rh / heads, h = rh % heads, chunks = (first[r + 1] - first[r]) / heads;
+        const float *row_parts = parts + (first[r] + h * chunks) * width;
+        for (int64_t g = 0; g < group; g++) {
+            float *o = out + (rh * group + g) * dim, max = -INFINITY, sum = 0.0f;
+            for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
+            for (int64_t c = 0; c < chunks; c++) {
+                float m = row_parts[c * width + g * (dim + 2) + dim];
+                max = m > max ? m : max;
+            }
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *part = row_parts + c * width + g * (dim + 2);
+                float weight = expf(part[dim] - max);
+                sum += weight * part[dim + 1];
+                for (int64_t d = 0; d < dim; d++) o[d] += weight * part[d];
+            }
+            if (sum > 0.0f)
+                for (int64_t d = 0; d < dim; d++) o[d] /= sum;
+        }
+    }
+    free(parts);
+    free(first);
+    return 0;
+}
+
+/* ---- few-row linears ---------------------------------------------------------------------------------- */
+
+/* out [R, n] = x [R, k] · w [n, k]ᵀ for this thread's share of the outputs: one running sum per (row, output)
+ * over k, in the same order whatever R is, so a row's result does not depend on the other rows of the step. */
+static inline __attribute__((always_inline)) void linear_block(const float *x, const float *w, float *out,
+                                                               int64_t n, int64_t k, const int R) {
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < n; o++) {
+        const float *wo = w + o * k;
+        floats8 acc[R];
+        for (int r = 0; r < R; r++) acc[r] = (floats8){0};
+        int64_t d = 0;
+        for (; d + 8 <= k; d += 8) {
+            floats8 wd = *(const floats8_unaligned *)(wo + d);
+            for (int r = 0; r < R; r++) acc[r] += wd * *(const floats8_unaligned *)(x + r * k + d);
+        }
+        for (int r = 0; r < R; r++) {
+            float sum = 0.0f;
+            for (int i = 0; i < 8; i++) sum += acc[r][i];
+            for (int64_t t = d; t < k; t++) sum += wo[t] * x[r * k + t];
+            out[r * n + o] = sum;
+        }
+    }
+}
+
+/* out [rows, n] = x [rows, k] · w [n, k]ᵀ for 1..8 rows (a decode step's), w streamed from memory once, by all
+ * threads (MKL runs one row as a GEMV on one thread, a few as a GEMM packed for many). Returns 0, or -1 for
+ * another row count. */
+int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, int64_t k, int threads) {
+    if (rows < 1 || rows > 8) return -1;
+#pragma omp parallel num_threads(threads)
+    switch (rows) { /* the row count as a constant: the accumulators stay in registers */
+        case 1: linear_block(x, w, out, n, k, 1); break;
+        case 2: linear_block(x, w, out, n, k, 2); break;
+        case 3: linear_block(x, w, out, n, k, 3); break;
+        case 4: linear_block(x, w, out, n, k, 4); break;
+        case 5: linear_block(x, w, out, n, k, 5); break;
+        case 6: linear_block(x, w, out, n, k, 6); break;
+        case 7: linear_block(x, w, out, n, k, 7); break;
+        default: linear_block(x, w, out, n, k, 8); break;
+    }
+    return 0;
+}
+
+/* ---- prefill attention ---------------------------------------------------------------------------------
+ * Queries at sorted absolute positions (a blended prefill's recomputed tokens and question, or any run of
+ * them) over the prompt's keys, each query seeing the keys at or before its position. Flash attention on
+ * the CPU: tasks of (KV head, QROWS query positions × the group's query heads), each walking the key blocks
+ * its queries see with a running max and sum per query; S = Q·Kᵀ and O += P·V as register-tiled products.
+ * K is first laid out transposed, a block at a time ([heads, blocks, dim, KBLOCK]), so S's tiles load 8
+ * keys' values of one dimension as one vector. */
+
+/* Fused multiply-adds from here on: a prefill runs alone, so no other row's count can change its sums' order
+ * (the reason the file is built without them), and they halve the products' instructions. */
+#if defined(__clang__)
+#pragma clang fp contract(fast)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=fast")
+#endif
+
+#define QROWS 16  /* query positions per task */
+#define KBLOCK 64 /* keys per block: S's row and Kᵀ's block stay in L1 */
+/* Loaded once into registers for the R products that use them (the compiler would reload them from L1 for
+ * each product, and the loads, not the arithmetic, would bound the tile). */
+#define IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
+#define TILE 6    /* query vectors per register tile: 12 accumulators, 2 key (value) vectors, 1 broadcast */
+
+/* S[m, 0:KBLOCK] = Q[m] · Kᵀ block for rows m0..m0+R of the tile: R × 2 vectors of accumulators per 16 keys. */
+static inline __attribute__((always_inline)) void scores_tile(const float *qs, const float *kt, float *s,
+                                                              const int64_t dim, const int R) {
+    for (int j = 0; j < KBLOCK; j += 16) {
+        floats8 acc0[R], acc1[R];
+        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = (floats8){0};
+        for (int64_t d = 0; d < dim; d++) {
+            floats8 k0 = *(const floats8 *)(kt + d * KBLOCK + j), k1 = *(const floats8 *)(kt + d * KBLOCK + j + 8);
+            IN_REGISTERS(k0, k1);
+            for (int r = 0; r < R; r++) {
+                float qd = qs[r * dim + d];
+                acc0[r] += qd * k0;
+                acc1[r] += qd * k1;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            *(floats8 *)(s + r * KBLOCK + j) = acc0[r];
+            *(floats8 *)(s + r * KBLOCK + j + 8) = acc1[r];
+        }
+    }
+}
+
+/* O[m] = O[m] · alpha[m] + P[m, 0:count] · V[0:count] for rows m0..m0+R of the tile, 16 dimensions at a time. */
+static inline __attribute__((always_inline)) void values_tile(const float *p, const float *v, const float *alpha,
+                                                              float *o, int64_t count, const int64_t dim,
+                                                              const int R) {
+    for (int64_t i = 0; i < dim; i += 16) {
+        floats8 acc0[R], acc1[R];
+        for (int r = 0; r < R; r++) {
+            acc0[r] = *(const floats8 *)(o + r * dim + i) * alpha[r];
+            acc1[r] = *(const floats8 *)(o + r * dim + i + 8) * alpha[r];
+        }
+        for (int64_t t = 0; t < count; t++) {
+            floats8 v0 = *(const floats8_unaligned *)(v + t * dim + i);
+            floats8 v1 = *(const floats8_unaligned *)(v + t * dim + i + 8);
+            IN_REGISTERS(v0, v1);
+            for (int r = 0; r < R; r++) {
+                float pt = p[r * KBLOCK + t];
+                acc0[r] += pt * v0;
+                acc1[r] += pt * v1;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            *(floats8 *)(o + r * dim + i) = acc0[r];
+            *(floats8 *)(o + r * dim + i + 8) = acc1[r];
+        }
+    }
+}
+
+/* One task: the M query vectors qs [M, dim] (scaled), at positions pos [M] (sorted), over key blocks
+ * kt [blocks, dim, KBLOCK] and values v [T, dim]; writes o [M, dim] normalised. s [M, KBLOCK], mx and l [M]
+ * are the caller's scratch. */
+static inline __attribute__((always_inline)) void prefill_task(const float *qs, const int64_t *pos, int64_t M,
+                                                               const float *kt, const float *v, float *s,
+                                                               float *o, float *mx, float *l, float *alpha,
+                                                               const int64_t dim) {
+    for (int64_t m = 0; m < M * dim; m++) o[m] = 0.0f;
+    for (int64_t m = 0; m < M; m++) mx[m] = -INFINITY, l[m] = 0.0f;
+    int64_t first = 0; /* the first query vector that sees the current block: the earlier ones see none of it */
+    for (int64_t kb = 0; kb <= pos[M - 1]; kb += KBLOCK) {
+        while (pos[first] < kb) first++;
+        const float *ktb = kt + kb / KBLOCK * dim * KBLOCK;
+        int64_t m = first;
+        for (; m + TILE <= M; m += TILE) scores_tile(qs + m * dim, ktb, s + m * KBLOCK, dim, TILE);
+        switch (M - m) { /* the rows left, as one tile of a constant size */
+            case 5: scores_tile(qs + m * dim, ktb, s + m * KBLOCK, dim, 5); break;
+            case 4: scores_tile(qs + m * dim, ktb, s + m * KBLOCK, dim, 4); break;
+            case 3: scores_tile(qs + m * dim, ktb, s + m * KBLOCK, dim, 3); break;
+            case 2: scores_tile(qs + m * dim, ktb, s + m * KBLOCK, dim, 2); break;
+            case 1: scores_tile(qs + m * dim, ktb, s + m * KBLOCK, dim, 1); break;
+        }
+        int64_t count = 0; /* keys of this block any query sees */
+        for (m = first; m < M; m++) {
+            float *row = s + m * KBLOCK;
+            int64_t seen = pos[m] - kb + 1 < KBLOCK ? pos[m] - kb + 1 : KBLOCK;
+            count = seen > count ? seen : count;
+            for (int64_t t = seen; t < KBLOCK; t++) row[t] = -INFINITY; /* keys after the query's position */
+            floats8 top = *(floats8 *)row;
+            for (int64_t t = 8; t < KBLOCK; t += 8) {
+                floats8 x = *(floats8 *)(row + t);
+                ints8 above = x > top;
+                top = (floats8)(((ints8)x & above) | ((ints8)top & ~above));
+            }
+            float row_max = mx[m];
+            for (int i = 0; i < 8; i++) row_max = top[i] > row_max ? top[i] : row_max;
+            floats8 sum = {0};
+            for (int64_t t = 0; t < KBLOCK; t += 8) {
+                floats8 x = *(floats8 *)(row + t);
+                floats8 p = (floats8)((ints8)exp8_nonpositive(x - row_max) & (x != -INFINITY)); /* exp(-inf): 0 */
+                *(floats8 *)(row + t) = p;
+                sum += p;
+            }
+            alpha[m] = expf(mx[m] - row_max); /* 0 at the first block a query sees */
+            l[m] = l[m] * alpha[m] + (sum[0] + sum[4]) + (sum[1] + sum[5]) + (sum[2] + sum[6]) + (sum[3] + sum[7]);
+            mx[m] = row_max;
+        }
+        const float *vb = v + kb * dim;
+        for (m = first; m + TILE <= M; m += TILE)
+            values_tile(s + m * KBLOCK, vb, alpha + m, o + m * dim, count, dim, TILE);
+        switch (M - m) {
+            case 5: values_tile(s + m * KBLOCK, vb, alpha + m, o + m * dim, count, dim, 5); break;
+            case 4: values_tile(s + m * KBLOCK, vb, alpha + m, o + m * dim, count, dim, 4); break;
+            case 3: values_tile(s + m * KBLOCK, vb, alpha + m, o + m * dim, count, dim, 3); break;
+            case 2: values_tile(s + m * KBLOCK, vb, alpha + m, o + m * dim, count, dim, 2); break;
+            case 1: values_tile(s + m * KBLOCK, vb, alpha + m, o + m * dim, count, dim, 1); break;
+        }
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t d = 0; d < dim; d++) o[m * dim + d] /= l[m];
+}
+
+static void prefill_task_dim(const float *qs, const int64_t *pos, int64_t M, const float *kt, const float *v,
+                             float *s, float *o, float *mx, float *l, float *alpha, int64_t dim) {
+    switch (dim) { /* as attend_chunk: the common head sizes as constants */
+        case 64: prefill_task(qs, pos, M, kt, v, s, o, mx, l, alpha, 64); break;
+        case 128: prefill_task(qs, pos, M, kt, v, s, o, mx, l, alpha, 128); break;
+        default: prefill_task(qs, pos, M, kt, v, s, o, mx, l, alpha, dim);
+    }
+}
+
+/* Queries q (query head h·group + g at q + (h·group + g)·q_head, position t's row at + t·q_row, dim floats) at
+ * sorted positions [tq] over keys/values k, v (KV head h at k + h·k_head, its keys dim floats apart, at least
+ * positions[tq - 1] + 1 of them); out [tq, heads·group, dim] contiguous. dim a multiple of 16.
+ * Returns 0, -1 when out of memory, -2 for a dim it does not take. */
+int prefill_attention(const float *q, const float *k, const float *v, const int64_t *positions, float *out,
+                      int64_t tq, int64_t heads, int64_t group, int64_t dim, int64_t q_head, int64_t q_row,
+                      int64_t k_head, int64_t v_head, float scale, int threads) {
+    if (dim % 16) return -2;
+    int64_t keys = positions[tq - 1] + 1, blocks = (keys + KBLOCK - 1) / KBLOCK;
+    int64_t row_blocks = (tq + QROWS - 1) / QROWS, tasks = heads * row_blocks, width = QROWS * group;
+    float *kt = aligned_alloc(32, heads * blocks * dim * KBLOCK * sizeof(float));
+    if (!kt) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t hb = 0; hb < heads * blocks; hb++) { /* Kᵀ a block at a time, zeros past the last key */
+            const float *kh = k + hb / blocks * k_head;
+            int64_t kb = hb % blocks * KBLOCK;
+            float *dst = kt + hb * dim * KBLOCK;
+            for (int64_t t = 0; t < KBLOCK; t++)
+                for (int64_t d = 0; d < dim; d++) dst[d * KBLOCK + t] = kb + t < keys ? kh[(kb + t) * dim + d] : 0.0f;
+        }
+        /* per thread: the task's query vectors, scores, output, and per-vector max, sum, rescale, position */
+        size_t floats = width * (2 * dim + KBLOCK + 3);
+        float *scratch = aligned_alloc(32, ((floats * sizeof(float) + 31) / 32) * 32);
+        int64_t *pos = malloc(width * sizeof(int64_t));
+        if (!scratch || !pos) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            float *qs = scratch, *o = qs + width * dim, *s = o + width * dim, *mx = s + width * KBLOCK;
+            float *l = mx + width, *alpha = l + width;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t task = 0; task < tasks; task++) {
+                /* the later rows see the most keys: they go first, so the threads end together */
+                int64_t h = task % heads, t0 = (row_blocks - 1 - task / heads) * QROWS;
+                int64_t rows = tq - t0 < QROWS ? tq - t0 : QROWS, M = rows * group;
+                for (int64_t t = 0; t < rows; t++)
+                    for (int64_t g = 0; g < group; g++) {
+                        const float *src = q + (h * group + g) * q_head + (t0 + t) * q_row;
+                        float *dst = qs + (t * group + g) * dim;
+                        for (int64_t d = 0; d < dim; d++) dst[d] = src[d] * scale;
+                        pos[t * group + g] = positions[t0 + t];
+                    }
+                prefill_task_dim(qs, pos, M, kt + h * blocks * dim * KBLOCK, v + h * v_head, s, o, mx, l, alpha,
+                                 dim);
+                for (int64_t t = 0; t < rows; t++)
+                    for (int64_t g = 0; g < group; g++) {
+                        const float *src = o + (t * group + g) * dim;
+                        float *dst = out + ((t0 + t) * heads * group + h * group + g) * dim;
+                        for (int64_t d = 0; d < dim; d++) dst[d] = src[d];
+                    }
+            }
+        }
+        free(scratch);
+        free(pos);
+    }
+    free(kt);
+    return failed ? -1 : 0;
+}

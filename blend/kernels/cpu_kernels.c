@@ -228,11 +228,17 @@ int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_
 #pragma GCC optimize("fp-contract=fast")
 #endif
 
-#define QROWS 16  /* query positions per task */
+#define QROWS 32  /* query positions per task: each task reads the K/V its queries see once */
 #define KBLOCK 64 /* keys per block: S's row and Kᵀ's block stay in L1 */
 /* Loaded once into registers for the R products that use them (the compiler would reload them from L1 for
  * each product, and the loads, not the arithmetic, would bound the tile). */
+#if defined(__x86_64__) || defined(__i386__)
 #define IN_REGISTERS(a, b) __asm__("" : "+x"(a), "+x"(b))
+#elif defined(__aarch64__)
+#define IN_REGISTERS(a, b) __asm__("" : "+w"(a), "+w"(b))
+#else
+#define IN_REGISTERS(a, b) ((void)0)
+#endif
 #define TILE 6    /* query vectors per register tile: 12 accumulators, 2 key (value) vectors, 1 broadcast */
 
 /* S[m, 0:KBLOCK] = Q[m] · Kᵀ block for rows m0..m0+R of the tile: R × 2 vectors of accumulators per 16 keys. */

@@ -96,7 +96,7 @@ def test_the_kernels_refuse_what_they_cannot_read_in_place():
         cpu_kernels.decode_attention(query, keys, values, torch.tensor([769]))
 
 
-PREFILL_CASES = {  # around the kernel's 16-query tasks and 64-key blocks
+PREFILL_CASES = {  # around the kernel's 32-query tasks and 64-key blocks
     "scattered with suffix": (scattered(200, 1400, 0.15, 20), 1500),
     "scattered from position 0": (scattered(0, 300, 0.3, 0), 300),
     "queries equal keys": (torch.arange(0, 130), 130),

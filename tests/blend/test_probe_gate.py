@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import blend.attention
 import blend.engine
-from blend import BLEND_ATTENTION, Blender, cpu_kernels
+from blend import BLEND_ATTENTION, Blender
+from blend.backend import Backend, CudaBackend
 from blend.gate import judge
 from blend.rope import RopeShifter
 from tests.blend.conftest import ARCHS, tiny_model
@@ -57,13 +57,21 @@ def layer_skipped(monkeypatch):
     monkeypatch.setattr(Blender, "_layers", skipping)
 
 
+class ScaledPlan:
+    """A backend's plan whose attention scale is 1.5x too large."""
+
+    def __init__(self, plan):
+        self.plan, self.num_keys = plan, plan.num_keys
+
+    def attend(self, query, key, value, scale=None):
+        return self.plan.attend(query, key, value, scale * 1.5)
+
+
 def wrong_scale(monkeypatch):
-    """Both of the CPU's prefill attentions: the planned pieces (bfloat16) and the C kernel (float32)."""
-    attend, kernel = blend.attention.planned_attention, cpu_kernels.prefill_attention
-    monkeypatch.setattr(blend.attention, "planned_attention",
-                        lambda q, k, v, plan, scale=None: attend(q, k, v, plan, scale * 1.5))
-    monkeypatch.setattr(cpu_kernels, "prefill_attention",
-                        lambda q, k, v, positions, scale=None: kernel(q, k, v, positions, scale * 1.5))
+    """Every backend's prefill attention: the CPU kernel, the planned pieces, FlexAttention."""
+    for backend in (Backend, CudaBackend):
+        monkeypatch.setattr(backend, "plan", lambda self, *args, plan=backend.plan, **options:
+                            ScaledPlan(plan(self, *args, **options)))
 
 
 BROKEN = {"keys shifted 5 positions too far": (shifted_too_far, "RoPE shift"),

@@ -13,10 +13,12 @@ region into pieces the kernel runs without waste, and merges them by their log-s
                                 (unmasked), the few inside it get a small mask
 
 The plan is built once per set of query positions (the prefill loop keeps them over many layers)
-and passed as `attention_plan`; `plan.attend(...)` runs it. That is the CPU backend's plan
-(blend.backend): on CUDA the backend plans FlexAttention instead, behind the same `attend`. Any other forward (decode, precompute, full prefill) passes no
-plan and gets plain sdpa with the model's own mask. An `attention_probe` callable, when passed,
-sees (module, query, key) first: selection policies read the question's attention through it.
+and passed as `attention_plan`; `plan.attend(...)` runs it. That is the CPU backend's plan where its C
+kernel cannot run (blend.backend: a float32 model gets blend.cpu_kernels.prefill_attention, bfloat16 this);
+on CUDA the backend plans FlexAttention instead, behind the same `attend`. Any other forward (decode,
+precompute, full prefill) passes no plan and gets plain sdpa with the model's own mask. An
+`attention_probe` callable, when passed, sees (module, query, key) first: selection policies read the
+question's attention through it.
 A decode step (blend.batch) passes K/V as PooledKV, views of the KV pool with each row's length
 mask, and every row attends over its own keys in one call.
 """

@@ -18,9 +18,9 @@ a layer in one batched rotation), so it needs no backend of its own.
 
 CpuBackend: the C kernels of blend.cpu_kernels for a float32 model (a prefill's attention, a decode
 step's attention and linears); else blend.attention's planned pieces (the CPU flash kernel on visible key
-windows, merged by log-sum-exp) and SkinnyLinear's MKL form. CudaBackend: FlexAttention, compiled, with a block mask built on the
-device from the query positions (no host synchronisation), and sdpa's flash kernel for a causal
-square; its logic runs eagerly on the CPU too (`compile=False`), which is how the tests check it.
+windows, merged by log-sum-exp) and SkinnyLinear's MKL form. CudaBackend: FlexAttention, compiled, with a
+block mask built on the device from the query positions (no host synchronisation), and sdpa's flash kernel
+for a causal square; its logic runs eagerly on the CPU too (`compile=False`), which is how the tests check it.
 """
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ after a row's length), so a request decodes the same tokens alone or batched.
 A blended prefill's attention is compute-bound instead: a few hundred queries at scattered positions over the
 whole prompt. torch's CPU flash kernel (blend.attention's planned pieces) runs it at ~67 GFLOP/s here;
 `prefill_attention` is flash attention over each query's own keys [0, position] with register-tiled
-products (fused multiply-adds: a prefill runs alone): one SmolLM2 layer, 480 queries over 3.1k keys,
-25-28 → 18 ms.
+products (fused multiply-adds: a prefill runs alone): one SmolLM2 layer, 405 queries over 3.1k keys,
+27.9 → 16.6 ms (107 useful GFLOP/s).
 
 The library is compiled with `-march=native` (this machine's vectors) into a per-user cache, named by a
 hash of the source, the compiler and the CPU, written by atomic rename (processes may build it at once).

@@ -155,7 +155,8 @@ def test_the_blender_prefills_the_same_as_without_the_kernels():
     results = {}
     for setting in ("auto", "off"):
         blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama", cpu_kernel=setting)
-        assert isinstance(blender.backend.plan(torch.tensor([1, 4])), KernelPlan if setting == "auto" else AttentionPlan)
+        expected_plan = KernelPlan if setting == "auto" else AttentionPlan
+        assert isinstance(blender.backend.plan(torch.tensor([1, 4])), expected_plan)
         segments = [blender.precompute(head)] + [blender.precompute(ids, head) for ids in chunks]
         results[setting] = [blender.prefill(segments, suffix, ratio) for ratio in (0.0, 0.3, 1.0)]
     for auto, off in zip(results["auto"], results["off"]):

@@ -50,14 +50,14 @@ class Backend:
         self.cpu_kernel = cpu_kernel
 
     def prepare(self, model: torch.nn.Module) -> None:
-        """The CPU kernels for a float32 model (cpu_kernel auto; built now, else the reason logged), and decode
-        steps' few-row linears in a faster form (blend.skinny)."""
+        """The CPU kernels for a float32 model (cpu_kernel auto; built now, else the reason logged), and the
+        linears in faster forms (blend.skinny: few rows through a kernel, many through oneDNN)."""
         dtype = next(model.parameters()).dtype
         self.kernels = self.cpu_kernel == "auto" and dtype == torch.float32 and cpu_kernels.load() is not None
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.prefill_kernel = self.kernels and head_dim % cpu_kernels.PREFILL_DIM_MULTIPLE == 0
-        use_skinny_linears(model, kernel=self.kernels)
+        use_skinny_linears(model, kernel=self.kernels, onednn=self.kernels)
 
     def plan(self, positions: torch.Tensor, num_keys: int | None = None) -> AttentionPlan | KernelPlan:
         """A plan for queries at `positions` ([Tq] sorted); `num_keys` (the last position + 1) is a hint

@@ -174,7 +174,7 @@ def test_the_blender_decodes_the_same_tokens_through_the_kernels_as_without():
         blender.configure_decode(slots=4, max_len=96)
         assert blender.cpu_kernels == (setting == "auto")
         linears = [m for m in blender.model.modules() if isinstance(m, SkinnyLinear)]
-        assert linears and all(m.kernel == (setting == "auto") for m in linears)
+        assert linears and all(m.kernel == m.onednn == (setting == "auto") for m in linears)
         sequences = [blender.start_decode(blender.full_prefill(ids), SamplingParams(10)) for ids in prompts]
         rows = [[int(blender.full_prefill(ids).logits.argmax())] for ids in prompts]
         for _ in range(9):

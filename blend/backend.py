@@ -4,7 +4,7 @@ Everything device-specific in a blended prefill sits behind one small interface 
 flash_attention.py and HF's AttentionInterface are the models: pick the implementation once, call
 one signature everywhere):
 
-    prepare(model)                        adapt the model's modules (CPU: SkinnyLinear for decode rows)
+    prepare(model, head_dim)              adapt the model's modules (CPU: SkinnyLinear, the C kernels)
     plan(positions, num_keys)            which keys each query sees, built once per set of queries;
                                           plan.attend(query, key, value, scale) -> [B, Tq, Hq, D] is
                                           their causal attention (blend.attention calls it per layer)
@@ -49,13 +49,11 @@ class Backend:
     def __init__(self, cpu_kernel: str = "auto"):
         self.cpu_kernel = cpu_kernel
 
-    def prepare(self, model: torch.nn.Module) -> None:
+    def prepare(self, model: torch.nn.Module, head_dim: int) -> None:
         """The CPU kernels for a float32 model (cpu_kernel auto; built now, else the reason logged), and the
         linears in faster forms (blend.skinny: few rows through a kernel, many through oneDNN)."""
         dtype = next(model.parameters()).dtype
         self.kernels = self.cpu_kernel == "auto" and dtype == torch.float32 and cpu_kernels.load() is not None
-        config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.prefill_kernel = self.kernels and head_dim % cpu_kernels.PREFILL_DIM_MULTIPLE == 0
         use_skinny_linears(model, kernel=self.kernels, onednn=self.kernels)
 
@@ -150,7 +148,7 @@ class CudaBackend(Backend):
     def __init__(self, compile: bool = True):
         self.compile = compile
 
-    def prepare(self, model: torch.nn.Module) -> None:
+    def prepare(self, model: torch.nn.Module, head_dim: int) -> None:
         pass  # F.linear is what a GPU wants for any row count
 
     @cached_property

@@ -149,7 +149,7 @@ class Blender:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device  # every tensor the blend path makes lives here
         self.backend = backend_for(self.device, cpu_kernel)  # the device's attention, staging, layer forms
-        self.backend.prepare(model)
+        self.backend.prepare(model, self.head_dim)
         self.sync_phases = False   # phase timings wait for the device (benchmarks; see _Clock)
         self.sliding_window = sliding_window(model)  # prompts longer than this run in full
         self.shifter: RopeShifter | None = None

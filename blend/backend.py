@@ -43,8 +43,9 @@ class Backend:
     """The CPU's pieces; CudaBackend overrides what a GPU does differently."""
     name = "cpu"
     pin_host_memory = False   # pinned host pages only help copies to a GPU
-    kernels = False           # the decode step's linears and attention through blend.cpu_kernels (set by prepare)
-    prefill_kernel = False    # and a prefill's attention, where the head size suits it
+    kernels = False           # decode steps' linears and attention through blend.cpu_kernels, prefills' linears
+                              # through oneDNN (set by prepare)
+    prefill_kernel = False    # and a prefill's attention through blend.cpu_kernels, where the head size suits it
 
     def __init__(self, cpu_kernel: str = "auto"):
         self.cpu_kernel = cpu_kernel
@@ -200,7 +201,7 @@ def flex_block_mask(positions: torch.Tensor, num_keys: int, block: int = FLEX_BL
 
 def backend_for(device: torch.device, cpu_kernel: str = "auto") -> Backend:
     """The backend for a model on `device`: chosen once, when the Blender is built. cpu_kernel: auto | off (the
-    CPU decode kernels, blend.cpu_kernels)."""
+    CPU kernels of blend.cpu_kernels, and oneDNN for a prefill's linears)."""
     if cpu_kernel not in ("auto", "off"):
         raise ValueError(f"cpu_kernel must be auto or off, got {cpu_kernel!r}")
     return CudaBackend() if device.type == "cuda" else Backend(cpu_kernel)

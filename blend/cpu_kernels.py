@@ -24,7 +24,7 @@ products (fused multiply-adds: a prefill runs alone): one SmolLM2 layer, 405 que
 The library is compiled with `-march=native` (this machine's vectors) into a per-user cache, named by a
 hash of the source, the compiler and the CPU, written by atomic rename (processes may build it at once).
 Without a compiler, or when the build fails, `load()` returns None with the reason in `unavailable()`,
-and the decode step uses torch's sdpa and MKL instead.
+and decode steps and prefills use torch's sdpa and MKL instead.
 """
 from __future__ import annotations
 

@@ -17,9 +17,27 @@ typedef int32_t ints8 __attribute__((vector_size(32)));
 
 /* ---- decode attention ---------------------------------------------------------------------------------
  * Tasks are (row, KV head, CHUNK keys), spread over the threads; each row's chunks are merged in order by
- * their maxima. */
+ * their maxima. A task reads its keys and values from memory once, then works on them from cache for each
+ * query head of its group; meanwhile it prefetches the next task's, so the memory keeps streaming. */
 
 #define CHUNK 256 /* keys per task: 64 KB of K and of V at head_dim 64, in L2 while the task works on them */
+#define LINE 64   /* bytes in a cache line */
+
+/* A span of memory fetched into the caches a few lines at a time, spread over a task's loop steps. */
+typedef struct {
+    const char *next, *end;
+    int64_t lines_per_step;
+} prefetch_span;
+
+static inline prefetch_span span(const float *start, int64_t floats, int64_t steps) {
+    int64_t lines = (floats * (int64_t)sizeof(float) + LINE - 1) / LINE;
+    return (prefetch_span){(const char *)start, (const char *)(start + floats), (lines + steps - 1) / steps};
+}
+
+static inline void prefetch_step(prefetch_span *p) {
+    for (int64_t i = 0; i < p->lines_per_step && p->next < p->end; i++, p->next += LINE)
+        __builtin_prefetch(p->next, 0, 3);
+}
 
 /* exp(x) for x <= 0 (scores minus their max), 8 lanes: Cephes' expf polynomial, relative error ~1e-7. */
 static inline floats8 exp8_nonpositive(floats8 x) {
@@ -61,19 +79,27 @@ static inline void dots4(const float *q, const float *k, int64_t dim, float scal
 }
 
 /* One task: queries q [group, dim] over `count` keys/values k, v [count, dim]. Writes each query's
- * unnormalised output, max score and sum of exp: part [group, dim + 2]. Inlined with dim a constant
- * (attend_chunk), so the loops over dim unroll. */
+ * unnormalised output, max score and sum of exp: part [group, dim + 2]. Prefetches `next_k` and `next_v`
+ * (the next task's, `next_floats` each) over its key loops. Inlined with dim a constant (attend_chunk), so
+ * the loops over dim unroll. */
 static inline __attribute__((always_inline)) void attend(const float *q, const float *k, const float *v,
                                                          int64_t count, int64_t group, const int64_t dim,
-                                                         float scale, float *part) {
+                                                         float scale, float *part, const float *next_k,
+                                                         const float *next_v, int64_t next_floats) {
     float scores[CHUNK] __attribute__((aligned(32)));
+    prefetch_span ahead_k = span(next_k, next_floats, group * ((count + 3) / 4));  /* over the dot loops */
+    prefetch_span ahead_v = span(next_v, next_floats, group * count);              /* over the value loops */
     for (int64_t g = 0; g < group; g++) {
         const float *qg = q + g * dim;
         float *out = part + g * (dim + 2), max = -INFINITY, sum = 0.0f;
         int64_t t = 0;
         if (dim % 8 == 0)
-            for (; t + 4 <= count; t += 4) dots4(qg, k + t * dim, dim, scale, scores + t);
+            for (; t + 4 <= count; t += 4) {
+                dots4(qg, k + t * dim, dim, scale, scores + t);
+                prefetch_step(&ahead_k);
+            }
         for (; t < count; t++) {
+            prefetch_step(&ahead_k);
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[t * dim + d];
@@ -92,13 +118,16 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
             for (t = 0; t < count; t++) {
                 const float *vt = v + t * dim;
                 for (int64_t i = 0; i < dim / 8; i++) acc[i] += scores[t] * *(const floats8_unaligned *)(vt + 8 * i);
+                prefetch_step(&ahead_v);
             }
             for (int64_t i = 0; i < dim / 8; i++) *(floats8_unaligned *)(out + 8 * i) = acc[i];
         } else {
             for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
-            for (t = 0; t < count; t++)
+            for (t = 0; t < count; t++) {
 #pragma omp simd
                 for (int64_t d = 0; d < dim; d++) out[d] += scores[t] * v[t * dim + d];
+                prefetch_step(&ahead_v);
+            }
         }
         out[dim] = max;
         out[dim + 1] = sum;
@@ -106,12 +135,25 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
 }
 
 static void attend_chunk(const float *q, const float *k, const float *v, int64_t count, int64_t group,
-                         int64_t dim, float scale, float *part) {
+                         int64_t dim, float scale, float *part, const float *next_k, const float *next_v,
+                         int64_t next_floats) {
     switch (dim) { /* the common head sizes as constants; any other runs the same code with dim unknown */
-        case 64: attend(q, k, v, count, group, 64, scale, part); break;
-        case 128: attend(q, k, v, count, group, 128, scale, part); break;
-        default: attend(q, k, v, count, group, dim, scale, part);
+        case 64: attend(q, k, v, count, group, 64, scale, part, next_k, next_v, next_floats); break;
+        case 128: attend(q, k, v, count, group, 128, scale, part, next_k, next_v, next_floats); break;
+        default: attend(q, k, v, count, group, dim, scale, part, next_k, next_v, next_floats);
     }
+}
+
+/* Task `task`'s row, KV head, first key and key count, from first [rows + 1] (each row's first task). */
+typedef struct {
+    int64_t row, head, start, count;
+} task_keys;
+
+static inline task_keys task_at(int64_t task, const int64_t *first, const int64_t *lengths, int64_t heads) {
+    int64_t r = 0;
+    while (first[r + 1] <= task) r++;
+    int64_t chunks = (first[r + 1] - first[r]) / heads, start = (task - first[r]) % chunks * CHUNK;
+    return (task_keys){r, (task - first[r]) / chunks, start, lengths[r] - start < CHUNK ? lengths[r] - start : CHUNK};
 }
 
 /* q, out [rows, heads, group, dim] contiguous. Row r, KV head h of k at k + r*k_row + h*k_head, its keys
@@ -133,13 +175,14 @@ int decode_attention(const float *q, const float *k, const float *v, const int64
 
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < tasks; task++) {
-        int64_t r = 0;
-        while (first[r + 1] <= task) r++;
-        int64_t chunks = (first[r + 1] - first[r]) / heads, h = (task - first[r]) / chunks;
-        int64_t start = (task - first[r]) % chunks * CHUNK;
-        int64_t count = lengths[r] - start < CHUNK ? lengths[r] - start : CHUNK;
-        attend_chunk(q + (r * heads + h) * group * dim, k + r * k_row + h * k_head + start * dim,
-                     v + r * v_row + h * v_head + start * dim, count, group, dim, scale, parts + task * width);
+        task_keys t = task_at(task, first, lengths, heads);
+        /* a static schedule gives each thread consecutive tasks: the next one is usually this thread's own */
+        task_keys n = task + 1 < tasks ? task_at(task + 1, first, lengths, heads) : (task_keys){0, 0, 0, 0};
+        attend_chunk(q + (t.row * heads + t.head) * group * dim,
+                     k + t.row * k_row + t.head * k_head + t.start * dim,
+                     v + t.row * v_row + t.head * v_head + t.start * dim, t.count, group, dim, scale,
+                     parts + task * width, k + n.row * k_row + n.head * k_head + n.start * dim,
+                     v + n.row * v_row + n.head * v_head + n.start * dim, n.count * dim);
     }
 
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -284,21 +284,30 @@ int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_
 #endif
 #define TILE 6    /* query vectors per register tile: 12 accumulators, 2 key (value) vectors, 1 broadcast */
 
-/* S[m, 0:KBLOCK] = Q[m] · Kᵀ block for rows m0..m0+R of the tile: R × 2 vectors of accumulators per 16 keys. */
+/* acc0[r], acc1[r] += Σ_t a[r·a_row + t] · b[t·b_row + 0:16] for t < inner: R rows of a, one element at a time
+ * broadcast, against 16 columns of b. S = Q·Kᵀ and O += P·V are both made of these tiles. */
+static inline __attribute__((always_inline)) void tile_product(const float *a, int64_t a_row, const float *b,
+                                                               int64_t b_row, int64_t inner, floats8 *acc0,
+                                                               floats8 *acc1, const int R) {
+    for (int64_t t = 0; t < inner; t++) {
+        floats8 b0 = *(const floats8_unaligned *)(b + t * b_row);
+        floats8 b1 = *(const floats8_unaligned *)(b + t * b_row + 8);
+        IN_REGISTERS(b0, b1);
+        for (int r = 0; r < R; r++) {
+            float x = a[r * a_row + t];
+            acc0[r] += x * b0;
+            acc1[r] += x * b1;
+        }
+    }
+}
+
+/* S[m, 0:KBLOCK] = Q[m] · Kᵀ block for rows m0..m0+R of the tile, 16 keys at a time. */
 static inline __attribute__((always_inline)) void scores_tile(const float *qs, const float *kt, float *s,
                                                               const int64_t dim, const int R) {
     for (int j = 0; j < KBLOCK; j += 16) {
         floats8 acc0[R], acc1[R];
         for (int r = 0; r < R; r++) acc0[r] = acc1[r] = (floats8){0};
-        for (int64_t d = 0; d < dim; d++) {
-            floats8 k0 = *(const floats8 *)(kt + d * KBLOCK + j), k1 = *(const floats8 *)(kt + d * KBLOCK + j + 8);
-            IN_REGISTERS(k0, k1);
-            for (int r = 0; r < R; r++) {
-                float qd = qs[r * dim + d];
-                acc0[r] += qd * k0;
-                acc1[r] += qd * k1;
-            }
-        }
+        tile_product(qs, dim, kt + j, KBLOCK, dim, acc0, acc1, R);
         for (int r = 0; r < R; r++) {
             *(floats8 *)(s + r * KBLOCK + j) = acc0[r];
             *(floats8 *)(s + r * KBLOCK + j + 8) = acc1[r];
@@ -316,16 +325,7 @@ static inline __attribute__((always_inline)) void values_tile(const float *p, co
             acc0[r] = *(const floats8 *)(o + r * dim + i) * alpha[r];
             acc1[r] = *(const floats8 *)(o + r * dim + i + 8) * alpha[r];
         }
-        for (int64_t t = 0; t < count; t++) {
-            floats8 v0 = *(const floats8_unaligned *)(v + t * dim + i);
-            floats8 v1 = *(const floats8_unaligned *)(v + t * dim + i + 8);
-            IN_REGISTERS(v0, v1);
-            for (int r = 0; r < R; r++) {
-                float pt = p[r * KBLOCK + t];
-                acc0[r] += pt * v0;
-                acc1[r] += pt * v1;
-            }
-        }
+        tile_product(p, KBLOCK, v + i, dim, count, acc0, acc1, R);
         for (int r = 0; r < R; r++) {
             *(floats8 *)(o + r * dim + i) = acc0[r];
             *(floats8 *)(o + r * dim + i + 8) = acc1[r];

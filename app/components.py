@@ -158,10 +158,12 @@ class Serving:
                        max_chars=self._limits.max_document_chars)
 
     def warm_up(self) -> None:
-        """First calls before any concurrency: the prompt head's KV, and one embedding (the embedder's
-        tokenizer sets its padding/truncation state on first use; later calls from two threads only read it)."""
+        """First calls before any concurrency: the prompt head's KV, one embedding (the embedder's tokenizer
+        sets its padding/truncation state on first use; later calls from two threads only read it), and the
+        decode pool with its step (the kernel step's probe runs here, not in the first request)."""
         parts = self._parts
-        for warm in (lambda: parts.kv_cache.head(), lambda: parts.embedder.embed(["warm up"])):
+        for warm in (lambda: parts.kv_cache.head(), lambda: parts.embedder.embed(["warm up"]),
+                     lambda: parts.blender.pool):
             try:
                 warm()
             except AttributeError:  # a stand-in engine without these parts

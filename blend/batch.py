@@ -20,6 +20,7 @@ torch.compile, which this step does not use on the CPU.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -27,8 +28,10 @@ from torch.nn import functional as F
 
 from blend.cpu_kernels import decode_attention
 from blend.decode import sample_rows
+from blend.kernel_step import KernelStep
 from blend.pool import KVPool
 
+log = logging.getLogger("ragblend.blend")
 KEY_BLOCK = 256  # key columns are a multiple of this (CPU) or a power of two at least this (CUDA)
 
 
@@ -91,12 +94,24 @@ def pooled_attention_forward(module, query: torch.Tensor, key: PooledKV, value: 
 
 class DecodeStepper:
     """The step itself, for a model and its pool (shapes fixed by the inputs and `key_columns`).
-    `attention_kernel`: its attention through blend.cpu_kernels (a float32 model on the CPU), else sdpa."""
+    `attention_kernel`: its attention through blend.cpu_kernels (a float32 model on the CPU), else sdpa; with
+    it, Llama-shaped layers run as a blend.kernel_step.KernelStep (unless `use_kernel_step` is False) once a
+    probe shows it gives the HF layers' logits bit for bit (`kernel_step_refusal` says why not, where not)."""
 
-    def __init__(self, model, pool: KVPool, num_layers: int, attention_kernel: bool = False):
+    def __init__(self, model, pool: KVPool, num_layers: int, attention_kernel: bool = False,
+                 use_kernel_step: bool = True):
         self.model, self.decoder, self.pool, self.num_layers = model, model.model, pool, num_layers
         self.columns = torch.arange(pool.columns, device=pool.keys.device)
         self.attention_kernel = attention_kernel
+        self.kernel_step: KernelStep | None = None
+        self.kernel_step_refusal = None if attention_kernel else "the step's attention is not the CPU kernel"
+        if attention_kernel and use_kernel_step:
+            self.kernel_step_refusal = KernelStep.refusal(model) or KernelStep.verify(
+                model, pool, num_layers, lambda probe: DecodeStepper(model, probe, num_layers, True, False).logits)
+            if self.kernel_step_refusal is None:
+                self.kernel_step = KernelStep(model, pool, num_layers)
+            else:
+                log.info("decode steps run through the HF layers", extra={"reason": self.kernel_step_refusal})
 
     def key_columns(self, positions: list[int]) -> int:
         """The keys a step reads: the longest row's rounded up to a multiple of KEY_BLOCK on the CPU (less
@@ -111,6 +126,8 @@ class DecodeStepper:
 
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, key_columns: int) -> torch.Tensor:
         """tokens, positions [rows] (int64, on the pool's device) → next-token logits [rows, V]."""
+        if self.kernel_step is not None:
+            return self.kernel_step.logits(tokens, positions, key_columns)
         position_ids = positions[:, None]                                              # [rows, 1]
         hidden = self.decoder.embed_tokens(tokens[:, None])                            # [rows, 1, hidden]
         position_embeddings = self.decoder.rotary_emb(hidden, position_ids=position_ids)

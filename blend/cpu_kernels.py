@@ -38,6 +38,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -87,6 +88,10 @@ def _build() -> ctypes.CDLL:
     library.decode_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
     library.linear_rows.restype = ctypes.c_int
     library.linear_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    library.linear_rows_many.restype = ctypes.c_int
+    library.linear_rows_many.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    library.rope_write.restype = None
+    library.rope_write.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8
     library.prefill_attention.restype = ctypes.c_int
     library.prefill_attention.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8
                                           + [ctypes.c_float, ctypes.c_int])
@@ -137,15 +142,58 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [rows, in] (1..LINEAR_ROWS rows) @ weight [out, in]ᵀ → [rows, out], float32 on the CPU."""
-    rows, features = x.shape
-    _check_float32(x, weight)
-    if not 1 <= rows <= LINEAR_ROWS or weight.shape[1] != features or not weight.is_contiguous():
-        raise ValueError(f"linear_rows takes 1..{LINEAR_ROWS} rows and a contiguous [out, {features}] weight, got "
-                         f"{rows} rows and {tuple(weight.shape)}")
+    rows, features = _check_rows(x, [weight])
     x = x.contiguous()
     out = x.new_empty(rows, weight.shape[0])
     _library.linear_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], features,
                          torch.get_num_threads())
+    return out
+
+
+def linear_rows_many(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """x [rows, in] @ each weight [out_m, in]ᵀ → [rows, out_m] each, as linear_rows gives it, in one kernel call
+    (a layer's projections of one input: one parallel region, no wait between the matrices)."""
+    rows, features = _check_rows(x, weights)
+    x, sizes, count = x.contiguous(), [w.shape[0] for w in weights], len(weights)
+    outs = x.new_empty(rows * sum(sizes)).split([rows * n for n in sizes])
+    _library.linear_rows_many(x.data_ptr(), (ctypes.c_void_p * count)(*(w.data_ptr() for w in weights)),
+                              (ctypes.c_void_p * count)(*(o.data_ptr() for o in outs)),
+                              (ctypes.c_int64 * count)(*sizes), count, rows, features, torch.get_num_threads())
+    return [o.view(rows, n) for o, n in zip(outs, sizes)]
+
+
+def _check_rows(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[int, int]:
+    rows, features = x.shape
+    _check_float32(x, *weights)
+    if not 1 <= rows <= LINEAR_ROWS or any(w.shape[1] != features or not w.is_contiguous() for w in weights):
+        raise ValueError(f"linear_rows takes 1..{LINEAR_ROWS} rows and contiguous [out, {features}] weights, got "
+                         f"{rows} rows and {[tuple(w.shape) for w in weights]}")
+    return rows, features
+
+
+def rope_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor, pool_keys: torch.Tensor, pool_values: torch.Tensor) -> torch.Tensor:
+    """A decode step's new tokens, query [rows, Hq·D], key and value [rows, Hkv·D] (rows of D-float heads; row
+    strides free): RoPE on the queries and keys (HF's rotate-half form, the same bits), the rotated keys and the
+    values written into one pool layer, pool_keys/pool_values [slots, Hkv, columns, D], row r at slot r and
+    column positions[r] [rows]. cos, sin [rows, D]. Returns the rotated queries [rows, Hq, D]."""
+    rows, dim = cos.shape
+    heads, kv_heads = query.shape[1] // dim, pool_keys.shape[1]
+    _check_float32(query, key, value, cos, sin, pool_keys, pool_values)
+    if (query.stride(1), key.stride(1), value.stride(1)) != (1, 1, 1) or key.stride(0) != value.stride(0) \
+            or key.shape[1] != kv_heads * dim or pool_keys.stride() != pool_values.stride() \
+            or pool_keys.stride()[2:] != (dim, 1) or rows > pool_keys.shape[0]:
+        raise ValueError(f"rope_write: query {tuple(query.shape)}, key {tuple(key.shape)} and pool "
+                         f"{tuple(pool_keys.shape)} do not fit heads of {dim}")
+    low, high = torch.aminmax(positions)
+    if int(low) < 0 or int(high) >= pool_keys.shape[2]:
+        raise ValueError(f"positions outside the pool's {pool_keys.shape[2]} columns")
+    cos, sin, positions = cos.contiguous(), sin.contiguous(), positions.to(torch.int64).contiguous()
+    out = query.new_empty(rows, heads, dim)
+    _library.rope_write(query.data_ptr(), key.data_ptr(), value.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                        positions.data_ptr(), out.data_ptr(), pool_keys.data_ptr(), pool_values.data_ptr(), rows,
+                        heads, kv_heads, dim, query.stride(0), key.stride(0), pool_keys.stride(0),
+                        pool_keys.stride(1))
     return out
 
 
@@ -183,5 +231,5 @@ def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
 
 def _check_float32(*tensors: torch.Tensor) -> None:
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+    if any(t.dtype != torch.float32 or not t.is_cpu for t in tensors):  # is_cpu: no device object made
         raise TypeError("the CPU kernels take float32 tensors on the CPU")

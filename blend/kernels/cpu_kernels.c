@@ -2,7 +2,9 @@
  *
  *   decode_attention  for each row, the query heads that share a KV head over that row's own keys
  *                     [0, length), read once, in place in the KV pool
- *   linear_rows       1..8 rows times a weight matrix, the weights streamed once by all threads
+ *   linear_rows       1..8 rows times a weight matrix (or several: linear_rows_many), the weights streamed once
+ *                     by all threads
+ *   rope_write        RoPE on the step's new queries and keys, the keys and values written into the pool
  *
  * Each row's result depends on its own inputs only, never on the step's other rows: a request decodes the
  * same tokens alone or batched. Plain C with GCC/Clang vector types (no intrinsics): the compiler maps them
@@ -211,13 +213,45 @@ int decode_attention(const float *q, const float *k, const float *v, const int64
     return 0;
 }
 
+/* ---- RoPE and the pool write ------------------------------------------------------------------------
+ * A decode step's new tokens after their projections: RoPE on each row's query and key heads in HF's
+ * rotate-half form, x·cos + rotate_half(x)·sin, as the same float operations (a product, a product of the
+ * negated or plain other half, their sum; built with -ffp-contract=off), so the same bits as HF's ops. */
+
+static inline void rope_head(const float *x, const float *cos, const float *sin, float *out, int64_t dim) {
+    int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
+    for (int64_t i = half; i < dim; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+}
+
+/* Row r (slot r of the pool's layer): its query heads q + r*q_row [q_heads, dim] rotated into q_out
+ * [rows, q_heads, dim]; its key heads k + r*kv_row rotated and its value heads v + r*kv_row copied into
+ * pool_k / pool_v at position positions[r] (head h at r*slot_stride + h*head_stride + position*dim).
+ * cos, sin [rows, dim]. */
+void rope_write(const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                const int64_t *positions, float *q_out, float *pool_k, float *pool_v, int64_t rows, int64_t q_heads,
+                int64_t kv_heads, int64_t dim, int64_t q_row, int64_t kv_row, int64_t slot_stride,
+                int64_t head_stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * dim, *s = sin + r * dim;
+        for (int64_t h = 0; h < q_heads; h++)
+            rope_head(q + r * q_row + h * dim, c, s, q_out + (r * q_heads + h) * dim, dim);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t at = r * slot_stride + h * head_stride + positions[r] * dim;
+            rope_head(k + r * kv_row + h * dim, c, s, pool_k + at, dim);
+            for (int64_t d = 0; d < dim; d++) pool_v[at + d] = v[r * kv_row + h * dim + d];
+        }
+    }
+}
+
 /* ---- few-row linears ---------------------------------------------------------------------------------- */
 
 /* out [R, n] = x [R, k] · w [n, k]ᵀ for this thread's share of the outputs: one running sum per (row, output)
- * over k, in the same order whatever R is, so a row's result does not depend on the other rows of the step. */
+ * over k, in the same order whatever R is, so a row's result does not depend on the other rows of the step.
+ * No barrier after it: the next matrix's share starts at once (the outputs are independent). */
 static inline __attribute__((always_inline)) void linear_block(const float *x, const float *w, float *out,
                                                                int64_t n, int64_t k, const int R) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t o = 0; o < n; o++) {
         const float *wo = w + o * k;
         floats8 acc[R];
@@ -236,23 +270,31 @@ static inline __attribute__((always_inline)) void linear_block(const float *x, c
     }
 }
 
-/* out [rows, n] = x [rows, k] · w [n, k]ᵀ for 1..8 rows (a decode step's), w streamed from memory once, by all
- * threads (MKL runs one row as a GEMV on one thread, a few as a GEMM packed for many). Returns 0, or -1 for
+/* out[m] [rows, n[m]] = x [rows, k] · w[m] [n[m], k]ᵀ for the `count` matrices w (a layer's projections of one
+ * input), 1..8 rows (a decode step's), each weight streamed from memory once, by all threads, in one parallel
+ * region (MKL runs one row as a GEMV on one thread, a few as a GEMM packed for many). Returns 0, or -1 for
  * another row count. */
-int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, int64_t k, int threads) {
+int linear_rows_many(const float *x, const float *const *w, float *const *out, const int64_t *n, int64_t count,
+                     int64_t rows, int64_t k, int threads) {
     if (rows < 1 || rows > 8) return -1;
 #pragma omp parallel num_threads(threads)
-    switch (rows) { /* the row count as a constant: the accumulators stay in registers */
-        case 1: linear_block(x, w, out, n, k, 1); break;
-        case 2: linear_block(x, w, out, n, k, 2); break;
-        case 3: linear_block(x, w, out, n, k, 3); break;
-        case 4: linear_block(x, w, out, n, k, 4); break;
-        case 5: linear_block(x, w, out, n, k, 5); break;
-        case 6: linear_block(x, w, out, n, k, 6); break;
-        case 7: linear_block(x, w, out, n, k, 7); break;
-        default: linear_block(x, w, out, n, k, 8); break;
-    }
+    for (int64_t m = 0; m < count; m++)
+        switch (rows) { /* the row count as a constant: the accumulators stay in registers */
+            case 1: linear_block(x, w[m], out[m], n[m], k, 1); break;
+            case 2: linear_block(x, w[m], out[m], n[m], k, 2); break;
+            case 3: linear_block(x, w[m], out[m], n[m], k, 3); break;
+            case 4: linear_block(x, w[m], out[m], n[m], k, 4); break;
+            case 5: linear_block(x, w[m], out[m], n[m], k, 5); break;
+            case 6: linear_block(x, w[m], out[m], n[m], k, 6); break;
+            case 7: linear_block(x, w[m], out[m], n[m], k, 7); break;
+            default: linear_block(x, w[m], out[m], n[m], k, 8); break;
+        }
     return 0;
+}
+
+/* linear_rows_many for one matrix. */
+int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, int64_t k, int threads) {
+    return linear_rows_many(x, &w, &out, &n, 1, rows, k, threads);
 }
 
 /* ---- prefill attention ---------------------------------------------------------------------------------

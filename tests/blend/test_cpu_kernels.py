@@ -85,6 +85,47 @@ def test_linear_rows_equal_the_matmul_and_each_row_alone(features):
         cpu_kernels.linear_rows(torch.randn(9, features), weight)
 
 
+@needs_kernel
+def test_linear_rows_many_gives_each_matrix_what_linear_rows_gives():
+    assert cpu_kernels.load() is not None, cpu_kernels.unavailable()
+    generator = torch.Generator().manual_seed(4)
+    weights = [torch.randn(n, 96, generator=generator) for n in (40, 7, 129)]
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 96, generator=generator)
+        outs = cpu_kernels.linear_rows_many(x, weights)
+        assert [o.shape for o in outs] == [(rows, 40), (rows, 7), (rows, 129)]
+        assert all(torch.equal(o, cpu_kernels.linear_rows(x, w)) for o, w in zip(outs, weights)), f"{rows} rows"
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.linear_rows_many(torch.randn(2, 96), [weights[0], torch.randn(96, 5).t()])
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 16)])
+def test_rope_write_rotates_as_hf_does_and_writes_each_row_at_its_position(heads, kv_heads, dim):
+    """The same bits as HF's apply_rotary_pos_emb; row r's rotated keys and its values land in slot r at
+    positions[r] (a padding row's at the scratch column), nothing else in the pool changes."""
+    assert cpu_kernels.load() is not None, cpu_kernels.unavailable()
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    generator = torch.Generator().manual_seed(5)
+    rows, positions = 3, torch.tensor([5, 0, 63])
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=generator)   # one buffer: strided q, k, v
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+    angles = torch.rand(rows, dim // 2, generator=generator) * 40
+    cos, sin = torch.cat([angles, angles], 1).cos(), torch.cat([angles, angles], 1).sin()
+    pool_k, pool_v = (torch.randn(4, kv_heads, 64, dim, generator=generator) for _ in range(2))
+    before_k, before_v = pool_k.clone(), pool_v.clone()
+    query = cpu_kernels.rope_write(q, k, v, cos, sin, positions, pool_k, pool_v)
+    want_q, want_k = apply_rotary_pos_emb(q.view(rows, heads, 1, dim), k.view(rows, kv_heads, 1, dim),
+                                          cos[:, None], sin[:, None])
+    assert torch.equal(query, want_q[:, :, 0])
+    for r, p in enumerate(positions.tolist()):
+        assert torch.equal(pool_k[r, :, p], want_k[r, :, 0]) and torch.equal(pool_v[r, :, p], v[r].view(kv_heads, dim))
+        before_k[r, :, p], before_v[r, :, p] = pool_k[r, :, p], pool_v[r, :, p]
+    assert torch.equal(pool_k, before_k) and torch.equal(pool_v, before_v)  # nothing else written
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_kernels.rope_write(q, k, v, cos, sin, torch.tensor([5, 0, 64]), pool_k, pool_v)
+
+
 def test_the_kernels_refuse_what_they_cannot_read_in_place():
     keys, values = pool_rows([4], 2, 8)
     query = torch.randn(1, 2, 2, 8)

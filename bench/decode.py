@@ -4,11 +4,11 @@
     python bench/decode.py --device cuda [--context 4096] [--batches 1,8,32] [--steps 30]
 
 CPU (the default): times `Blender.decode_step` for B rows of the embedded SmolLM2, each in its own KV pool
-slot holding about `--context` tokens (random K/V: the cost does not depend on the values), in three forms
-interleaved in one run: as the Blender runs it on the CPU (`kernel`: the C kernels of blend.cpu_kernels for the
-linears and the attention), with torch's sdpa and `SkinnyLinear`'s MKL form instead (`sdpa`, blend.skinny), and
-with plain `nn.Linear` (`plain`). Prints JSON: per form and B, ms per step and per token, and the step's cost
-relative to the first B.
+slot holding about `--context` tokens (random K/V: the cost does not depend on the values), in four forms
+interleaved in one run: as the Blender runs it on the CPU (`kernel`: blend.kernel_step's loop over the C
+kernels of blend.cpu_kernels), the same kernels through the HF decoder layers (`layers`), with torch's sdpa and
+`SkinnyLinear`'s MKL form instead (`sdpa`, blend.skinny), and with plain `nn.Linear` (`plain`). Prints JSON:
+per form and B, ms per step and per token, and the step's cost relative to the first B.
 
 CUDA (`--device cuda`, for bench/device_check.sh): a randomly initialised Llama-3-8B-shaped model in
 bfloat16 (config only, nothing downloaded), B rows of `--context` tokens: the step eager and as CUDA
@@ -101,13 +101,17 @@ def cpu_timing(args) -> dict:
         settings = load_settings(model={"cache_dir": str(REPO / "data" / "models"), "cpu_kernel": kernel},
                                  server={"max_batch": max(batches)})
         blenders[kernel] = Components(settings).blender
-    # the step as the Blender runs it on the CPU (kernel), with torch's sdpa instead, and with plain nn.Linear too
-    forms = {"kernel": ("auto", SkinnyLinear), "sdpa": ("off", SkinnyLinear), "plain": ("off", nn.Linear)}
+    # the step as the Blender runs it on the CPU (kernel), its kernels through the HF layers, with torch's sdpa
+    # instead, and with plain nn.Linear too
+    forms = {"kernel": ("auto", SkinnyLinear), "layers": ("auto", SkinnyLinear), "sdpa": ("off", SkinnyLinear),
+             "plain": ("off", nn.Linear)}
     result = {form: {} for form in forms}
+    kernel_step = blenders["auto"].stepper.kernel_step
     for batch in batches:  # interleaved: every form at each B
         for form, (kernel, linear) in forms.items():
             blender = blenders[kernel]
             set_linears(blender.model, linear)
+            blender.stepper.kernel_step = kernel_step if form == "kernel" else None
             rows = fill_rows(blender, batch, args.context)
             ms, _ = timed_steps(blender, rows, args.steps)
             release(rows)
@@ -120,6 +124,7 @@ def cpu_timing(args) -> dict:
             row["step_vs_first"] = round(row["step_ms"] / one, 2)
     return {"device": "cpu", "context_tokens": args.context, "threads": torch.get_num_threads(),
             "cpu_kernels": blenders["auto"].cpu_kernels, "cpu_kernels_unavailable": cpu_kernels.unavailable(),
+            "kernel_step_refusal": blenders["auto"].stepper.kernel_step_refusal,
             "forms": result}
 
 

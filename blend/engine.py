@@ -513,6 +513,12 @@ class Blender:
         return self._pool
 
     @property
+    def stepper(self) -> DecodeStepper:
+        """The decode step over the pool (built with it): its `kernel_step`, or `kernel_step_refusal`."""
+        _ = self.pool
+        return self._stepper
+
+    @property
     def cuda_graphs(self) -> str | None:
         """Why the decode step is not a CUDA graph (None: it is, or will be at its first step)."""
         _ = self.pool

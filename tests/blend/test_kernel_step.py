@@ -43,8 +43,8 @@ def filled_pools(blender: Blender, count: int) -> list[KVPool]:
 @torch.inference_mode()
 def test_the_kernel_step_gives_the_hf_layers_bits(tiny_blender):
     """Logits and pool writes equal bit for bit, step after step, for Llama, Mistral and Qwen2 (q/k/v biases)."""
-    assert tiny_blender.pool is not None and tiny_blender._stepper.kernel_step is not None, \
-        tiny_blender._stepper.kernel_step_refusal  # the Blender's own decode steps run it
+    stepper = tiny_blender.stepper  # the Blender's own decode steps run it
+    assert stepper.kernel_step is not None, stepper.kernel_step_refusal
     hf_pool, kernel_pool = filled_pools(tiny_blender, 2)
     hf = DecodeStepper(tiny_blender.model, hf_pool, tiny_blender.num_layers, attention_kernel=True,
                        use_kernel_step=False)
@@ -87,8 +87,8 @@ def test_what_the_kernel_step_would_not_reproduce_decodes_through_the_hf_layers(
     blender = Blender(model, tokenizer=None, fingerprint="tiny", cpu_kernel=kernels)
     blender.configure_decode(slots=2, max_len=64)
     assert blender.unsupported is None  # it blends, and decodes in the pool
-    assert blender.pool is not None and blender._stepper.kernel_step is None
-    assert reason in blender._stepper.kernel_step_refusal
+    assert blender.stepper.kernel_step is None
+    assert reason in blender.stepper.kernel_step_refusal
     ids = random_ids(11, 50)
     want, _ = hf_greedy(blender, ids, 8)
     assert list(blender.decode(blender.full_prefill(ids), SamplingParams(8))) == want

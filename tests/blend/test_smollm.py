@@ -103,3 +103,20 @@ def test_planned_attention_changes_nothing_at_15_percent(blender, prompt, musiqu
     dense = blender.prefill(segments, suffix, ratio=0.15)
     assert torch.equal(planned.selected, dense.selected)
     assert (planned.logits - dense.logits).abs().max() < 1e-3
+
+
+def test_the_real_model_decodes_through_the_kernel_step_as_through_its_layers(blender, prompt, musique):
+    """SmolLM2 passes the kernel step's probe, and answers a blended MuSiQue prompt with the same tokens through
+    the kernel step as through its HF layers."""
+    stepper = blender.stepper
+    assert stepper.kernel_step is not None, stepper.kernel_step_refusal
+    segments, suffix, _ = build(blender, prompt, musique[0], 3)
+    prefill = blender.prefill(segments, suffix, 0.15)
+    through_kernels = answer(blender, prefill, 24)
+    kernel_step, stepper.kernel_step = stepper.kernel_step, None
+    try:
+        through_layers = answer(blender, prefill, 24)
+    finally:
+        stepper.kernel_step = kernel_step
+    assert through_kernels == through_layers
+

@@ -108,11 +108,13 @@ class DecodeStepper:
         self.kernel_step: KernelStep | None = None
         self.kernel_step_refusal = None if attention_kernel else "the step's attention is not the CPU kernel"
         if attention_kernel and use_kernel_step:
-            self.kernel_step_refusal = KernelStep.refusal(model) or KernelStep.verify(
-                model, pool, num_layers, lambda probe: DecodeStepper(model, probe, num_layers, True, False).logits)
+            self.kernel_step_refusal = KernelStep.refusal(model)
             if self.kernel_step_refusal is None:
-                self.kernel_step = KernelStep(model, pool, num_layers)
-            else:
+                step = KernelStep(model, num_layers)
+                self.kernel_step_refusal = step.verify(
+                    pool, lambda probe: DecodeStepper(model, probe, num_layers, True, False).logits)
+                self.kernel_step = step if self.kernel_step_refusal is None else None
+            if self.kernel_step_refusal:
                 log.info("decode steps run through the HF layers", extra={"reason": self.kernel_step_refusal})
 
     def key_columns(self, positions: list[int]) -> int:
@@ -129,7 +131,7 @@ class DecodeStepper:
     def logits(self, tokens: torch.Tensor, positions: torch.Tensor, key_columns: int) -> torch.Tensor:
         """tokens, positions [rows] (int64, on the pool's device) → next-token logits [rows, V]."""
         if self.kernel_step is not None:
-            return self.kernel_step.logits(tokens, positions, key_columns)
+            return self.kernel_step.logits(self.pool, tokens, positions, key_columns)
         position_ids = positions[:, None]                                              # [rows, 1]
         hidden = self.decoder.embed_tokens(tokens[:, None])                            # [rows, 1, hidden]
         position_embeddings = self.decoder.rotary_emb(hidden, position_ids=position_ids)

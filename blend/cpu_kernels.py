@@ -12,6 +12,8 @@ kernels do that at a fraction of the machine's bandwidth (2 cores, ~25 GB/s here
 - `linear_rows`: MKL runs one row as a GEMV on one thread, and 2–16 rows, even as (W @ xᵀ)ᵀ (blend.skinny),
   at ~14 GB/s. The kernel streams the weights once over both threads: all linears + the LM head, 1 row
   38 → 24 ms, 4 rows 40 → 28 ms, 8 rows 56 → 34 ms.
+- `rope_write`: RoPE on a step's new queries and keys in HF's rotate-half form (the same bits) and the keys
+  and values written into the pool, one call a layer in place of ~14 small ops (blend.kernel_step).
 
 Each row's result depends on its own inputs only, never on the step's other rows (nor on the masked columns
 after a row's length), so a request decodes the same tokens alone or batched.
@@ -38,7 +40,6 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -88,8 +89,6 @@ def _build() -> ctypes.CDLL:
     library.decode_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
     library.linear_rows.restype = ctypes.c_int
     library.linear_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    library.linear_rows_many.restype = ctypes.c_int
-    library.linear_rows_many.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     library.rope_write.restype = None
     library.rope_write.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8
     library.prefill_attention.restype = ctypes.c_int
@@ -142,33 +141,16 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [rows, in] (1..LINEAR_ROWS rows) @ weight [out, in]ᵀ → [rows, out], float32 on the CPU."""
-    rows, features = _check_rows(x, [weight])
+    rows, features = x.shape
+    _check_float32(x, weight)
+    if not 1 <= rows <= LINEAR_ROWS or weight.shape[1] != features or not weight.is_contiguous():
+        raise ValueError(f"linear_rows takes 1..{LINEAR_ROWS} rows and a contiguous [out, {features}] weight, got "
+                         f"{rows} rows and {tuple(weight.shape)}")
     x = x.contiguous()
     out = x.new_empty(rows, weight.shape[0])
     _library.linear_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], features,
                          torch.get_num_threads())
     return out
-
-
-def linear_rows_many(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """x [rows, in] @ each weight [out_m, in]ᵀ → [rows, out_m] each, as linear_rows gives it, in one kernel call
-    (a layer's projections of one input: one parallel region, no wait between the matrices)."""
-    rows, features = _check_rows(x, weights)
-    x, sizes, count = x.contiguous(), [w.shape[0] for w in weights], len(weights)
-    outs = x.new_empty(rows * sum(sizes)).split([rows * n for n in sizes])
-    _library.linear_rows_many(x.data_ptr(), (ctypes.c_void_p * count)(*(w.data_ptr() for w in weights)),
-                              (ctypes.c_void_p * count)(*(o.data_ptr() for o in outs)),
-                              (ctypes.c_int64 * count)(*sizes), count, rows, features, torch.get_num_threads())
-    return [o.view(rows, n) for o, n in zip(outs, sizes)]
-
-
-def _check_rows(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[int, int]:
-    rows, features = x.shape
-    _check_float32(x, *weights)
-    if not 1 <= rows <= LINEAR_ROWS or any(w.shape[1] != features or not w.is_contiguous() for w in weights):
-        raise ValueError(f"linear_rows takes 1..{LINEAR_ROWS} rows and contiguous [out, {features}] weights, got "
-                         f"{rows} rows and {[tuple(w.shape) for w in weights]}")
-    return rows, features
 
 
 def rope_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

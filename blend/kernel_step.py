@@ -2,9 +2,9 @@
 
 Through the HF decoder layers (blend.batch.DecodeStepper), a SmolLM2 step of one row spends ~18 of its ~50 ms
 outside its linears and attention: ~1,750 small torch ops and the modules' Python, 30 layers of it. This
-step runs the same layers as a short loop: per layer the model's two norm modules, three linears for q/k/v,
-`rope_write` (RoPE on the new queries and keys and the pool write, one C call), `decode_attention`, the
-output projection, the MLP's three linears and its activation module, two residual adds.
+step runs the same layers as a short loop: per layer the model's two norm modules, q/k/v as one linear
+(`Fused`), `rope_write` (RoPE on the new queries and keys and the pool write, one C call), `decode_attention`,
+the output projection, gate/up as one linear, the activation module, down, two residual adds.
 
 Every float operation is the one the HF layers do (the same kernels, RoPE as the same products and sums),
 so the logits are the same bits: `KernelStep.verify` checks that on a probe before the step is used, and
@@ -28,16 +28,41 @@ MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 PROBE_ROWS, PROBE_STEPS, PROBE_LENGTH = 2, 3, 16   # verify's probe: rows, steps, and its pools' length
 
 
-def _project(x: torch.Tensor, *modules: SkinnyLinear) -> list[torch.Tensor]:
-    """x [rows, in] through each module → [rows, out] each: one kernel call, biases added as SkinnyLinear does."""
-    outs = cpu_kernels.linear_rows_many(x, [m.weight for m in modules])
-    return [out if m.bias is None else out + m.bias for out, m in zip(outs, modules)]
+class Fused:
+    """Linears of one input whose weights (and biases) are row blocks of one contiguous tensor, so one kernel
+    call gives all their outputs, the weights one stream (as three calls on separate tensors, q/k/v took
+    ~40% longer). The modules' own weights become views of it: no second copy, and the prefill's linears
+    read the same memory."""
+
+    def __init__(self, *linears: SkinnyLinear):
+        self.sizes = [linear.out_features for linear in linears]
+        has_bias = linears[0].bias is not None
+        if len(linears) == 1:
+            self.weight, self.bias = linears[0].weight.detach(), linears[0].bias  # nothing to join
+            return
+        self.weight = torch.cat([linear.weight.detach() for linear in linears])            # [Σ out, in]
+        self.bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None  # [Σ out]
+        for linear, weight in zip(linears, self.weight.split(self.sizes)):
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+        for linear, bias in zip(linears, self.bias.split(self.sizes) if has_bias else ()):
+            linear.bias = nn.Parameter(bias, requires_grad=False)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [rows, in] → each linear's [rows, out] (column blocks of one output; biases added as SkinnyLinear
+        adds them)."""
+        out = cpu_kernels.linear_rows(x, self.weight)
+        return (out if self.bias is None else out + self.bias).split(self.sizes, dim=1)
 
 
 class KernelStep:
-    def __init__(self, model: nn.Module, pool: KVPool, num_layers: int):
-        self.model, self.decoder, self.pool = model, model.model, pool
+    def __init__(self, model: nn.Module, num_layers: int):
+        self.model, self.decoder = model, model.model
         self.layers = list(self.decoder.layers[:num_layers])
+        self.qkv = [Fused(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+                    for layer in self.layers]
+        self.output = [Fused(layer.self_attn.o_proj) for layer in self.layers]
+        self.gate_up = [Fused(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
+        self.down = [Fused(layer.mlp.down_proj) for layer in self.layers]
 
     @staticmethod
     def refusal(model: nn.Module) -> str | None:
@@ -53,24 +78,26 @@ class KernelStep:
             linears += [getattr(layer.mlp, n) for n in sorted(MLP_PARTS - {"act_fn"})]
             if not all(isinstance(linear, SkinnyLinear) and linear.kernel for linear in linears):
                 return "a projection does not run on the CPU kernel (not float32, or not contiguous)"
+            attention, mlp = layer.self_attn, layer.mlp
+            for group in ((attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
+                if len({linear.bias is None for linear in group}) > 1:
+                    return "projections of one input where some have a bias and some not"
         return None
 
-    @staticmethod
     @torch.inference_mode()
-    def verify(model: nn.Module, pool: KVPool, num_layers: int,
-               reference: Callable[[KVPool], Callable[..., torch.Tensor]]) -> str | None:
-        """None if a KernelStep gives the same bits as `reference(pool)` (the HF layers' step): both run
+    def verify(self, like: KVPool, reference: Callable[[KVPool], Callable[..., torch.Tensor]]) -> str | None:
+        """None if this step gives the same bits as `reference(pool)` (the HF layers' step): both run
         PROBE_STEPS greedy steps of PROBE_ROWS rows at different lengths, each over its own small pool shaped
-        like `pool`; else what differs."""
-        layers, _, heads, _, dim = pool.keys.shape
-        pools = [KVPool(layers, heads, dim, slots=PROBE_ROWS, max_len=PROBE_LENGTH, dtype=pool.keys.dtype,
-                        device=pool.keys.device) for _ in range(2)]
+        like `like`; else what differs."""
+        layers, _, heads, _, dim = like.keys.shape
+        pools = [KVPool(layers, heads, dim, slots=PROBE_ROWS, max_len=PROBE_LENGTH, dtype=like.keys.dtype,
+                        device=like.keys.device) for _ in range(2)]
         for probe in pools:
             probe.readable(PROBE_ROWS, probe.columns)                                  # zeros: finite
-        steps = [reference(pools[0]), KernelStep(model, pools[1], num_layers).logits]
-        vocab = model.get_output_embeddings().weight.shape[0]
-        tokens = torch.arange(1, PROBE_ROWS + 1, device=pool.keys.device) * 7 % vocab      # [rows]
-        positions = torch.arange(PROBE_ROWS, device=pool.keys.device) * 3                  # [rows]
+        steps = [reference(pools[0]), lambda *inputs: self.logits(pools[1], *inputs)]
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        tokens = torch.arange(1, PROBE_ROWS + 1, device=like.keys.device) * 7 % vocab      # [rows]
+        positions = torch.arange(PROBE_ROWS, device=like.keys.device) * 3                  # [rows]
         for _ in range(PROBE_STEPS):
             try:
                 want, got = (step(tokens, positions, pools[0].columns) for step in steps)
@@ -83,23 +110,22 @@ class KernelStep:
             tokens, positions = want.argmax(-1), positions + 1
         return None
 
-    def logits(self, tokens: torch.Tensor, positions: torch.Tensor, key_columns: int) -> torch.Tensor:
-        """tokens, positions [rows] (int64) → next-token logits [rows, V], as DecodeStepper.logits."""
-        rows, pool = tokens.shape[0], self.pool
+    def logits(self, pool: KVPool, tokens: torch.Tensor, positions: torch.Tensor, key_columns: int) -> torch.Tensor:
+        """tokens, positions [rows] (int64) → next-token logits [rows, V], as DecodeStepper.logits over `pool`."""
+        rows = tokens.shape[0]
         hidden = self.decoder.embed_tokens(tokens)                                     # [rows, hidden]
         cos, sin = self.decoder.rotary_emb(hidden[:, None], position_ids=positions[:, None])   # [rows, 1, D]
         cos, sin = cos[:, 0], sin[:, 0]                                                # [rows, D]
         lengths = torch.where(positions == pool.scratch, 0, positions + 1)            # [rows]; 0: padding
         for index, layer in enumerate(self.layers):
-            attention, mlp = layer.self_attn, layer.mlp
-            x = layer.input_layernorm(hidden)
             keys, values = pool.keys[index], pool.values[index]                        # [slots, Hkv, columns, D]
-            query = cpu_kernels.rope_write(*_project(x, attention.q_proj, attention.k_proj, attention.v_proj),
-                                           cos, sin, positions, keys, values)                # [rows, Hq, D]
+            query = cpu_kernels.rope_write(*self.qkv[index](layer.input_layernorm(hidden)), cos, sin, positions,
+                                           keys, values)                                       # [rows, Hq, D]
             grouped = query.view(rows, keys.shape[1], -1, keys.shape[3])               # [rows, Hkv, G, D]
             out = cpu_kernels.decode_attention(grouped, keys[:rows, :, :key_columns], values[:rows, :, :key_columns],
-                                               lengths, attention.scaling)
-            hidden = hidden + _project(out.view(rows, -1), attention.o_proj)[0]
-            gate, up = _project(layer.post_attention_layernorm(hidden), mlp.gate_proj, mlp.up_proj)
-            hidden = hidden + _project(mlp.act_fn(gate) * up, mlp.down_proj)[0]
+                                               lengths, layer.self_attn.scaling)
+            hidden = hidden + self.output[index](out.view(rows, -1))[0]
+            # contiguous, as the HF layers' own outputs (the activation's vector loops then split them alike)
+            gate, up = (part.contiguous() for part in self.gate_up[index](layer.post_attention_layernorm(hidden)))
+            hidden = hidden + self.down[index](layer.mlp.act_fn(gate) * up)[0]
         return self.model.lm_head(self.decoder.norm(hidden))                          # [rows, V]

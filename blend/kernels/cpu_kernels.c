@@ -2,8 +2,7 @@
  *
  *   decode_attention  for each row, the query heads that share a KV head over that row's own keys
  *                     [0, length), read once, in place in the KV pool
- *   linear_rows       1..8 rows times a weight matrix (or several: linear_rows_many), the weights streamed once
- *                     by all threads
+ *   linear_rows       1..8 rows times a weight matrix, the weights streamed once by all threads
  *   rope_write        RoPE on the step's new queries and keys, the keys and values written into the pool
  *
  * Each row's result depends on its own inputs only, never on the step's other rows: a request decodes the
@@ -247,11 +246,10 @@ void rope_write(const float *q, const float *k, const float *v, const float *cos
 /* ---- few-row linears ---------------------------------------------------------------------------------- */
 
 /* out [R, n] = x [R, k] · w [n, k]ᵀ for this thread's share of the outputs: one running sum per (row, output)
- * over k, in the same order whatever R is, so a row's result does not depend on the other rows of the step.
- * No barrier after it: the next matrix's share starts at once (the outputs are independent). */
+ * over k, in the same order whatever R is, so a row's result does not depend on the other rows of the step. */
 static inline __attribute__((always_inline)) void linear_block(const float *x, const float *w, float *out,
                                                                int64_t n, int64_t k, const int R) {
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(static)
     for (int64_t o = 0; o < n; o++) {
         const float *wo = w + o * k;
         floats8 acc[R];
@@ -270,31 +268,23 @@ static inline __attribute__((always_inline)) void linear_block(const float *x, c
     }
 }
 
-/* out[m] [rows, n[m]] = x [rows, k] · w[m] [n[m], k]ᵀ for the `count` matrices w (a layer's projections of one
- * input), 1..8 rows (a decode step's), each weight streamed from memory once, by all threads, in one parallel
- * region (MKL runs one row as a GEMV on one thread, a few as a GEMM packed for many). Returns 0, or -1 for
+/* out [rows, n] = x [rows, k] · w [n, k]ᵀ for 1..8 rows (a decode step's), w streamed from memory once, by all
+ * threads (MKL runs one row as a GEMV on one thread, a few as a GEMM packed for many). Returns 0, or -1 for
  * another row count. */
-int linear_rows_many(const float *x, const float *const *w, float *const *out, const int64_t *n, int64_t count,
-                     int64_t rows, int64_t k, int threads) {
+int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, int64_t k, int threads) {
     if (rows < 1 || rows > 8) return -1;
 #pragma omp parallel num_threads(threads)
-    for (int64_t m = 0; m < count; m++)
-        switch (rows) { /* the row count as a constant: the accumulators stay in registers */
-            case 1: linear_block(x, w[m], out[m], n[m], k, 1); break;
-            case 2: linear_block(x, w[m], out[m], n[m], k, 2); break;
-            case 3: linear_block(x, w[m], out[m], n[m], k, 3); break;
-            case 4: linear_block(x, w[m], out[m], n[m], k, 4); break;
-            case 5: linear_block(x, w[m], out[m], n[m], k, 5); break;
-            case 6: linear_block(x, w[m], out[m], n[m], k, 6); break;
-            case 7: linear_block(x, w[m], out[m], n[m], k, 7); break;
-            default: linear_block(x, w[m], out[m], n[m], k, 8); break;
-        }
+    switch (rows) { /* the row count as a constant: the accumulators stay in registers */
+        case 1: linear_block(x, w, out, n, k, 1); break;
+        case 2: linear_block(x, w, out, n, k, 2); break;
+        case 3: linear_block(x, w, out, n, k, 3); break;
+        case 4: linear_block(x, w, out, n, k, 4); break;
+        case 5: linear_block(x, w, out, n, k, 5); break;
+        case 6: linear_block(x, w, out, n, k, 6); break;
+        case 7: linear_block(x, w, out, n, k, 7); break;
+        default: linear_block(x, w, out, n, k, 8); break;
+    }
     return 0;
-}
-
-/* linear_rows_many for one matrix. */
-int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, int64_t k, int threads) {
-    return linear_rows_many(x, &w, &out, &n, 1, rows, k, threads);
 }
 
 /* ---- prefill attention ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from blend import BLEND_ATTENTION, Blender, SamplingParams
 from blend.batch import DecodeStepper
-from blend.kernel_step import KernelStep
+from blend.kernel_step import Fused, KernelStep
 from blend.pool import KVPool
 from tests.blend.conftest import TEST_DEVICE, TINY, random_ids, tiny_model
 from tests.blend.test_batch_decode import hf_greedy
@@ -48,15 +48,32 @@ def test_the_kernel_step_gives_the_hf_layers_bits(tiny_blender):
     hf_pool, kernel_pool = filled_pools(tiny_blender, 2)
     hf = DecodeStepper(tiny_blender.model, hf_pool, tiny_blender.num_layers, attention_kernel=True,
                        use_kernel_step=False)
-    kernel = KernelStep(tiny_blender.model, kernel_pool, tiny_blender.num_layers)
+    kernel = KernelStep(tiny_blender.model, tiny_blender.num_layers)
     tokens, positions = torch.tensor([5, 9, 3, 0]), torch.tensor(LENGTHS + [hf_pool.scratch])
     for _ in range(4):
         columns = hf.key_columns(positions.tolist())
         want = hf.logits(tokens, positions, columns)
-        assert torch.equal(kernel.logits(tokens, positions, columns), want)
+        assert torch.equal(kernel.logits(kernel_pool, tokens, positions, columns), want)
         assert torch.equal(kernel_pool.keys, hf_pool.keys) and torch.equal(kernel_pool.values, hf_pool.values)
         tokens = want.argmax(-1)
         positions = torch.where(positions == hf_pool.scratch, positions, positions + 1)
+
+
+@torch.inference_mode()
+def test_fused_projections_give_each_linears_output_from_the_modules_own_memory():
+    """q/k/v (with Qwen2's biases) as one weight: the same outputs as the three modules, whose weights are now
+    views of it (no second copy), and which still give what they gave."""
+    blender = Blender(tiny_model("qwen2"), tokenizer=None, fingerprint="tiny-qwen2")
+    attention = blender.model.model.layers[0].self_attn
+    linears = (attention.q_proj, attention.k_proj, attention.v_proj)
+    x = torch.randn(3, attention.q_proj.in_features, generator=torch.Generator().manual_seed(6))
+    want = [linear(x) for linear in linears]
+    fused = Fused(*linears)
+    assert all(torch.equal(got, expected) for got, expected in zip(fused(x), want))
+    assert all(torch.equal(linear(x), expected) for linear, expected in zip(linears, want))
+    offsets = [linear.weight.data_ptr() - fused.weight.data_ptr() for linear in linears]
+    assert offsets == [0, 4 * attention.q_proj.weight.numel(),
+                       4 * (attention.q_proj.weight.numel() + attention.k_proj.weight.numel())]
 
 
 def scaled_attention(model, factor: float):

@@ -36,10 +36,10 @@ class Fused:
 
     def __init__(self, *linears: SkinnyLinear):
         self.sizes = [linear.out_features for linear in linears]
-        has_bias = linears[0].bias is not None
         if len(linears) == 1:
             self.weight, self.bias = linears[0].weight.detach(), linears[0].bias  # nothing to join
             return
+        has_bias = linears[0].bias is not None  # all or none (KernelStep.refusal)
         self.weight = torch.cat([linear.weight.detach() for linear in linears])            # [Σ out, in]
         self.bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None  # [Σ out]
         for linear, weight in zip(linears, self.weight.split(self.sizes)):
@@ -55,6 +55,9 @@ class Fused:
 
 
 class KernelStep:
+    """A decode step's forward for Llama-shaped layers on the CPU kernels, over any pool shaped for the model
+    (DecodeStepper.logits hands it its pool). Building it joins each layer's q/k/v and gate/up weights."""
+
     def __init__(self, model: nn.Module, num_layers: int):
         self.model, self.decoder = model, model.model
         self.layers = list(self.decoder.layers[:num_layers])
@@ -68,17 +71,16 @@ class KernelStep:
     def refusal(model: nn.Module) -> str | None:
         """Why `model`'s decoder layers cannot run as a KernelStep (None: they can, if `verify` agrees)."""
         for layer in model.model.layers:
-            parts = {name for name, _ in layer.named_children()}
-            attention = {name for name, _ in getattr(layer, "self_attn", nn.Module()).named_children()}
-            mlp = {name for name, _ in getattr(layer, "mlp", nn.Module()).named_children()}
-            if (parts, attention, mlp) != (LAYER_PARTS, ATTENTION_PARTS, MLP_PARTS):
-                return (f"{type(layer).__name__} is not a Llama-shaped layer (parts {sorted(parts)}, attention "
-                        f"{sorted(attention)}, MLP {sorted(mlp)})")
-            linears = [getattr(layer.self_attn, n) for n in sorted(ATTENTION_PARTS)]
-            linears += [getattr(layer.mlp, n) for n in sorted(MLP_PARTS - {"act_fn"})]
+            modules = (layer, getattr(layer, "self_attn", nn.Module()), getattr(layer, "mlp", nn.Module()))
+            parts = [{name for name, _ in module.named_children()} for module in modules]
+            if parts != [LAYER_PARTS, ATTENTION_PARTS, MLP_PARTS]:
+                return (f"{type(layer).__name__} is not a Llama-shaped layer (parts {sorted(parts[0])}, attention "
+                        f"{sorted(parts[1])}, MLP {sorted(parts[2])})")
+            attention, mlp = layer.self_attn, layer.mlp
+            linears = [getattr(attention, n) for n in sorted(ATTENTION_PARTS)]
+            linears += [getattr(mlp, n) for n in sorted(MLP_PARTS - {"act_fn"})]
             if not all(isinstance(linear, SkinnyLinear) and linear.kernel for linear in linears):
                 return "a projection does not run on the CPU kernel (not float32, or not contiguous)"
-            attention, mlp = layer.self_attn, layer.mlp
             for group in ((attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
                 if len({linear.bias is None for linear in group}) > 1:
                     return "projections of one input where some have a bias and some not"

@@ -12,6 +12,8 @@ kernels do that at a fraction of the machine's bandwidth (2 cores, ~25 GB/s here
 - `linear_rows`: MKL runs one row as a GEMV on one thread, and 2–16 rows, even as (W @ xᵀ)ᵀ (blend.skinny),
   at ~14 GB/s. The kernel streams the weights once over both threads: all linears + the LM head, 1 row
   38 → 24 ms, 4 rows 40 → 28 ms, 8 rows 56 → 34 ms.
+  `linear_rows_many` runs a layer's projections of one input in one call, its threads each taking an equal run
+  of the outputs as if the weights were one matrix: 30 layers' q/k/v 4.8 → 3.5-4 ms.
 - `rope_write`: RoPE on a step's new queries and keys in HF's rotate-half form (the same bits) and the keys
   and values written into the pool, one call a layer in place of ~14 small ops (blend.kernel_step).
 
@@ -40,6 +42,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -89,6 +92,9 @@ def _build() -> ctypes.CDLL:
     library.decode_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
     library.linear_rows.restype = ctypes.c_int
     library.linear_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    library.linear_rows_many.restype = ctypes.c_int
+    library.linear_rows_many.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
+                                         + [ctypes.c_int64] * 2 + [ctypes.c_int])
     library.rope_write.restype = None
     library.rope_write.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8
     library.prefill_attention.restype = ctypes.c_int
@@ -150,6 +156,23 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(rows, weight.shape[0])
     _library.linear_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], features,
                          torch.get_num_threads())
+    return out
+
+
+def linear_rows_many(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """x [rows, in] (1..LINEAR_ROWS rows) @ [w₀; w₁; ..]ᵀ → [rows, Σ out]: the weights [out_m, in] wherever each
+    lies in memory (nothing is copied), their outputs side by side, each as linear_rows gives it, in one call
+    that streams them as if they were one matrix (a layer's q/k/v, or gate/up)."""
+    rows, features = x.shape
+    _check_float32(x, *weights)
+    if not 1 <= rows <= LINEAR_ROWS or any(w.shape[1] != features or not w.is_contiguous() for w in weights):
+        raise ValueError(f"linear_rows_many takes 1..{LINEAR_ROWS} rows and contiguous [out, {features}] weights, "
+                         f"got {rows} rows and {[tuple(w.shape) for w in weights]}")
+    x, count, sizes = x.contiguous(), len(weights), [w.shape[0] for w in weights]
+    out = x.new_empty(rows, sum(sizes))
+    _library.linear_rows_many(x.data_ptr(), (ctypes.c_void_p * count)(*(w.data_ptr() for w in weights)),
+                              (ctypes.c_int64 * count)(*sizes), count, out.data_ptr(), rows, features,
+                              torch.get_num_threads())
     return out
 
 

@@ -2,9 +2,10 @@
 
 Through the HF decoder layers (blend.batch.DecodeStepper), a SmolLM2 step of one row spends ~18 of its ~50 ms
 outside its linears and attention: ~1,750 small torch ops and the modules' Python, 30 layers of it. This
-step runs the same layers as a short loop: per layer the model's two norm modules, q/k/v as one linear
-(`Fused`), `rope_write` (RoPE on the new queries and keys and the pool write, one C call), `decode_attention`,
-the output projection, gate/up as one linear, the activation module, down, two residual adds.
+step runs the same layers as a short loop: per layer the model's two norm modules, the q/k/v projections,
+`rope_write` (RoPE on the new queries and keys and the pool write, one C call), `decode_attention`, the
+output projection, gate/up, the activation module, down, two residual adds; a layer's projections of one
+input run as one kernel call (`Projections`).
 
 Every float operation is the one the HF layers do (the same kernels, RoPE as the same products and sums),
 so the logits are the same bits: `KernelStep.verify` checks that on a probe before the step is used, and
@@ -28,44 +29,34 @@ MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 PROBE_ROWS, PROBE_STEPS, PROBE_LENGTH = 2, 3, 16   # verify's probe: rows, steps, and its pools' length
 
 
-class Fused:
-    """Linears of one input whose weights (and biases) are row blocks of one contiguous tensor, so one kernel
-    call gives all their outputs, the weights one stream (as three calls on separate tensors, q/k/v took
-    ~40% longer). The modules' own weights become views of it: no second copy, and the prefill's linears
-    read the same memory."""
+class Projections:
+    """Linears of one input as one kernel call (cpu_kernels.linear_rows_many): the weights stay where they are
+    (the model keeps its memory: its file's pages, when loaded mapped), streamed as if they were one matrix.
+    Biases are added as SkinnyLinear adds them."""
 
     def __init__(self, *linears: SkinnyLinear):
-        self.sizes = [linear.out_features for linear in linears]
-        if len(linears) == 1:
-            self.weight, self.bias = linears[0].weight.detach(), linears[0].bias  # nothing to join
-            return
+        self.weights, self.sizes = [linear.weight for linear in linears], [linear.out_features for linear in linears]
         has_bias = linears[0].bias is not None  # all or none (KernelStep.refusal)
-        self.weight = torch.cat([linear.weight.detach() for linear in linears])            # [Σ out, in]
-        self.bias = torch.cat([linear.bias.detach() for linear in linears]) if has_bias else None  # [Σ out]
-        for linear, weight in zip(linears, self.weight.split(self.sizes)):
-            linear.weight = nn.Parameter(weight, requires_grad=False)
-        for linear, bias in zip(linears, self.bias.split(self.sizes) if has_bias else ()):
-            linear.bias = nn.Parameter(bias, requires_grad=False)
+        self.bias = torch.cat([linear.bias for linear in linears]) if has_bias else None   # [Σ out]: a few floats
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x [rows, in] → each linear's [rows, out] (column blocks of one output; biases added as SkinnyLinear
-        adds them)."""
-        out = cpu_kernels.linear_rows(x, self.weight)
-        return (out if self.bias is None else out + self.bias).split(self.sizes, dim=1)
+        """x [rows, in] → each linear's [rows, out] (column blocks of one output)."""
+        out = cpu_kernels.linear_rows_many(x, self.weights)                            # [rows, Σ out]
+        return list((out if self.bias is None else out + self.bias).split(self.sizes, dim=1))
 
 
 class KernelStep:
     """A decode step's forward for Llama-shaped layers on the CPU kernels, over any pool shaped for the model
-    (DecodeStepper.logits hands it its pool). Building it joins each layer's q/k/v and gate/up weights."""
+    (DecodeStepper.logits hands it its pool)."""
 
     def __init__(self, model: nn.Module, num_layers: int):
         self.model, self.decoder = model, model.model
         self.layers = list(self.decoder.layers[:num_layers])
-        self.qkv = [Fused(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+        self.qkv = [Projections(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
                     for layer in self.layers]
-        self.output = [Fused(layer.self_attn.o_proj) for layer in self.layers]
-        self.gate_up = [Fused(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
-        self.down = [Fused(layer.mlp.down_proj) for layer in self.layers]
+        self.output = [Projections(layer.self_attn.o_proj) for layer in self.layers]
+        self.gate_up = [Projections(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
+        self.down = [Projections(layer.mlp.down_proj) for layer in self.layers]
 
     @staticmethod
     def refusal(model: nn.Module) -> str | None:

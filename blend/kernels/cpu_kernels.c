@@ -2,13 +2,15 @@
  *
  *   decode_attention  for each row, the query heads that share a KV head over that row's own keys
  *                     [0, length), read once, in place in the KV pool
- *   linear_rows       1..8 rows times a weight matrix, the weights streamed once by all threads
+ *   linear_rows       1..8 rows times a weight matrix (or several: linear_rows_many), the weights streamed
+ *                     once by all threads
  *   rope_write        RoPE on the step's new queries and keys, the keys and values written into the pool
  *
  * Each row's result depends on its own inputs only, never on the step's other rows: a request decodes the
  * same tokens alone or batched. Plain C with GCC/Clang vector types (no intrinsics): the compiler maps them
  * to the machine's vectors. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -245,12 +247,12 @@ void rope_write(const float *q, const float *k, const float *v, const float *cos
 
 /* ---- few-row linears ---------------------------------------------------------------------------------- */
 
-/* out [R, n] = x [R, k] · w [n, k]ᵀ for this thread's share of the outputs: one running sum per (row, output)
+/* out[r·ld + o] = x [R, k] · w[o] for the outputs o in [lo, hi) of w [n, k]: one running sum per (row, output)
  * over k, in the same order whatever R is, so a row's result does not depend on the other rows of the step. */
-static inline __attribute__((always_inline)) void linear_block(const float *x, const float *w, float *out,
-                                                               int64_t n, int64_t k, const int R) {
-#pragma omp for schedule(static)
-    for (int64_t o = 0; o < n; o++) {
+static inline __attribute__((always_inline)) void linear_range(const float *x, const float *w, float *out,
+                                                               int64_t ld, int64_t lo, int64_t hi, int64_t k,
+                                                               const int R) {
+    for (int64_t o = lo; o < hi; o++) {
         const float *wo = w + o * k;
         floats8 acc[R];
         for (int r = 0; r < R; r++) acc[r] = (floats8){0};
@@ -263,28 +265,47 @@ static inline __attribute__((always_inline)) void linear_block(const float *x, c
             float sum = 0.0f;
             for (int i = 0; i < 8; i++) sum += acc[r][i];
             for (int64_t t = d; t < k; t++) sum += wo[t] * x[r * k + t];
-            out[r * n + o] = sum;
+            out[r * ld + o] = sum;
         }
     }
 }
 
-/* out [rows, n] = x [rows, k] · w [n, k]ᵀ for 1..8 rows (a decode step's), w streamed from memory once, by all
- * threads (MKL runs one row as a GEMV on one thread, a few as a GEMM packed for many). Returns 0, or -1 for
- * another row count. */
-int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, int64_t k, int threads) {
+/* out [rows, Σ n] = x [rows, k] · [w[0]; w[1]; ..]ᵀ for `count` matrices w[m] [n[m], k] (a layer's projections of
+ * one input, wherever each lies in memory), 1..8 rows (a decode step's): matrix m's outputs in the columns after
+ * the matrices before it. The weights are streamed from memory once by all threads, each thread taking an equal
+ * run of the outputs as if the matrices were one (one long stream, not a piece of each matrix). MKL runs one row
+ * as a GEMV on one thread, a few as a GEMM packed for many. Returns 0, or -1 for another row count. */
+int linear_rows_many(const float *x, const float *const *w, const int64_t *n, int64_t count, float *out,
+                     int64_t rows, int64_t k, int threads) {
     if (rows < 1 || rows > 8) return -1;
+    int64_t total = 0;
+    for (int64_t m = 0; m < count; m++) total += n[m];
 #pragma omp parallel num_threads(threads)
-    switch (rows) { /* the row count as a constant: the accumulators stay in registers */
-        case 1: linear_block(x, w, out, n, k, 1); break;
-        case 2: linear_block(x, w, out, n, k, 2); break;
-        case 3: linear_block(x, w, out, n, k, 3); break;
-        case 4: linear_block(x, w, out, n, k, 4); break;
-        case 5: linear_block(x, w, out, n, k, 5); break;
-        case 6: linear_block(x, w, out, n, k, 6); break;
-        case 7: linear_block(x, w, out, n, k, 7); break;
-        default: linear_block(x, w, out, n, k, 8); break;
+    {
+        int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
+        int64_t begin = total * me / team, end = total * (me + 1) / team, offset = 0; /* this thread's outputs */
+        for (int64_t m = 0; m < count; offset += n[m], m++) {
+            int64_t lo = (begin > offset ? begin : offset) - offset;
+            int64_t hi = (end < offset + n[m] ? end : offset + n[m]) - offset;
+            if (lo >= hi) continue;
+            switch (rows) { /* the row count as a constant: the accumulators stay in registers */
+                case 1: linear_range(x, w[m], out + offset, total, lo, hi, k, 1); break;
+                case 2: linear_range(x, w[m], out + offset, total, lo, hi, k, 2); break;
+                case 3: linear_range(x, w[m], out + offset, total, lo, hi, k, 3); break;
+                case 4: linear_range(x, w[m], out + offset, total, lo, hi, k, 4); break;
+                case 5: linear_range(x, w[m], out + offset, total, lo, hi, k, 5); break;
+                case 6: linear_range(x, w[m], out + offset, total, lo, hi, k, 6); break;
+                case 7: linear_range(x, w[m], out + offset, total, lo, hi, k, 7); break;
+                default: linear_range(x, w[m], out + offset, total, lo, hi, k, 8); break;
+            }
+        }
     }
     return 0;
+}
+
+/* linear_rows_many of one matrix: out [rows, n]. */
+int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, int64_t k, int threads) {
+    return linear_rows_many(x, &w, &n, 1, out, rows, k, threads);
 }
 
 /* ---- prefill attention ---------------------------------------------------------------------------------

@@ -86,6 +86,23 @@ def test_linear_rows_equal_the_matmul_and_each_row_alone(features):
 
 
 @needs_kernel
+def test_linear_rows_many_gives_each_matrix_what_linear_rows_gives():
+    """Matrices apart in memory, sizes that split unevenly between the threads: each block of the output is
+    that matrix's linear_rows, bit for bit, at every row count."""
+    assert cpu_kernels.load() is not None, cpu_kernels.unavailable()
+    generator = torch.Generator().manual_seed(4)
+    weights = [torch.randn(n, 96, generator=generator) for n in (40, 7, 129)]
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, 96, generator=generator)
+        out = cpu_kernels.linear_rows_many(x, weights)
+        assert out.shape == (rows, 176)
+        for block, weight in zip(out.split([40, 7, 129], dim=1), weights):
+            assert torch.equal(block, cpu_kernels.linear_rows(x, weight)), f"{rows} rows"
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_kernels.linear_rows_many(torch.randn(2, 96), [weights[0], torch.randn(96, 5).t()])
+
+
+@needs_kernel
 @pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (4, 4, 16)])
 def test_rope_write_rotates_as_hf_does_and_writes_each_row_at_its_position(heads, kv_heads, dim):
     """The same bits as HF's apply_rotary_pos_emb; row r's rotated keys and its values land in slot r at

@@ -9,7 +9,7 @@ views of the pool; attention runs over all rows in one kernel call, each row's k
 length masked (blend.attention dispatches `PooledKV` here); the next tokens are sampled on the device
 (blend.decode.sample_rows), so only [rows] token ids reach the host. On the CPU with its kernels,
 Llama-shaped layers run as a blend.kernel_step.KernelStep instead: the same float operations, so the same
-bits, without the HF modules' per-op cost (a SmolLM2 step of one row 52 → 43 ms, of four 82 → 72 ms).
+bits, without the HF modules' per-op cost (a SmolLM2 step of one row 52 → 44 ms, of four 80 → 72 ms).
 
 The shapes depend only on (rows, key columns): CUDA graphs replay it (blend.graphs), one graph per
 (batch bucket, key-column bucket, sampling or not). Key columns: the longest row's length rounded up

@@ -111,8 +111,8 @@ class DecodeStepper:
             self.kernel_step_refusal = KernelStep.refusal(model)
             if self.kernel_step_refusal is None:
                 step = KernelStep(model, num_layers)
-                self.kernel_step_refusal = step.verify(
-                    pool, lambda probe: DecodeStepper(model, probe, num_layers, True, False).logits)
+                self.kernel_step_refusal = step.verify(pool, lambda probe: DecodeStepper(
+                    model, probe, num_layers, attention_kernel=True, use_kernel_step=False).logits)
                 self.kernel_step = step if self.kernel_step_refusal is None else None
             if self.kernel_step_refusal:
                 log.info("decode steps run through the HF layers", extra={"reason": self.kernel_step_refusal})

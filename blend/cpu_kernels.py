@@ -147,11 +147,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [rows, in] (1..LINEAR_ROWS rows) @ weight [out, in]ᵀ → [rows, out], float32 on the CPU."""
-    rows, features = x.shape
-    _check_float32(x, weight)
-    if not 1 <= rows <= LINEAR_ROWS or weight.shape[1] != features or not weight.is_contiguous():
-        raise ValueError(f"linear_rows takes 1..{LINEAR_ROWS} rows and a contiguous [out, {features}] weight, got "
-                         f"{rows} rows and {tuple(weight.shape)}")
+    rows, features = _check_rows("linear_rows", x, [weight])
     x = x.contiguous()
     out = x.new_empty(rows, weight.shape[0])
     _library.linear_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], features,
@@ -163,17 +159,24 @@ def linear_rows_many(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.
     """x [rows, in] (1..LINEAR_ROWS rows) @ [w₀; w₁; ..]ᵀ → [rows, Σ out]: the weights [out_m, in] wherever each
     lies in memory (nothing is copied), their outputs side by side, each as linear_rows gives it, in one call
     that streams them as if they were one matrix (a layer's q/k/v, or gate/up)."""
-    rows, features = x.shape
-    _check_float32(x, *weights)
-    if not 1 <= rows <= LINEAR_ROWS or any(w.shape[1] != features or not w.is_contiguous() for w in weights):
-        raise ValueError(f"linear_rows_many takes 1..{LINEAR_ROWS} rows and contiguous [out, {features}] weights, "
-                         f"got {rows} rows and {[tuple(w.shape) for w in weights]}")
+    rows, features = _check_rows("linear_rows_many", x, weights)
     x, count, sizes = x.contiguous(), len(weights), [w.shape[0] for w in weights]
     out = x.new_empty(rows, sum(sizes))
     _library.linear_rows_many(x.data_ptr(), (ctypes.c_void_p * count)(*(w.data_ptr() for w in weights)),
                               (ctypes.c_int64 * count)(*sizes), count, out.data_ptr(), rows, features,
                               torch.get_num_threads())
     return out
+
+
+def _check_rows(kernel: str, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """(rows, in) of x [rows, in] after checking what the linear kernels take: 1..LINEAR_ROWS float32 rows and
+    contiguous float32 [out, in] weights on the CPU."""
+    rows, features = x.shape
+    _check_float32(x, *weights)
+    if not 1 <= rows <= LINEAR_ROWS or any(w.shape[1] != features or not w.is_contiguous() for w in weights):
+        raise ValueError(f"{kernel} takes 1..{LINEAR_ROWS} rows and contiguous [out, {features}] weights, got "
+                         f"{rows} rows and {[tuple(w.shape) for w in weights]}")
+    return rows, features
 
 
 def rope_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

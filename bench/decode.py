@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -165,23 +166,29 @@ def own_forward_ms(model, context: int, steps: int, warmup: int = 2) -> float:
 
 
 def cuda_decode_timing(device: str = "cuda", context: int = 4096, batches: tuple[int, ...] = (1, 8, 32),
-                       steps: int = 30, shape: dict | None = None) -> dict:
+                       steps: int = 30, shape: dict | None = None, progress=None) -> dict:
     """The decode step on a GPU, eager and as CUDA graphs, at each batch size over `context`-token rows (the
     8B Llama shape by default, random bfloat16 weights): ms per step, tokens/s, whether both gave the same
-    greedy tokens; and the model's own forward at batch 1. (On the CPU it runs too, with a small `shape`:
-    graph capture then fails and falls back, which is reported.)"""
-    from blend import Blender
+    greedy tokens; and the model's own forward at batch 1. `progress(result)` after each part, so a killed run
+    keeps what it measured; a part that fails records its error and the rest go on. (On the CPU it runs too,
+    with a small `shape`: graph capture then fails and falls back, which is reported.)"""
+    from blend import BLEND_ATTENTION, Blender
 
+    progress = progress or (lambda result: None)
     device = torch.device(device)
     log(f"building a random {'Llama-3-8B' if shape is None else 'custom'}-shaped model on {device}")
     model = random_llama(device, shape or LLAMA3_8B)
     blender = Blender(model, tokenizer=None, fingerprint="random-llama")
+    result: dict = {"device": str(device), "context_tokens": context, "batches": {},
+                    "dtype": str(blender.dtype).removeprefix("torch."), "blend_refused": blender.unsupported}
+    if blender.unsupported:  # the pooled step does not depend on the blended prefill's exactness: time it anyway
+        log(f"the gate refused the model ({blender.unsupported}); the pooled step is timed regardless")
+        model.set_attn_implementation(BLEND_ATTENTION)
     blender.configure_decode(slots=max(batches), max_len=context + 37 * max(batches) + steps + 8, cuda_graphs="on")
     _ = blender.pool  # built now, so the graph settings below stay as set
-    result: dict = {"device": str(device), "context_tokens": context,
-                    "dtype": str(blender.dtype).removeprefix("torch."),
-                    "own_forward_b1_ms": round(own_forward_ms(model, context, steps), 2), "batches": {}}
+    result["own_forward_b1_ms"] = _attempt(lambda: round(own_forward_ms(model, context, steps), 2))
     log(f"own forward, batch 1: {result['own_forward_b1_ms']} ms/step")
+    progress(result)
     for batch in batches:
         row: dict = {}
         tokens = {}
@@ -189,14 +196,29 @@ def cuda_decode_timing(device: str = "cuda", context: int = 4096, batches: tuple
             capture = cuda_graph_capture if device.type == "cuda" else _no_capture
             blender._graphs = StepGraphs(enabled=mode == "graphs", capture=capture)
             rows = fill_rows(blender, batch, context)  # the same K/V in both modes
-            ms, tokens[mode] = timed_steps(blender, rows, steps)
-            release(rows)
-            row[mode] = {"step_ms": round(ms, 2), "tokens_per_s": round(1000 * batch / ms, 1)}
-            log(f"{mode} B={batch}: {ms:.2f} ms/step")
+            try:
+                ms, tokens[mode] = timed_steps(blender, rows, steps)
+                row[mode] = {"step_ms": round(ms, 2), "tokens_per_s": round(1000 * batch / ms, 1)}
+            except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run
+                row[mode] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1500:]}
+            finally:
+                release(rows)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            log(f"{mode} B={batch}: {row[mode]}")
+        row["graphs_captured"] = len(blender._graphs.captured)
         row["graphs_fallback"] = blender._graphs.disabled
-        row["same_tokens"] = tokens["eager"] == tokens["graphs"]
+        row["same_tokens"] = tokens.get("eager") is not None and tokens.get("eager") == tokens.get("graphs")
         result["batches"][batch] = row
+        progress(result)
     return result
+
+
+def _attempt(measure):
+    try:
+        return measure()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
 
 
 def _no_capture(fn):
@@ -210,17 +232,25 @@ def main() -> None:
     parser.add_argument("--batches", default=None, help="default: 1,2,4,8 CPU, 1,8,32 CUDA")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 10 CPU, 30 CUDA)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here (CUDA: after each part)")
     args = parser.parse_args()
     load_before = os.getloadavg()
+
+    def report(result: dict) -> str:
+        text = json.dumps({**result, "commit": git_commit(), "loadavg_before": [round(x, 2) for x in load_before],
+                           "loadavg_after": [round(x, 2) for x in os.getloadavg()]}, indent=1)
+        if args.out:
+            args.out.write_text(text)
+        return text
+
     if args.device == "cuda":
         result = cuda_decode_timing(context=args.context or 4096,
                                     batches=tuple(int(b) for b in (args.batches or "1,8,32").split(",")),
-                                    steps=args.steps or 30)
+                                    steps=args.steps or 30, progress=report)
     else:
         args.context, args.batches, args.steps = args.context or 2500, args.batches or "1,2,4,8", args.steps or 10
         result = cpu_timing(args)
-    print(json.dumps({**result, "commit": git_commit(), "loadavg_before": [round(x, 2) for x in load_before],
-                      "loadavg_after": [round(x, 2) for x in os.getloadavg()]}, indent=1))
+    print(report(result))
 
 
 if __name__ == "__main__":

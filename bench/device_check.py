@@ -288,7 +288,6 @@ def main() -> None:
     parser.add_argument("--exact-tokens", type=int, default=None, help="(default 4096; tiny: 300)")
     parser.add_argument("--decode-context", type=int, default=None, help="(default 4096; tiny: 128)")
     parser.add_argument("--decode-batches", default="1,8,32")
-    parser.add_argument("--tests-rc", type=int, default=None, help="exit status of the CUDA blend tests")
     args = parser.parse_args()
     tiny = args.tiny
     args.tokens = args.tokens or ("512" if tiny else "4096,16384,32768")
@@ -304,7 +303,7 @@ def main() -> None:
     report.data.update(commit=git_commit(), torch=torch.__version__, transformers=transformers.__version__,
                        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                        model="tiny llama" if tiny else "llama-3-8b shape, random weights",
-                       blend_tests_rc=args.tests_rc, gates={}, exactness={}, runs={}, decode={})
+                       gates={}, exactness={}, runs={}, decode={})
     started = time.perf_counter()
     # float32 first (is the loop exact where rounding is small?), then the model that is measured.
     measured = getattr(torch, args.dtype)

@@ -1,34 +1,72 @@
 #!/usr/bin/env bash
-# GPU check (issues #14, #25, #26, #27). Where a CUDA GPU is present: runs the blend tests with RAGBLEND_TEST_DEVICE=cuda
-# (every tests/blend file but the SmolLM2 ones: no model hub on a GPU machine), then bench/device_check.py
-# (HF sdpa full prefill vs reuse / blend on a random Llama-3-8B-shaped model in bfloat16; exactness; the gate;
-# decode), JSON into $OUT (or a temp folder), a short table last. Where there is none: says so, exits 0.
-# Usage: bench/device_check.sh   (PYTHON=... picks the interpreter; the repo's venv by default)
-# A GPU machine with torch but not this project's other packages: the blend tests and the check need only
-# torch + transformers; the store's tier cases also need numpy, pydantic, diskcache and redis (wheels
-# installed with `pip install --target DIR`, DIR on PYTHONPATH, as shared/gpu/README.md says) and are
-# skipped, with the reason in the JSON, where `store` does not import.
+# GPU check (issues #14, #25, #26, #27), one call on a lent GPU machine. Parts, the most wanted numbers first,
+# each under its own timeout (under 8 minutes in all; about 5 expected), each writing its JSON into $OUT as it goes:
+#   decode   bench/decode.py --device cuda: the pooled decode step on a random Llama-3-8B shape in bfloat16, 4k-token
+#            rows, batch 1/8/32, eager vs CUDA graphs (same tokens?), the model's own forward at batch 1
+#   prefill  bench/device_check.py: HF sdpa full prefill vs reuse / blend at 4k and 16k tokens, KV resident, from
+#            the memory and disk tiers; synchronised phases; the f32/bf16 exactness table; the gate's verdict
+#   tests    the blend tests with RAGBLEND_TEST_DEVICE=cuda (every tests/blend file but the SmolLM2 ones: no model
+#            hub there), the decode pool's and the device seam's first
+#   store    bench/store.py --device cuda: the tiers on the device (gpu / pinned memory / disk / int8)
+# Where there is no GPU it says so and exits 0.
+#
+# Usage: bench/device_check.sh [PARTS]    PARTS: a comma-separated subset, e.g. decode,prefill (default: all four)
+#   PYTHON=... picks the interpreter (the repo's venv by default, else python3).
+# The GPU image has an older transformers than requirements.txt pins (its layers take `past_key_values`, not
+# `cache=`: every cache would be dropped silently) and none of the store's packages. So, here, first run
+# bench/gpu_wheels.sh (wheels into .whl/, git-ignored) and make the device call carry [".whl"]:
+#   run(command="bash bench/device_check.sh", carry=[".whl"], timeout_s=480)
+# The wheels in .whl/ are installed into a scratch folder put first on PYTHONPATH; a transformers that is not
+# the pinned one stops the check (exit 3) before anything is timed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
 OUT="${OUT:-$(mktemp -d)}"
+PARTS=",${1:-decode,prefill,tests,store},"
+want() { [[ "$PARTS" == *",$1,"* ]]; }
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    echo '{"gpu": false, "message": "no CUDA GPU on this machine (torch.cuda.is_available() is False): nothing to check"}'
+    echo '{"gpu": false, "message": "no CUDA GPU here (torch.cuda.is_available() is False): nothing to check"}'
     exit 0
 fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+    SITE="$(mktemp -d)"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        || { echo "error: could not install the carried wheels in .whl/" >&2; exit 3; }
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+pinned="$(sed -n 's/^transformers==//p' requirements.txt)"
+found="$("$PY" -c 'import transformers; print(transformers.__version__)' 2>/dev/null)"
+if [ "$found" != "$pinned" ]; then
+    echo "error: transformers ${found:-missing} here, the project pins $pinned (bench/gpu_wheels.sh; carry .whl)" >&2
+    exit 3
+fi
+"$PY" -c 'import store' 2>/dev/null || echo "note: \`store\` does not import here: its cases are skipped" >&2
+export PYTHONUNBUFFERED=1
 
-echo "blend tests on CUDA..." >&2
-RAGBLEND_TEST_DEVICE=cuda timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/blend \
-    --ignore=tests/blend/test_smollm.py --ignore=tests/blend/test_selection_smollm.py \
-    --ignore=tests/blend/test_device_check.py > "$OUT/blend_tests.txt" 2>&1
-tests_rc=$?
-tail -3 "$OUT/blend_tests.txt" >&2
-"$PY" bench/device_check.py --out "$OUT" --tests-rc "$tests_rc"
-# The store tiers on the device (gpu / pinned memory / disk / int8: read + verify + decode, GB/s) and the pooled
-# decode step (eager vs CUDA graphs at batch 1/8/32, tokens compared, the model's own forward at batch 1).
-echo "store tiers on CUDA..." >&2
-timeout 120 "$PY" bench/store.py --device cuda --tokens 512 --chunks 8 --repeats 3 > "$OUT/store_cuda.json"
-echo "decode on CUDA..." >&2
-timeout 150 "$PY" bench/decode.py --device cuda > "$OUT/decode_cuda.json"
-tail -c 2000 "$OUT/decode_cuda.json"
+if want decode; then
+    echo "decode on CUDA..." >&2
+    timeout 150 "$PY" bench/decode.py --device cuda --out "$OUT/decode_cuda.json" > /dev/null
+fi
+if want prefill; then
+    echo "prefill on CUDA..." >&2
+    timeout 190 "$PY" bench/device_check.py --out "$OUT" --tokens 4096,16384 --repeats 2 --decode-batches 1,32
+fi
+if want tests; then
+    cuda_tests() {  # cuda_tests SECONDS NAME PYTEST-ARGS...: the output in $OUT/NAME.txt
+        RAGBLEND_TEST_DEVICE=cuda timeout "$1" "$PY" -m pytest -q -rfE -p no:cacheprovider \
+            --continue-on-collection-errors "${@:3}" > "$OUT/$2.txt" 2>&1
+        echo "$2: exit $?; $(tail -1 "$OUT/$2.txt")" >&2
+    }
+    echo "blend tests on CUDA..." >&2
+    first=(tests/blend/test_batch_decode.py tests/blend/test_device.py)  # the decode pool's, the device seam's
+    cuda_tests 45 blend_tests_first "${first[@]}"
+    cuda_tests 45 blend_tests tests/blend "${first[@]/#/--ignore=}" --ignore=tests/blend/test_smollm.py \
+        --ignore=tests/blend/test_selection_smollm.py --ignore=tests/blend/test_device_check.py
+fi
+if want store; then
+    echo "store tiers on CUDA..." >&2
+    timeout 30 "$PY" bench/store.py --device cuda --tokens 512 --chunks 8 --repeats 3 > "$OUT/store_cuda.json"
+fi
+[ -s "$OUT/decode_cuda.json" ] && tail -c 2500 "$OUT/decode_cuda.json"
+echo "JSON in $OUT: $(ls "$OUT" | tr '\n' ' ')" >&2

@@ -95,8 +95,11 @@ class StreamStager(Stager):
 
     def __init__(self, device: torch.device):
         self.device, self.stream, self.ready = device, torch.cuda.Stream(device), []
+        self.compute = torch.cuda.current_stream(device)
 
     def scope(self):
+        # The loader's copies go into buffers and use rotations the compute stream made: wait for them first.
+        self.stream.wait_stream(self.compute)
         return torch.cuda.stream(self.stream)
 
     def mark(self, layer: int) -> None:

@@ -91,7 +91,8 @@ def pooled_attention_forward(module, query: torch.Tensor, key: PooledKV, value: 
         out = decode_attention(grouped, key.rows, value.rows, key.lengths, scaling)
     else:
         out = F.scaled_dot_product_attention(grouped, key.rows, value.rows, attn_mask=key.visible, scale=scaling)
-    return out.view(rows, 1, hq, dim), None                                         # head h·G + g, as HF's repeat_kv
+    # (reshape, not view: on CUDA, sdpa's memory-efficient kernel returns a non-contiguous output)
+    return out.reshape(rows, 1, hq, dim), None                                      # head h·G + g, as HF's repeat_kv
 
 
 class DecodeStepper:

@@ -169,7 +169,10 @@ class Blender:
                 reason = str(exc)
         if reason is None:
             self.model.set_attn_implementation(BLEND_ATTENTION)
-            reason = self._probe()
+            try:
+                reason = self._probe()
+            except Exception as exc:  # noqa: BLE001 - e.g. an attention kernel that does not compile here
+                reason = f"the probe prompt failed in the blend loop: {type(exc).__name__}: {exc}"
         if reason and self.model.config._attn_implementation == BLEND_ATTENTION:
             fallback = own if own != BLEND_ATTENTION else "sdpa" if self.model._supports_sdpa else "eager"
             self.model.set_attn_implementation(fallback)

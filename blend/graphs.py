@@ -42,7 +42,8 @@ def cuda_graph_capture(fn: Callable[[], torch.Tensor], warmup: int = 2) -> tuple
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=_memory_pool):
+    # thread_local: the server's other threads (KV loaders, the embedder) may call CUDA during a capture
+    with torch.cuda.graph(graph, pool=_memory_pool, capture_error_mode="thread_local"):
         out = fn()
     return out, graph.replay
 

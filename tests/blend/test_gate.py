@@ -128,3 +128,18 @@ def test_accepted_models_keep_the_blend_attention(tiny_blender):
     assert tiny_blender.model.config._attn_implementation == BLEND_ATTENTION
     assert tiny_blender.prefill(segments(tiny_blender), SUFFIX, 0.3).stats.fallback is None
     assert len(CHUNKS) == 3  # the prompt these tests share: head + 3 chunks + suffix
+
+
+def test_a_probe_that_raises_is_a_refusal_not_a_crash(monkeypatch):
+    # On a GPU the blend loop's attention is compiled; a compiler failure must leave the model its own forward.
+    def broken_plan(self, positions, num_keys=None):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr("blend.backend.Backend.plan", broken_plan)
+    model = tiny_model("llama")
+    blender = Blender(model, None, "tiny")
+    assert blender.unsupported.startswith("the probe prompt failed in the blend loop: RuntimeError: no kernel")
+    assert model.config._attn_implementation != BLEND_ATTENTION
+    result = blender.prefill(segments(blender), SUFFIX, ratio=0.15)
+    assert result.stats.fallback == blender.unsupported
+    assert_runs_like_the_model(blender, result)

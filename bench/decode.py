@@ -195,8 +195,9 @@ def cuda_decode_timing(device: str = "cuda", context: int = 4096, batches: tuple
         for mode in ("eager", "graphs"):  # (on the CPU no graph can be captured: that tries the fallback)
             capture = cuda_graph_capture if device.type == "cuda" else _no_capture
             blender._graphs = StepGraphs(enabled=mode == "graphs", capture=capture)
-            rows = fill_rows(blender, batch, context)  # the same K/V in both modes
+            rows = []
             try:
+                rows = fill_rows(blender, batch, context)  # the same K/V in both modes
                 ms, tokens[mode] = timed_steps(blender, rows, steps)
                 row[mode] = {"step_ms": round(ms, 2), "tokens_per_s": round(1000 * batch / ms, 1)}
             except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run

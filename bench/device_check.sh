@@ -50,7 +50,10 @@ if want decode; then
 fi
 if want prefill; then
     echo "prefill on CUDA..." >&2
-    timeout 190 "$PY" bench/device_check.py --out "$OUT" --tokens 4096,16384 --repeats 2 --decode-batches 1,32
+    # (its log, with torch.compile's recompiles of FlexAttention: one per new prompt shape would be too many)
+    TORCH_LOGS=recompiles timeout 190 "$PY" bench/device_check.py --out "$OUT" --tokens 4096,16384 --repeats 2 \
+        --decode-batches 1,32 2> "$OUT/prefill_log.txt"
+    echo "prefill: exit $?; $(grep -c -i recompil "$OUT/prefill_log.txt") log lines on recompiles" >&2
 fi
 if want tests; then
     cuda_tests() {  # cuda_tests SECONDS NAME PYTEST-ARGS...: the output in $OUT/NAME.txt

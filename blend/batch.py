@@ -137,7 +137,7 @@ class DecodeStepper:
         hidden = self.decoder.embed_tokens(tokens[:, None])                            # [rows, 1, hidden]
         position_embeddings = self.decoder.rotary_emb(hidden, position_ids=position_ids)
         if self.attention_kernel:  # each row's own keys; none for a padding row (at the scratch column)
-            visible, lengths = None, torch.where(positions == self.pool.scratch, 0, positions + 1)  # [rows]
+            visible, lengths = None, self.pool.row_lengths(positions)                   # [rows]
         else:
             visible, lengths = (self.columns[:key_columns][None, :] <= position_ids)[:, None, None, :], None
         cache = PoolView(self.pool, positions, key_columns, visible, lengths)              # visible: [rows, 1, 1, T]

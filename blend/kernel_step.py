@@ -109,7 +109,7 @@ class KernelStep:
         hidden = self.decoder.embed_tokens(tokens)                                     # [rows, hidden]
         cos, sin = self.decoder.rotary_emb(hidden[:, None], position_ids=positions[:, None])   # [rows, 1, D]
         cos, sin = cos[:, 0], sin[:, 0]                                                # [rows, D]
-        lengths = torch.where(positions == pool.scratch, 0, positions + 1)            # [rows]; 0: padding
+        lengths = pool.row_lengths(positions)                                          # [rows]; 0: padding
         for index, layer in enumerate(self.layers):
             keys, values = pool.keys[index], pool.values[index]                        # [slots, Hkv, columns, D]
             query = cpu_kernels.rope_write(*self.qkv[index](layer.input_layernorm(hidden)), cos, sin, positions,

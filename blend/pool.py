@@ -93,6 +93,11 @@ class KVPool:
                 self.values[:, slot, :, start:columns].zero_()
                 self._finite[slot] = columns
 
+    def row_lengths(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each step row's key count once it has written at `positions` [rows]: position + 1, and 0 for a
+        padding row (it writes at the scratch column and reads nothing)."""
+        return torch.where(positions == self.scratch, 0, positions + 1)                # [rows]
+
     def slot_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one slot's K/V [L, H, max_len, D] (without the scratch column)."""
         return self.keys[:, slot, :, :self.max_len], self.values[:, slot, :, :self.max_len]

@@ -14,6 +14,8 @@ from dataclasses import replace
 from functools import cached_property
 from typing import Any, Protocol
 
+import torch
+
 from app.config import Settings
 from app.ingest import IngestCancelled, Ingestor
 from app.kv import ChunkKVCache
@@ -22,8 +24,19 @@ from app.scheduler import Scheduler
 from app.usage import UsageLog
 from app.worker import Worker
 from blend import Blender, LoadedModel, PromptFormat, load_model
+from common.placement import HOST, Placement
 from retrieval import Chunker, Embedder, Metadata, Retriever, open_embedder, open_metadata
 from store import TieredStore, build_store
+
+
+def placement_of(blender: Blender) -> Placement:
+    """Where the model's KV lives, for the store. A stand-in until blend's backend says it itself
+    (`Backend.placement`, issue #37), which replaces this function."""
+    device = blender.device
+    if device.type == "cpu":
+        return HOST
+    free, _ = torch.cuda.mem_get_info(device)  # once the model is loaded: the gpu tier's "auto" share
+    return Placement(device, on_host=False, pin=blender.backend.pin_host_memory, device_free_bytes=free)
 
 
 class Components:
@@ -60,7 +73,7 @@ class Components:
     @cached_property
     def store(self) -> TieredStore:
         return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint,
-                           device=self.blender.device)  # gpu_bytes "auto" and pinned memory follow the model
+                           placement_of(self.blender))  # the gpu tier and pinned memory follow the model
 
     def inspect_store(self) -> TieredStore:
         """The store opened without a model, for stats only (the caller closes it)."""

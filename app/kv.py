@@ -93,8 +93,7 @@ class ChunkKVCache:
         """The stored KV of `ids` after `context_ids` opened for per-layer reads (a pipelined prefill reads
         and closes it), and its tier; (None, None) on a miss. Reads only the entry's head."""
         ids = list(ids)
-        # pinned host memory where the backend copies to a GPU: the copies need not block (blend.backend)
-        entry = self.store.open(self._key(ids, context_ids), pin_memory=self.blender.backend.pin_host_memory)
+        entry = self.store.open(self._key(ids, context_ids))  # staged as the store's placement says
         if entry is None:
             return None, None
         if entry.token_ids.tolist() != ids:

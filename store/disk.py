@@ -15,7 +15,7 @@ write lock serializes puts, evictions and recency updates across processes.
   the cap; `_LRUCache._cull` evicts least recently used entries until the entries' bytes fit.
 - Values are bytes only: `_BytesDisk` refuses diskcache's pickle modes both ways.
 
-The tier does not parse entries: the store decodes them, and deletes any that fail their checks.
+The tier moves bytes; store.byte_tier.ByteTier (its base) checks and decodes them on the way out.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from typing import Any
 
 import diskcache
 
+from store.byte_tier import ByteTier
 from store.keys import is_key, validate_key
 from store.layered import pread_into
 
@@ -144,14 +145,13 @@ class FileReader:
         self._handle.close()
 
 
-class DiskTier:
+class DiskTier(ByteTier):
     name = "disk"
-    remote = False
-    trusted = False
 
     def __init__(self, root: str | Path, capacity_bytes: int, timeout_s: float = 10.0) -> None:
         """`timeout_s`: how long a call waits for another process's write lock before it counts
         an error and reports a miss (puts and recency updates are sub-millisecond transactions)."""
+        super().__init__()
         if capacity_bytes < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity_bytes}")
         self.root = Path(root)
@@ -199,7 +199,7 @@ class DiskTier:
             value = self._cache.get(key, read=read)
         except _Unreadable as exc:
             self._error("read", key, exc)
-            self.delete(key)  # the index must not count an entry nobody can read
+            self.remove(key)  # the index must not count an entry nobody can read
             return None
         except _ERRORS as exc:
             self._error("read", key, exc)
@@ -207,16 +207,14 @@ class DiskTier:
         self._ok()
         return value
 
-    def get(self, key: str) -> bytes | None:
+    def get_bytes(self, key: str) -> bytes | None:
         return self._fetch(key, read=False)
 
     def reader(self, key: str) -> FileReader | None:
-        """Open an entry for byte-range reads (refreshes its recency once)."""
         handle = self._fetch(key, read=True)
         return None if handle is None else FileReader(handle)
 
     def head(self, key: str, nbytes: int) -> bytes | None:
-        """The first `nbytes` of an entry, without touching its recency."""
         validate_key(key)
         try:
             path = self._cache.peek_file(key)
@@ -230,7 +228,7 @@ class DiskTier:
             self._error("read", key, exc)
             return None
 
-    def put(self, key: str, data: bytes) -> None:
+    def put_bytes(self, key: str, data: bytes) -> None:
         validate_key(key)
         if len(data) > self.capacity:
             return
@@ -241,7 +239,7 @@ class DiskTier:
             return
         self._ok()
 
-    def delete(self, key: str) -> bool:
+    def remove(self, key: str) -> bool:
         validate_key(key)
         try:
             return self._cache.delete(key)
@@ -266,6 +264,7 @@ class DiskTier:
         return iter(keys)
 
     def close(self) -> None:
+        super().close()
         self._cache.close()
 
     def stats(self) -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """In-process tiers, LRU under a byte cap, thread-safe.
 
-`MemoryTier` holds tensors: each chunk's keys/values [L, H, T, D] in the model's dtype on the tier's
-device: host memory (page-locked where the model runs on CUDA, so a layer's copy to the GPU is
-one non-blocking DMA), or the GPU itself (the `gpu` tier). Entries are placed once, when they are
-put or promoted (pinned buffers come from torch's caching host allocator, which reuses freed
-page-locked blocks: nothing is pinned per read), and handed out as they are: a hit is no copy and
-no decode. `BytesTier` holds serialized entries (a stand-in remote tier for tests and benchmarks).
+`MemoryTier` keeps tensors: each chunk's keys/values [L, H, T, D] in the model's dtype on the tier's
+device: host memory (page-locked when the placement says `pin`, so a layer's copy to the device is one
+non-blocking DMA), or the device itself (the `gpu` tier). Entries are placed once, when they are put or
+promoted (pinned buffers come from torch's caching host allocator, which reuses freed page-locked
+blocks: nothing is pinned per read), and handed out as they are: a hit is no copy and no decode.
+`BytesTier` keeps encoded entries (a stand-in remote tier for tests and benchmarks).
 """
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ from typing import Any
 import torch
 
 from common.chunk_kv import ChunkKV
+from common.placement import HOST
+from store.base import Entry, EntryHooks, Reading, Tier
+from store.byte_tier import ByteTier
 from store.eviction import LRUPolicy
 from store.keys import validate_key
-from store.serialize import host_to
+from store.layered import ResidentEntry
 
 
 class MemoryReader:
@@ -34,11 +37,8 @@ class MemoryReader:
         pass
 
 
-class _LRUEntries:
-    """Entries in a dict under an LRU byte cap, thread-safe: what both in-process tiers share."""
-
-    remote = False
-    trusted = True  # what is held here never left this process: the store may skip re-checking digests
+class LRUEntries:
+    """Entries in a dict under an LRU byte cap, thread-safe: what both in-process tiers keep theirs in."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self._data: dict[str, Any] = {}
@@ -46,16 +46,19 @@ class _LRUEntries:
         self._lock = threading.Lock()
         self._evictions = 0
 
-    def get(self, key: str) -> Any:
-        """The entry (bytes or a ChunkKV, as the tier holds), refreshing its recency; None on a miss."""
+    def fits(self, nbytes: int) -> bool:
+        return self._lru.fits(nbytes)
+
+    def get(self, key: str, touch: bool = True) -> Any:
+        """The entry, refreshing its recency (unless `touch` is False); None on a miss."""
         validate_key(key)
         with self._lock:
             entry = self._data.get(key)
-            if entry is not None:
+            if entry is not None and touch:
                 self._lru.touch(key)
             return entry
 
-    def _hold(self, key: str, entry: Any, nbytes: int) -> None:
+    def hold(self, key: str, entry: Any, nbytes: int) -> None:
         with self._lock:
             self._data[key] = entry
             for old in self._lru.add(key, nbytes):
@@ -77,70 +80,110 @@ class _LRUEntries:
         with self._lock:
             return iter(self._lru.keys())
 
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._lru = LRUPolicy(self._lru.capacity)
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"entries": len(self._data), "bytes": self._lru.nbytes, "capacity": self._lru.capacity,
                     "evictions": self._evictions, "errors": 0}
 
 
-class BytesTier(_LRUEntries):
-    name = "bytes"
+class MemoryTier(Tier):
+    """ChunkKVs kept as tensors on `device` (see the module doc); `pin`: host buffers are page-locked
+    (the store's placement decides: only where the model's device reads host memory by DMA)."""
 
-    def head(self, key: str, nbytes: int) -> bytes | None:
-        """The first `nbytes` of an entry, without touching its recency."""
-        validate_key(key)
-        with self._lock:
-            data = self._data.get(key)
-        return None if data is None else data[:nbytes]
+    def __init__(self, capacity_bytes: int, device: torch.device | str = HOST.device, name: str = "memory",
+                 pin: bool = False) -> None:
+        self._entries = LRUEntries(capacity_bytes)
+        self.name, self.pin = name, pin
+        self.device = torch.empty(0, device=device).device  # as tensors name it ("cuda" -> "cuda:0")
 
-    def reader(self, key: str) -> MemoryReader | None:
-        """Open an entry for byte-range reads (refreshes its recency once)."""
-        data = self.get(key)
-        return None if data is None else MemoryReader(data)
+    def held(self, key: str) -> ChunkKV | None:
+        """The tensors kept under `key` (refreshing its recency), as every hit hands them out."""
+        return self._entries.get(key)
 
-    def put(self, key: str, data: bytes) -> None:
-        validate_key(key)
-        data = bytes(data)  # immutable: nobody can change an entry behind the store's back
-        if self._lru.fits(len(data)):
-            self._hold(key, data, len(data))
+    def get(self, key: str, reading: Reading = Reading()) -> Entry | None:
+        kv = self.held(key)
+        return None if kv is None else Entry.of_tensors(kv, reading.codec)
 
-    def close(self) -> None:
-        pass
-
-
-class MemoryTier(_LRUEntries):
-    """ChunkKVs held as tensors on `device` (see the module doc). `pin_memory`: host buffers are
-    page-locked (only with CUDA present)."""
-
-    holds_tensors = True
-
-    def __init__(self, capacity_bytes: int, device: torch.device | str = "cpu", name: str = "memory",
-                 pin_memory: bool = False) -> None:
-        super().__init__(capacity_bytes)
-        self.name, self.device = name, torch.device(device)
-        self.pin_memory = pin_memory and self.device.type == "cpu" and torch.cuda.is_available()
+    def open(self, key: str, reading: Reading, hooks: EntryHooks) -> ResidentEntry | None:
+        kv = self.held(key)
+        return None if kv is None else ResidentEntry(key, self.name, reading.codec, kv, hooks)
 
     def _placed(self, t: torch.Tensor) -> torch.Tensor:
         """`t` on the tier's device, contiguous (and pinned when asked): `t` itself when it already is."""
-        if t.device == self.device and t.is_contiguous() and (not self.pin_memory or t.is_pinned()):
+        if t.device == self.device and t.is_contiguous() and (t.is_pinned() or not self.pin):
             return t
-        placed = torch.empty(t.shape, dtype=t.dtype, device=self.device, pin_memory=self.pin_memory)
-        return host_to(t, t.dtype, out=placed) if self.device.type == "cpu" and t.device.type == "cpu" \
-            else placed.copy_(t)
+        return torch.empty(t.shape, dtype=t.dtype, device=self.device, pin_memory=self.pin).copy_(t)
 
-    def put(self, key: str, kv: ChunkKV) -> None:
-        """Hold `kv` (its tensors themselves when already placed: the store hands over fresh ones)."""
+    def put(self, key: str, entry: Entry) -> None:
+        """Keep the entry's tensors (themselves when already placed: the store hands over fresh ones)."""
         validate_key(key)
-        if not self._lru.fits(kv.nbytes):
+        kv = entry.kv
+        if not self._entries.fits(kv.nbytes):
             return
         held = ChunkKV(self._placed(kv.keys), self._placed(kv.values), kv.token_ids, kv.position,
                        kv.context_hash, kv.fingerprint)
-        self._hold(key, held, held.nbytes)
+        self._entries.hold(key, held, held.nbytes)
+
+    def delete(self, key: str) -> bool:
+        return self._entries.delete(key)
+
+    def contains(self, key: str) -> bool:
+        return self._entries.contains(key)
+
+    def keys(self) -> Iterator[str]:
+        return self._entries.keys()
+
+    def fingerprint_of(self, key: str) -> str | None:
+        kv = self._entries.get(key, touch=False)
+        return None if kv is None else kv.fingerprint
 
     def close(self) -> None:
-        with self._lock:
-            self._data.clear()
-            self._lru = LRUPolicy(self._lru.capacity)
+        self._entries.clear()
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "device": str(self.device), "pinned": self.pin_memory}
+        return {**self._entries.stats(), "device": str(self.device), "pinned": self.pin}
+
+
+class BytesTier(ByteTier):
+    """Encoded entries in this process's memory. Trusted: its bytes never left the process."""
+
+    name = "bytes"
+    trusted = True
+
+    def __init__(self, capacity_bytes: int, write_behind: int = 0) -> None:
+        super().__init__(write_behind)
+        self._entries = LRUEntries(capacity_bytes)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        return self._entries.get(key)
+
+    def head(self, key: str, nbytes: int) -> bytes | None:
+        data = self._entries.get(key, touch=False)
+        return None if data is None else data[:nbytes]
+
+    def reader(self, key: str) -> MemoryReader | None:
+        data = self._entries.get(key)
+        return None if data is None else MemoryReader(data)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        validate_key(key)
+        data = bytes(data)  # immutable: nobody can change an entry behind the store's back
+        if self._entries.fits(len(data)):
+            self._entries.hold(key, data, len(data))
+
+    def remove(self, key: str) -> bool:
+        return self._entries.delete(key)
+
+    def contains(self, key: str) -> bool:
+        return self._entries.contains(key)
+
+    def keys(self) -> Iterator[str]:
+        return self._entries.keys()
+
+    def stats(self) -> dict[str, Any]:
+        return {**self._entries.stats(), **self.write_stats()}

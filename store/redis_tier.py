@@ -8,6 +8,10 @@ Capacity and eviction are Redis's business: run it with a `maxmemory` and an LRU
 policy, e.g. `--maxmemory 8gb --maxmemory-policy allkeys-lru`. An evicted entry is a miss like
 any other: the KV is recomputed and put back. `stats()` reports the server's memory, limit,
 policy and evictions.
+
+Puts go through the tier's own write-behind thread (`ragblend-store-writer`, a bounded queue of
+`queue_size`: a full queue drops the write, counted), so a request never waits on Redis; a delete wins
+over the writes of its key queued before it. Upkeep is Redis's own: `gc` leaves it alone.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from store.byte_tier import ByteTier
 from store.keys import is_key, validate_key
 from store.serialize import OPEN_BYTES
 
@@ -48,13 +53,12 @@ class RedisReader:
         pass
 
 
-class RedisTier:
+class RedisTier(ByteTier):
     name = "redis"
-    remote = True  # the store writes it from a background thread
-    trusted = False
 
     def __init__(self, url: str, password: str | None = None, prefix: str = "ragblend:",
-                 ttl_s: int | None = None, timeout_s: float = 0.5, backoff_s: float = 5.0) -> None:
+                 ttl_s: int | None = None, timeout_s: float = 0.5, backoff_s: float = 5.0,
+                 queue_size: int = 256) -> None:
         extra = {} if password is None else {"password": password}
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -69,6 +73,7 @@ class RedisTier:
         self._down_until = 0.0  # time.monotonic() before which Redis is skipped
         self._up = True
         self._errors = self._outages = self._skipped = 0
+        super().__init__(write_behind=queue_size)  # last: its thread starts only once the tier can write
 
     def _name(self, key: str) -> str:
         return self.prefix + validate_key(key)
@@ -110,7 +115,7 @@ class RedisTier:
         if not was_up:
             log.warning("redis tier: %s is back", self.where)
 
-    def get(self, key: str) -> bytes | None:
+    def get_bytes(self, key: str) -> bytes | None:
         return self._call(None, self._client.get, self._name(key))
 
     def head(self, key: str, nbytes: int) -> bytes | None:
@@ -127,10 +132,10 @@ class RedisTier:
     def _getrange(self, name: str, offset: int, length: int) -> bytes:
         return self._call(b"", self._client.getrange, name, offset, offset + length - 1) if length > 0 else b""
 
-    def put(self, key: str, data: bytes) -> None:
+    def put_bytes(self, key: str, data: bytes) -> None:
         self._call(None, self._client.set, self._name(key), data, ex=self.ttl_s or None)
 
-    def delete(self, key: str) -> bool:
+    def remove(self, key: str) -> bool:
         return bool(self._call(0, self._client.delete, self._name(key)))
 
     def contains(self, key: str) -> bool:
@@ -142,11 +147,16 @@ class RedisTier:
         n = len(self.prefix)
         return (key for name in names if is_key(key := name.decode(errors="replace")[n:]))
 
+    def gc(self, keep_fingerprint: str) -> None:
+        """Nothing: replicas share Redis and may run another model; its TTL and maxmemory policy age entries out."""
+        return None
+
     def close(self) -> None:
+        super().close()  # the queued writes first
         self._client.close()
 
     def stats(self) -> dict[str, Any]:
-        """Ours: errors, outages, skipped calls. The server's (None when unreachable): keys in this
+        """Ours: errors, outages, skipped calls, the write queue's length and its dropped writes. The server's (None when unreachable): keys in this
         database, memory used and its limit and policy, evictions since it started."""
         info = self._call({}, self._client.info)
         keys = info.get(f"db{self._client.connection_pool.connection_kwargs.get('db', 0)}", {}).get("keys")
@@ -154,4 +164,4 @@ class RedisTier:
             return {"entries": keys, "bytes": info.get("used_memory"), "evictions": info.get("evicted_keys"),
                     "maxmemory": info.get("maxmemory"), "policy": info.get("maxmemory_policy"),
                     "errors": self._errors, "outages": self._outages, "skipped": self._skipped,
-                    "available": self._up and time.monotonic() >= self._down_until}
+                    "available": self._up and time.monotonic() >= self._down_until, **self.write_stats()}

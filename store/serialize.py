@@ -45,6 +45,7 @@ import torch
 import xxhash
 
 from common.chunk_kv import ChunkKV, KVMismatchError, hash_ids
+from common.placement import HOST
 
 if sys.byteorder != "little":
     raise ImportError("the KV format is little-endian; big-endian hosts are not supported")
@@ -89,7 +90,9 @@ _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.int8: np.i
 
 
 def _on_host(device: Device) -> bool:
-    return device is None or torch.device(device).type == "cpu"
+    """Whether tensors bound for `device` stay in host memory (None: where they are read, the host), so
+    numpy can convert them (host_to's reason). The store asks where, never which kind of device."""
+    return device is None or torch.device(device) == HOST.device
 
 
 def host_to(t: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 
 class StoreSettings(BaseModel):
     codec: Literal["native", "fp16", "int8"] = "fp16"
-    gpu_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"  # auto: a share of free GPU memory on CUDA, 0 elsewhere
+    gpu_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"  # auto: a share of the device's free memory; 0 for a model on the host
     memory_bytes: int = Field(512 << 20, ge=0)
     disk_bytes: int = Field(4 << 30, ge=0)
     redis_url: str | None = None

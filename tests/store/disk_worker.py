@@ -56,14 +56,14 @@ def main() -> None:
         key = rng.choice(KEYS)
         draw = rng.random()
         if draw < 0.45:
-            tier.put(key, make_value(rng, key, seed, op))
+            tier.put_bytes(key, make_value(rng, key, seed, op))
             seen["puts"] += 1
             nbytes = tier.stats()["bytes"]
             seen["max_bytes"] = max(seen["max_bytes"], nbytes)
             if nbytes > cap:
                 raise AssertionError(f"{nbytes} bytes on a {cap}-byte cap")
         elif draw < 0.8:
-            if (data := tier.get(key)) is not None:
+            if (data := tier.get_bytes(key)) is not None:
                 check_value(key, data)
                 seen["hits"] += 1
         elif (reader := tier.reader(key)) is not None:

@@ -78,7 +78,7 @@ def test_the_gpu_tier_evicts_to_its_cap_and_a_hit_gives_the_logits_of_a_miss(ble
     # chunk 0 was read whole from memory: promoted into the gpu tier on close, evicting the coldest
     assert gpu.contains(keys[0]) and gpu.stats()["bytes"] <= cap
     k, _ = store.open(keys[0]).layer(0, TEST_DEVICE, blender.dtype)
-    assert k.data_ptr() == gpu.get(keys[0]).keys[0].data_ptr()  # on the device in the dtype: no copy
+    assert k.data_ptr() == gpu.held(keys[0]).keys[0].data_ptr()  # on the device in the dtype: no copy
     store.close()
 
 
@@ -145,10 +145,10 @@ def test_a_corrupt_entry_never_reaches_attention(blender, tmp_path):
     store.tiers[0].trusted = False  # checked like a disk entry
     head, keys, served = put_chunks(blender, store)
     want = prefill(blender, head, served)
-    data = bytearray(store.tiers[0].get(keys[2]))
+    data = bytearray(store.tiers[0].get_bytes(keys[2]))
     offset, length = parse_head(bytes(data)).layer_range(4)
     data[offset + 1] ^= 0x01
-    store.tiers[0].put(keys[2], bytes(data))
+    store.tiers[0].put_bytes(keys[2], bytes(data))
     recomputed = []
     got = blender.prefill([head, *(store.open(k) for k in keys)], SUFFIX, 0.3, pipeline=True,
                           recompute=lambda i: recomputed.append(i) or served[i - 1])  # segment 0 is the head

@@ -7,6 +7,7 @@ import torch
 
 from store import (CODECS, DiskTier, LayeredEntry, LayerReadError, MemoryTier, RedisTier, ResidentEntry,
                    StoreClosedError, TieredStore, decode)
+from common.placement import HOST, Placement
 from store.serialize import OPEN_BYTES, parse_head
 from tests.helpers import all_layers, assert_same_kv, random_kv, run_in_threads
 
@@ -52,7 +53,9 @@ def test_every_layer_round_trips_from_every_tier(tmp_path, redis_url, codec, onl
         assert (entry.codec, entry.shape, entry.num_layers, entry.position) == (codec, SHAPE, 9, 2)
         assert torch.equal(entry.token_ids, kv.token_ids) and entry.fingerprint == FP
         if only != "memory":
-            assert entry.nbytes == len(store.tiers[0].get(key)) and entry.layer_nbytes * 9 < entry.nbytes
+            assert entry.nbytes == len(store.tiers[0].get_bytes(key)) and entry.layer_nbytes * 9 < entry.nbytes
+        else:  # one layer of the tensors held
+            assert entry.layer_nbytes * 9 == entry.nbytes == kv.nbytes
         for i in (8, 0, 4, 1, 7, 2, 6, 3, 5):
             keys, values = entry.layer(i)
             assert keys.dtype == values.dtype == entry.dtype == whole.keys.dtype == kv.keys.dtype
@@ -62,7 +65,7 @@ def test_every_layer_round_trips_from_every_tier(tmp_path, redis_url, codec, onl
             entry.layer(9)
     stats = store.stats()["tiers"][only]
     assert stats["layer_reads"] == 18 and stats["layer_ms_mean"] > 0
-    section = kv.nbytes // 9 if only == "memory" else parse_head(store.tiers[0].get(key)).layer_range(0)[1]
+    section = kv.nbytes // 9 if only == "memory" else parse_head(store.tiers[0].get_bytes(key)).layer_range(0)[1]
     assert stats["layer_bytes"] == 18 * section
     assert store.counts()[only].items() <= stats.items()  # the same counters, without asking the tiers
     store.close()
@@ -104,7 +107,7 @@ def test_a_damaged_head_is_a_miss(tmp_path, redis_url, redis_server, only):
     key, kv = random_kv(5, shape=SHAPE)
     store.put(key, kv)
     store.flush()
-    data = bytearray(store.tiers[0].get(key))
+    data = bytearray(store.tiers[0].get_bytes(key))
     head = parse_head(bytes(data))
     data[head.head_nbytes - 3] ^= 0x01  # inside the token ids: covered by the header digest
     if only == "disk":
@@ -180,8 +183,8 @@ def test_promotion_after_every_layer_was_read(tmp_path, redis_url):
             entry.layer(i)
         assert not memory.contains(key)  # not yet: on close
     assert memory.contains(key) and disk.contains(key)
-    assert disk.get(key) == store.tiers[2].get(key)  # the very bytes, reassembled
-    assert_same_kv(memory.get(key), decode(disk.get(key)), "native")  # the layers as read, held as tensors
+    assert disk.get_bytes(key) == store.tiers[2].get_bytes(key)  # the very bytes, reassembled
+    assert_same_kv(memory.held(key), decode(disk.get_bytes(key)), "native")  # the layers as read, held as tensors
     with store.open(key) as entry:
         assert entry.tier == "memory"
     store.close()
@@ -203,14 +206,17 @@ def test_layers_can_be_read_from_several_threads(tmp_path, redis_url):
     store.close()
 
 
-def test_pinned_staging_only_with_cuda(tmp_path, redis_url):
-    store = one_tier_store(tmp_path, redis_url, "disk", "native")
+def test_staging_is_pinned_as_the_placement_says(tmp_path):
     key, kv = random_kv(11, shape=SHAPE)
-    store.put(key, kv)
-    with store.open(key, pin_memory=True) as entry:
-        keys, values = entry.layer(0)  # native on the host: views of the (pinned, with CUDA) staging buffer
-        assert keys.is_pinned() == values.is_pinned() == torch.cuda.is_available() == entry.pin_memory
-        assert torch.equal(keys, kv.keys[0])
-    store.close()
-    with pytest.raises(StoreClosedError):
-        store.open(key)
+    placements = [HOST] + [Placement(torch.device("cuda"), on_host=False, pin=True)] * torch.cuda.is_available()
+    for n, placement in enumerate(placements):
+        store = TieredStore([DiskTier(tmp_path / str(n), 1 << 24)], codec="native", fingerprint=FP,
+                            placement=placement)
+        store.put(key, kv)
+        with store.open(key) as entry:
+            keys, values = entry.layer(0)  # native on the host: views of the staging buffer
+            assert keys.is_pinned() == values.is_pinned() == placement.pin == entry.pin_memory
+            assert torch.equal(keys, kv.keys[0])
+        store.close()
+        with pytest.raises(StoreClosedError):
+            store.open(key)

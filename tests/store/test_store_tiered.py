@@ -13,7 +13,8 @@ import torch
 
 from store import (CODECS, BytesTier, DiskTier, KVMismatchError, MemoryTier, RedisTier, StoreClosedError, StoreSettings,
                    TieredStore, build_store, encode)
-from store.tiered import gpu_bytes
+from common.placement import HOST, Placement
+from store.factory import gpu_bytes
 from tests.helpers import all_layers, assert_same_kv, random_kv, run_in_threads
 
 FP = "model-a"
@@ -125,7 +126,7 @@ def test_other_models_entries_are_refused_and_dropped(tmp_path):
         store.put(key_b, kv_b)
     # Model B's KV planted under the key model A would use for the same tokens: a miss, deleted.
     key_a = random_kv(5, fingerprint=FP)[0]
-    store.tiers[1].put(key_a, encode(kv_b))
+    store.tiers[1].put_bytes(key_a, encode(kv_b))
     assert store.get(key_a) is None and not store.tiers[1].contains(key_a)
     assert store.stats()["corrupt"] == 1
 
@@ -136,7 +137,7 @@ def test_an_entry_must_sit_under_its_own_key(tmp_path):
     key2, _ = random_kv(7)
     with pytest.raises(KVMismatchError):
         store.put(key2, kv1)
-    store.tiers[1].put(key2, encode(kv1))  # a valid disk entry, but of other tokens
+    store.tiers[1].put_bytes(key2, encode(kv1))  # a valid disk entry, but of other tokens
     assert store.get(key2) is None and not store.tiers[1].contains(key2)
     with pytest.raises(ValueError):
         store.get("../" + key1[3:])
@@ -240,19 +241,19 @@ def test_concurrent_gets_and_puts_never_see_partial_entries(tmp_path, redis_url)
 
 
 def test_full_write_queue_drops_instead_of_blocking(tmp_path):
-    class StuckRemote(BytesTier):  # a remote tier whose writes hang
-        name, remote, trusted = "stuck", True, False
+    class StuckRemote(BytesTier):  # a tier written behind, whose writes hang
+        name, trusted = "stuck", False
 
         def __init__(self) -> None:
-            super().__init__(1 << 20)
             self.release = threading.Event()
+            super().__init__(1 << 20, write_behind=2)
 
-        def put(self, key: str, data: bytes) -> None:
+        def put_bytes(self, key: str, data: bytes) -> None:
             self.release.wait()
-            super().put(key, data)
+            super().put_bytes(key, data)
 
     stuck = StuckRemote()
-    store = TieredStore([MemoryTier(1 << 20), stuck], fingerprint=FP, queue_size=2)
+    store = TieredStore([MemoryTier(1 << 20), stuck], fingerprint=FP)
     start = time.monotonic()
     for i in range(6):
         store.put(*random_kv(i))
@@ -271,7 +272,7 @@ def test_gc_drops_other_models_and_unreadable_entries(tmp_path):
     for key, kv in (mine | theirs).items():
         store.put(key, kv)
     junk = random_kv(9)[0]
-    store.tiers[1].put(junk, b"RBKV garbage")
+    store.tiers[1].put_bytes(junk, b"RBKV garbage")
 
     report = store.gc(keep_fingerprint=FP)
     assert report["memory"] == {"scanned": 5, "dropped": 2, "entries": 3, "bytes": report["memory"]["bytes"]}
@@ -299,17 +300,26 @@ def test_build_store_from_settings(tmp_path, redis_url):
     no_memory.close()
 
 
-def test_the_gpu_tier_is_built_only_on_cuda(tmp_path):
-    assert gpu_bytes("auto", "cpu") == gpu_bytes(1 << 30, "cpu") == gpu_bytes("auto", None) == 0
-    on_cpu = build_store(StoreSettings(gpu_bytes=1 << 30, read_threads=0), tmp_path / "kv", FP, device="cpu")
-    assert [t.name for t in on_cpu.tiers] == ["memory", "disk"] and on_cpu._pool is None
-    assert not on_cpu.tiers[0].pin_memory  # pinned host memory only for a model on CUDA
-    on_cpu.close()
+def test_the_gpu_tier_is_built_only_for_a_model_off_the_host(tmp_path):
+    assert gpu_bytes("auto", HOST) == gpu_bytes(1 << 30, HOST) == 0
+    on_host = build_store(StoreSettings(gpu_bytes=1 << 30, read_threads=0), tmp_path / "kv", FP, HOST)
+    assert [t.name for t in on_host.tiers] == ["memory", "disk"] and on_host._pool is None
+    assert not on_host.tiers[0].pin  # pinned host memory only when the placement says
+    on_host.close()
+    # A model off the host, the device played by the CPU: the gpu tier's code and cap, on "device" memory.
+    off_host = Placement(torch.device("cpu"), on_host=False, device_free_bytes=10 << 30)
+    assert gpu_bytes("auto", off_host) == 2 << 30 and gpu_bytes(1 << 20, off_host) == 1 << 20
+    with build_store(StoreSettings(gpu_bytes=1 << 20), tmp_path / "kv", FP, off_host) as store:
+        assert [t.name for t in store.tiers] == ["gpu", "memory", "disk"] and store.placement is off_host
+        key, kv = random_kv(32)
+        store.put(key, kv)
+        assert store.tiers[0].held(key) is not None and store.get_with_tier(key)[1] == "gpu"
     if torch.cuda.is_available():
-        auto = gpu_bytes("auto", "cuda")
-        assert 0 < auto < torch.cuda.mem_get_info()[0]
-        on_gpu = build_store(StoreSettings(), tmp_path / "kv", FP, device="cuda")
-        assert [t.name for t in on_gpu.tiers][:2] == ["gpu", "memory"] and on_gpu.tiers[1].pin_memory
+        free = torch.cuda.mem_get_info()[0]
+        cuda = Placement(torch.device("cuda"), on_host=False, pin=True, device_free_bytes=free)
+        assert 0 < gpu_bytes("auto", cuda) < free
+        on_gpu = build_store(StoreSettings(), tmp_path / "kv", FP, cuda)
+        assert [t.name for t in on_gpu.tiers][:2] == ["gpu", "memory"] and on_gpu.tiers[1].pin
         on_gpu.close()
     with pytest.raises(ValueError):
         StoreSettings(gpu_bytes=-1)
@@ -324,11 +334,11 @@ class GatedRedis(RedisTier):
         super().__init__(url, timeout_s=2.0)
         self.when, self.gate, self.entered = when, threading.Event(), threading.Event()
 
-    def put(self, key: str, data: bytes) -> None:
+    def put_bytes(self, key: str, data: bytes) -> None:  # what the tier's write-behind thread calls
         self.entered.set()
         if self.when == "before":
             self.gate.wait(10)
-        super().put(key, data)
+        super().put_bytes(key, data)
         if self.when == "after":
             self.gate.wait(10)
 
@@ -355,13 +365,12 @@ def test_delete_wins_over_writes_queued_before_it(tmp_path, redis_url, redis_ser
     store.flush()
     with redis_server.client() as raw:
         assert raw.exists("ragblend:" + key)
-    assert store._tombstones == {}  # spent once the writes they guard are done
+    assert remote.write_behind._tombstones == {}  # spent once the writes they guard are done
     store.close()
 
 
 def test_close_races_puts_without_losing_or_stranding_writes(tmp_path, redis_url, redis_server):
-    store = TieredStore([MemoryTier(1 << 24), RedisTier(redis_url, timeout_s=2.0)], fingerprint=FP,
-                        queue_size=8)
+    store = TieredStore([MemoryTier(1 << 24), RedisTier(redis_url, timeout_s=2.0, queue_size=8)], fingerprint=FP)
     entries = [random_kv(i, shape=(2, 1, 4, 4)) for i in range(400)]
     accepted, refused = [], []
 

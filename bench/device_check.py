@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from blend import BLEND_ATTENTION, Blender, SamplingParams  # noqa: E402
 from common import git_commit  # noqa: E402
+from common.placement import Placement  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=65536,
@@ -138,13 +139,14 @@ def exactness(blender: Blender, device, tokens: int, chunk: int) -> dict:
     return out
 
 
-def tier_stores(tmp: Path):
+def tier_stores(tmp: Path, placement: Placement):
     """The memory and disk tiers, or why they are not measured (store's dependencies missing)."""
     try:
         from store import DiskTier, MemoryTier, TieredStore, kv_key
     except ImportError as exc:
         return None, None, f"store does not import here ({exc}): tier cases skipped"
-    stores = {"memory": TieredStore([MemoryTier(1 << 38)]), "disk": TieredStore([DiskTier(tmp, 1 << 38)])}
+    stores = {"memory": TieredStore([MemoryTier(1 << 38, pin=placement.pin)], placement=placement),
+              "disk": TieredStore([DiskTier(tmp, 1 << 38)], placement=placement)}
     return stores, kv_key, None
 
 
@@ -155,7 +157,8 @@ def measure(blender: Blender, device, tokens: int, args, tmp: Path, report: Repo
     run = report.data["runs"].setdefault(str(len(ids)), {})
     head_kv = blender.precompute(head)
     kvs = [blender.precompute(c, head, context=head_kv) for c in chunks]
-    stores, kv_key, why = tier_stores(tmp / f"disk-{tokens}") if tokens <= args.tier_tokens else (
+    placement = Placement(device, on_host=device.type == "cpu", pin=blender.backend.pin_host_memory)
+    stores, kv_key, why = tier_stores(tmp / f"disk-{tokens}", placement) if tokens <= args.tier_tokens else (
         None, None, f"tier cases run up to {args.tier_tokens} tokens")
     keys = []
     if stores:
@@ -193,9 +196,8 @@ def measure(blender: Blender, device, tokens: int, args, tmp: Path, report: Repo
         for selection in ("query", "hkvd"):
             case(f"resident blend@{ratio} {selection}", blend(resident, ratio, selection))
     if stores:
-        pinned = blender.backend.pin_host_memory
         for tier in stores:
-            opened = lambda tier=tier: [stores[tier].open(k, pin_memory=pinned) for k in keys]  # noqa: E731
+            opened = lambda tier=tier: [stores[tier].open(k) for k in keys]  # noqa: E731
             for pipeline in (True, False):
                 way = "pipelined" if pipeline else "whole"
                 case(f"{tier} reuse {way}", blend(opened, 0.0, pipeline=pipeline))

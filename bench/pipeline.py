@@ -11,11 +11,12 @@ benchmark-only memory tier whose reads are throttled to --bandwidth MB/s (a remo
 "auto": pipelined, with the loading controller (blend.controller, as blend.ratio: auto) choosing the
 ratio (>= --ratio) and which chunks to recompute from text, from costs measured during the run.
 vs_memory = TTFT / the memory tier's pipelined TTFT; medians over interleaved repeats.
-Starts its own redis-server (tests.servers.RedisServer).
+Starts its own redis-server (tests.servers.RedisServer) when --tiers names redis.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app.components import Components  # noqa: E402
+from app.components import Components, placement_of  # noqa: E402
 from app.config import load_settings  # noqa: E402
 from blend.controller import Calibration, ChunkCost, overlap_share, plan_loading  # noqa: E402
 from blend.selection import get_policy  # noqa: E402
@@ -92,7 +93,9 @@ def main() -> None:
     item = json.loads(args.dataset.read_text())[args.question]
     load_before = os.getloadavg()
 
-    with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis_server:
+    names = args.tiers.split(",")
+    with tempfile.TemporaryDirectory() as tmp, (RedisServer() if "redis" in names else contextlib.nullcontext()
+                                                 ) as redis_server:
         settings = load_settings(data_dir=tmp, model={"cache_dir": str(REPO / "data/models")},
                                  store={"memory_bytes": 0, "disk_bytes": 0})
         parts = Components(settings)
@@ -106,14 +109,15 @@ def main() -> None:
         make = {"memory": lambda: MemoryTier(1 << 32), "disk": lambda: DiskTier(Path(tmp) / "disk", 1 << 32),
                 "redis": lambda: RedisTier(redis_server.url, timeout_s=10.0),
                 "limited": lambda: LimitedTier(args.bandwidth * 1e6)}
-        stores = {name: TieredStore([make[name]()], codec=settings.store.codec, fingerprint=blender.fingerprint)
-                  for name in args.tiers.split(",")}
+        stores = {name: TieredStore([make[name]()], codec=settings.store.codec, fingerprint=blender.fingerprint,
+                                    placement=placement_of(blender)) for name in names}
         for store in stores.values():
             for key, kv in zip(keys, kvs):
                 store.put(key, kv)
             store.flush()
         prompt_tokens = head.num_tokens + sum(map(len, passages)) + len(suffix)
-        kv_bytes = sum(stores[next(iter(stores))].open(k).nbytes for k in keys)
+        with contextlib.ExitStack() as opened:
+            kv_bytes = sum(opened.enter_context(stores[names[0]].open(k)).nbytes for k in keys)
 
         calibration, plans = Calibration(), {}
         policy = get_policy(args.selection or blender.selection)

@@ -7,8 +7,8 @@ model), and a loader's pattern: layer i of several open chunks in turn, serial a
 Prints JSON on stdout, progress on stderr. Starts its own redis-server on a free port (skipped when
 redis-server is missing). The KV is random (the store does not care); the model is randomly initialised
 (same compute as the real one). Disk reads come from the page cache, as they would for a hot chunk.
-`--device cuda` (bench/device_check.sh): bfloat16, layers land on the GPU, a gpu tier and a pinned memory
-tier; every timing synchronises the device.
+`--device cuda` (bench/device_check.sh): the model off the host (its Placement): bfloat16, layers land on
+the GPU, a gpu tier and a pinned memory tier; every timing synchronises the device.
 
 Per codec and tier: `get_s` (TieredStore.get: read, check, decode the whole chunk), `all_layers_s`
 (open + entry.layer(i, device, dtype) for every layer: what a pipelined loader spends), and
@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.placement import HOST, Placement  # noqa: E402
 from store import CODECS, DiskTier, MemoryTier, RedisTier, TieredStore, bytes_per_token  # noqa: E402
 from tests.helpers import random_kv  # noqa: E402
 
@@ -43,8 +44,15 @@ def log(msg: str) -> None:
     print(f"[bench/store] {msg}", file=sys.stderr, flush=True)
 
 
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+def placement_for(device: str) -> Placement:
+    """The model's Placement for `--device`, as blend's backend gives it (host memory; else the device, its
+    host buffers pinned)."""
+    dev = torch.device(device)
+    return HOST if dev == HOST.device else Placement(dev, on_host=False, pin=True)
+
+
+def timed(fn: Callable[[], object], placement: Placement) -> float:
+    sync = (lambda: None) if placement.on_host else (lambda: torch.cuda.synchronize(placement.device))
     sync()
     start = time.perf_counter()
     fn()
@@ -52,7 +60,7 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def recompute_s(tokens: int, repeats: int, device: torch.device, dtype: torch.dtype) -> float:
+def recompute_s(tokens: int, repeats: int, placement: Placement, dtype: torch.dtype) -> float:
     """Median time of a `tokens`-long prefill of a random SmolLM2-135M-shaped Llama (last logits only)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -60,26 +68,27 @@ def recompute_s(tokens: int, repeats: int, device: torch.device, dtype: torch.dt
                          num_attention_heads=9, num_key_value_heads=KV_HEADS, vocab_size=49152,
                          max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
                          tie_word_embeddings=True)
-    model = LlamaForCausalLM(config).to(device, dtype).eval()
-    ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)  # [B, T]
+    model = LlamaForCausalLM(config).to(placement.device, dtype).eval()
+    ids = torch.randint(0, config.vocab_size, (1, tokens), device=placement.device)  # [B, T]
     with torch.inference_mode():
         model(ids, use_cache=True, logits_to_keep=1)  # warm-up
-        return statistics.median(timed(lambda: model(ids, use_cache=True, logits_to_keep=1), device)
+        return statistics.median(timed(lambda: model(ids, use_cache=True, logits_to_keep=1), placement)
                                  for _ in range(repeats))
 
 
-def make_tiers(name: str, root: Path, redis_url: str | None, device: torch.device) -> list:
-    return {"gpu": lambda: [MemoryTier(1 << 34, device=device, name="gpu")],
-            "memory": lambda: [MemoryTier(1 << 34, pin_memory=device.type == "cuda")],
+def make_tiers(name: str, root: Path, redis_url: str | None, placement: Placement) -> list:
+    return {"gpu": lambda: [MemoryTier(1 << 34, device=placement.device, name="gpu")],
+            "memory": lambda: [MemoryTier(1 << 34, pin=placement.pin)],
             "disk": lambda: [DiskTier(root / name, 1 << 34)],
             "redis": lambda: [RedisTier(redis_url, timeout_s=10.0, prefix=f"{root.name}:")]}[name]()
 
 
-def tier_times(name: str, codec: str, chunks: list, root: Path, redis_url: str | None, device: torch.device,
+def tier_times(name: str, codec: str, chunks: list, root: Path, redis_url: str | None, placement: Placement,
                repeats: int) -> dict[str, float]:
     """Timings of one tier as the only tier, every figure once per repeat, interleaved."""
-    stores = {threads: TieredStore(make_tiers(name, root / f"{codec}-{threads}", redis_url, device), codec=codec,
-                                   fingerprint=FINGERPRINT, read_threads=threads) for threads in (0, 4)}
+    stores = {threads: TieredStore(make_tiers(name, root / f"{codec}-{threads}", redis_url, placement), codec=codec,
+                                   fingerprint=FINGERPRINT, placement=placement, read_threads=threads)
+              for threads in (0, 4)}
     for store in stores.values():
         for key, kv in chunks:
             store.put(key, kv)  # a tensor tier places it on its device
@@ -89,14 +98,16 @@ def tier_times(name: str, codec: str, chunks: list, root: Path, redis_url: str |
     store = stores[4]
     assert store.get(key) is not None, f"{name}: entry did not come back"
 
+    device = placement.device
+
     def all_layers() -> None:
-        with store.open(key, pin_memory=device.type == "cuda") as entry:
+        with store.open(key) as entry:
             for i in range(entry.num_layers):
                 entry.layer(i, device, dtype)
 
     def loader(s: TieredStore) -> Callable[[], None]:
         def run() -> None:  # blend.pipeline.LayerLoader's order: layer i of every chunk, then layer i+1
-            entries = [s.open(k, pin_memory=device.type == "cuda") for k, _ in chunks]
+            entries = [s.open(k) for k, _ in chunks]
             for i in range(LAYERS):
                 for entry in entries:
                     entry.layer(i, device, dtype)
@@ -109,7 +120,7 @@ def tier_times(name: str, codec: str, chunks: list, root: Path, redis_url: str |
     times: dict[str, list[float]] = {case: [] for case in cases}
     for _ in range(repeats):
         for case, fn in cases.items():
-            times[case].append(timed(fn, device))
+            times[case].append(timed(fn, placement))
     for s in stores.values():
         s.close()
     return {case: statistics.median(values) for case, values in times.items()}
@@ -117,15 +128,15 @@ def tier_times(name: str, codec: str, chunks: list, root: Path, redis_url: str |
 
 def run(tokens: int = 512, chunks: int = 8, repeats: int = 5, device: str = "cpu") -> dict:
     """The benchmark as a dict (bench/device_check.py may call this with device="cuda")."""
-    dev = torch.device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    placement = placement_for(device)
+    dtype = torch.float32 if placement.on_host else torch.bfloat16
     shape = (LAYERS, KV_HEADS, tokens, HEAD_DIM)
     kvs = [random_kv(i, shape=shape, fingerprint=FINGERPRINT, dtype=dtype) for i in range(chunks)]
     kv_bytes = kvs[0][1].nbytes
     log(f"chunk KV {list(shape)} {dtype}: {kv_bytes / 2**20:.1f} MiB; {chunks} chunks for the loader pattern")
-    recompute = recompute_s(tokens, 3, dev, dtype)
+    recompute = recompute_s(tokens, 3, placement, dtype)
     log(f"recompute {recompute * 1e3:.1f} ms")
-    names = (["gpu"] if dev.type == "cuda" else []) + ["memory", "disk"]
+    names = ([] if placement.on_host else ["gpu"]) + ["memory", "disk"]
     by_codec: dict[str, dict] = {}
     redis_server = None
     if shutil.which("redis-server"):
@@ -137,7 +148,7 @@ def run(tokens: int = 512, chunks: int = 8, repeats: int = 5, device: str = "cpu
             for codec in CODECS:
                 by_codec[codec] = {}
                 for name in names:
-                    t = tier_times(name, codec, kvs, Path(tmp), redis_server and redis_server.url, dev, repeats)
+                    t = tier_times(name, codec, kvs, Path(tmp), redis_server and redis_server.url, placement, repeats)
                     gb = lambda s, n=1: round(n * kv_bytes / s / 1e9, 3)  # noqa: E731
                     by_codec[codec][name] = {
                         **{k: round(v, 6) for k, v in t.items()},
@@ -153,7 +164,7 @@ def run(tokens: int = 512, chunks: int = 8, repeats: int = 5, device: str = "cpu
             redis_server.__exit__(None, None, None)
     return {"chunk": {"layers": LAYERS, "kv_heads": KV_HEADS, "tokens": tokens, "head_dim": HEAD_DIM,
                       "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes},
-            "device": str(dev), "recompute_s": round(recompute, 6), "codecs": by_codec,
+            "device": str(placement.device), "recompute_s": round(recompute, 6), "codecs": by_codec,
             "bytes_per_token": {codec: bytes_per_token(codec, shape, dtype) for codec in CODECS},
             "torch_threads": torch.get_num_threads()}
 

@@ -1,0 +1,52 @@
+"""The store's bench scripts run on the store's API: each with tiny sizes on the CPU, in a subprocess, printing
+the JSON it promises (bench/store.py: the tiers and codecs; bench/pipeline.py: TTFT per tier, on SmolLM2)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from store import CODECS
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def bench(script: str, *args: str) -> dict:
+    """Run bench/`script` from this checkout; its stdout's JSON."""
+    done = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], capture_output=True, text=True,
+                          timeout=800, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_bench_store_reports_every_tier_and_codec():
+    report = bench("store.py", "--tokens", "16", "--chunks", "2", "--repeats", "1")
+    assert report["device"] == "cpu" and report["chunk"]["tokens"] == 16 and report["recompute_s"] > 0
+    tiers = ["memory", "disk"] + ["redis"] * bool(shutil.which("redis-server"))
+    assert set(report["codecs"]) == set(CODECS) == set(report["bytes_per_token"])
+    for codec in CODECS:
+        assert list(report["codecs"][codec]) == tiers
+        for figures in report["codecs"][codec].values():
+            for case in ("get_s", "all_layers_s", "loader_serial_s", "loader_parallel_s"):
+                assert figures[case] > 0, (codec, case)
+
+
+def test_bench_pipeline_reports_ttft_per_tier_and_way(musique):
+    report = bench("pipeline.py", "--passages", "1", "--repeats", "1", "--tiers", "memory,disk",
+                   "--bandwidth", "1000")
+    ways = {"pipelined", "whole", "auto"}
+    assert report["passages"] == 1 and report["prompt_tokens"] > 0 and report["kv_mb"] > 0
+    for figures in ("ttft_s", "vs_memory", "load_wait_ms"):
+        assert set(report[figures]) == {"memory", "disk"}
+        assert all(set(by_way) == ways for by_way in report[figures].values())
+    assert all(t > 0 for by_way in report["ttft_s"].values() for t in by_way.values())
+    assert report["vs_memory"]["memory"]["pipelined"] == 1.0
+    assert set(report["controller"]) == {"memory", "disk"}  # "auto" ran on both: the open entries' layer sizes
+    assert all(plan["ratio"] >= report["ratio"] for plan in report["controller"].values())
+    assert report["calibration"] and report["commit"]

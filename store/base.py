@@ -58,17 +58,18 @@ class Entry:
 
     @property
     def kv(self) -> ChunkKV:
-        with self._lock:
-            if callable(self._kv):
-                self._kv = self._kv()
-            return self._kv
+        return self._form("_kv")
 
     @property
     def data(self) -> bytes:
+        return self._form("_data")
+
+    def _form(self, name: str) -> Any:
         with self._lock:
-            if callable(self._data):
-                self._data = self._data()
-            return self._data
+            if callable(made := getattr(self, name)):
+                made = made()
+                setattr(self, name, made)
+            return made
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ class Backend:
         dtype = next(model.parameters()).dtype
         self.kernels = self.cpu_kernel == "auto" and dtype == torch.float32 and cpu_kernels.load() is not None
         self.prefill_kernel = self.kernels and head_dim % cpu_kernels.PREFILL_DIM_MULTIPLE == 0
-        use_skinny_linears(model, kernel=self.kernels, onednn=self.kernels)
+        use_skinny_linears(model, kernel=self.kernels)
 
     def plan(self, positions: torch.Tensor, num_keys: int | None = None) -> AttentionPlan | KernelPlan:
         """A plan for queries at `positions` ([Tq] sorted); `num_keys` (the last position + 1) is a hint

@@ -1,5 +1,5 @@
-"""Attention and few-row linears on the CPU as small C kernels (kernels/cpu_kernels.c), built once per machine
-with the system's C compiler and called through ctypes.
+"""Attention and few-row linears on the CPU as torch custom ops (kernels/cpu_kernels.cpp, `torch.ops.ragblend.*`),
+built once per machine by torch.utils.cpp_extension.
 
 A decode step streams every weight and each row's K/V from memory for little arithmetic, and torch's CPU
 kernels do that at a fraction of the machine's bandwidth (2 cores, ~25 GB/s here):
@@ -26,34 +26,50 @@ whole prompt. torch's CPU flash kernel (blend.attention's planned pieces) runs i
 products (fused multiply-adds: a prefill runs alone): one SmolLM2 layer, 405 queries over 3.1k keys,
 27.9 → 16.6 ms (107 useful GFLOP/s).
 
-The library is compiled with `-march=native` (this machine's vectors) into a per-user cache, named by a
-hash of the source, the compiler and the CPU, written by atomic rename (processes may build it at once).
-Without a compiler, or when the build fails, `load()` returns None with the reason in `unavailable()`,
-and decode steps and prefills use torch's sdpa and MKL instead.
+How they are built, and why so:
+- Custom ops (TORCH_LIBRARY in the C++ file, its schemas and CPU kernels there; the fake, shape-only forms
+  here, registered when the library loads): the dispatcher calls them with no Python in between (a decode step
+  makes ~120 calls), the profiler names them, FakeTensor and torch.compile trace them, and every op checks what
+  it will read and write itself (shapes, strides, dtypes, lengths, positions), however it is reached.
+- Threads from ATen's intra-op pool (`at::parallel_for`): torch's OpenMP build implements it as OpenMP pragmas
+  compiled into the caller, so the source is built with `-fopenmp` but linked without an OpenMP library of its
+  own: its OpenMP calls resolve to the runtime torch loaded (libtorch_cpu's), one thread pool in the process.
+- `-O3 -march=native -ffp-contract=off`: this machine's vectors; no fused multiply-adds outside the prefill
+  kernel, so a decode row's sums are the same bits at any row count (see the C++ file).
+- torch.utils.cpp_extension.load (with ninja and the C++ compiler, $CXX or c++) builds into a fresh temporary
+  directory under the cache ($RAGBLEND_KERNEL_DIR, else ~/.cache/ragblend/kernels), and the library is moved
+  into place by an atomic rename, named by a hash of the source, the compiler, the CPU and torch's version:
+  processes that build at once each finish on their own (cpp_extension's lock file in a shared build directory
+  would make the others wait forever on a builder that was killed), a failed build leaves nothing behind, and
+  the next process loads the library without building.
+Without a compiler or ninja, or when the build fails, `load()` returns None with the reason in `unavailable()`
+(logged once), and decode steps and prefills use torch's sdpa and MKL instead.
 """
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import hashlib
 import logging
+import logging.handlers
 import os
 import platform
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 log = logging.getLogger("ragblend.blend")
 
-SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.c"
-LINEAR_ROWS = 8  # linear_rows takes 1..this many rows
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.cpp"
+LINEAR_ROWS = 8  # linear_rows takes 1..this many rows (LINEAR_ROWS in the C++ file)
+PREFILL_DIM_MULTIPLE = 16  # prefill_attention's head sizes: its tiles are two vectors of 8 floats wide (likewise)
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
 
 _lock = threading.Lock()
-_library: ctypes.CDLL | None = None
+_library: Path | None = None
 _reason: str | None = None  # why there is no library (None: built, or not tried yet)
 
 
@@ -64,54 +80,73 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ragblend" / "kernels"
 
 
-def _compiler_identity(compiler: str) -> str:
+def _compile_flags() -> list[str]:
+    # at::parallel_for is OpenMP compiled into this library where torch's intra-op pool is OpenMP's
+    return [*FLAGS, *(["-fopenmp"] if torch.backends.openmp.is_available() else [])]
+
+
+def _build_identity(compiler: str) -> str:
+    """What the built library depends on besides its source: the compiler, this CPU (-march=native), the flags,
+    and torch (the library links its C++ API)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True)
     cpu = ""
-    if Path("/proc/cpuinfo").exists():  # -march=native: a cached build is for this CPU's instruction set
+    if Path("/proc/cpuinfo").exists():
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return "\n".join([version.stdout, platform.machine(), cpu, " ".join(FLAGS)])
+    return "\n".join([version.stdout, platform.machine(), cpu, " ".join(_compile_flags()), torch.__version__,
+                      str(torch.version.git_version)])
 
 
-def _build() -> ctypes.CDLL:
-    compiler = os.environ.get("CC", "cc")
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + _compiler_identity(compiler).encode()).hexdigest()[:16]
+@contextlib.contextmanager
+def _torch_build_messages() -> Iterator[logging.handlers.BufferingHandler]:
+    """cpp_extension's log records (e.g. its warning about an unfamiliar compiler) held back while it builds:
+    the build prints nothing of its own; a failure is reported once, with its reason."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    held, propagate = logging.handlers.BufferingHandler(capacity=1000), logger.propagate
+    logger.addHandler(held)
+    logger.propagate = False
+    try:
+        yield held
+    finally:
+        logger.removeHandler(held)
+        logger.propagate = propagate
+
+
+def _build() -> Path:
+    from torch.utils import cpp_extension
+
+    compiler = cpp_extension.get_cxx_compiler()
+    digest = hashlib.sha256(SOURCE.read_bytes() + _build_identity(compiler).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
-                                  text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-            os.replace(built, target)
-        log.info("built the CPU kernels", extra={"path": str(target)})
-    library = ctypes.CDLL(str(target))
-    library.decode_attention.restype = ctypes.c_int
-    library.decode_attention.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
-    library.linear_rows.restype = ctypes.c_int
-    library.linear_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    library.linear_rows_many.restype = ctypes.c_int
-    library.linear_rows_many.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
-                                         + [ctypes.c_int64] * 2 + [ctypes.c_int])
-    library.rope_write.restype = None
-    library.rope_write.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 8
-    library.prefill_attention.restype = ctypes.c_int
-    library.prefill_attention.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 8
-                                          + [ctypes.c_float, ctypes.c_int])
-    return library
+    if target.exists():
+        torch.ops.load_library(str(target))
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as building, _torch_build_messages() as messages:
+        try:  # builds into `building` and loads the library from there
+            cpp_extension.load("ragblend_kernels", [str(SOURCE)], extra_cflags=_compile_flags(),
+                               build_directory=building, is_python_module=False)
+        finally:
+            for record in messages.buffer:
+                log.debug("cpp_extension: %s", record.getMessage())
+        os.replace(Path(building) / "ragblend_kernels.so", target)
+    log.info("built the CPU kernels", extra={"path": str(target)})
+    return target
 
 
-def load() -> ctypes.CDLL | None:
-    """The built kernels' library, building it at the first call; None (reason logged once) if it cannot be."""
+def load() -> Path | None:
+    """The ops' library (torch.ops.ragblend.*), built and loaded at the first call; None (reason logged once) if
+    it cannot be."""
     global _library, _reason
     with _lock:
         if _library is None and _reason is None:
             try:
                 _library = _build()
+                _register_fakes()
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                _reason = f"{type(exc).__name__}: {exc}"
+                message = str(exc)  # a failed build's: its command lines, then the compiler's errors
+                if len(message) > 1200:
+                    message = f"{message[:200]} ... {message[-1000:]}"
+                _reason = f"{type(exc).__name__}: {message}"
                 log.warning("no CPU kernels; decode steps and prefills use torch's sdpa and MKL",
                             extra={"reason": _reason})
         return _library
@@ -122,61 +157,50 @@ def unavailable() -> str | None:
     return _reason
 
 
+def _register_fakes() -> None:
+    """The ops' output shapes for FakeTensor and torch.compile's tracing (registered once the ops exist)."""
+    @torch.library.register_fake("ragblend::decode_attention")
+    def _(query, keys, values, lengths, scale=None):
+        return query.new_empty(query.shape)                                       # [rows, Hkv, G, D]
+
+    @torch.library.register_fake("ragblend::linear_rows")
+    def _(x, weight):
+        return x.new_empty(x.shape[0], weight.shape[0])                          # [rows, out]
+
+    @torch.library.register_fake("ragblend::linear_rows_many")
+    def _(x, weights):
+        return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights))         # [rows, Σ out]
+
+    @torch.library.register_fake("ragblend::rope_write")
+    def _(query, key, value, cos, sin, positions, pool_keys, pool_values):
+        rows, dim = cos.shape
+        return query.new_empty(rows, query.shape[1] // dim, dim)                # [rows, Hq, D]
+
+    @torch.library.register_fake("ragblend::prefill_attention")
+    def _(query, keys, values, positions, scale=None):
+        _, heads, count, dim = query.shape
+        return query.new_empty(1, count, heads, dim)                             # [1, Tq, Hq, D]
+
+
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                      scale: float | None = None) -> torch.Tensor:
     """query [rows, Hkv, G, D] (the G query heads of each KV head) over keys/values [rows, Hkv, T, D] (views of
-    the pool, each key's D floats contiguous) up to lengths [rows] (int64; 0 for a padding row, whose output is zeros);
+    the pool, each key's D floats contiguous) up to lengths [rows] (0 for a padding row, whose output is zeros);
     returns [rows, Hkv, G, D]. float32 on the CPU; `load()` must have given a library."""
-    rows, heads, group, dim = query.shape
-    _check_float32(query, keys, values)
-    if keys.stride()[2:] != (dim, 1) or values.stride()[2:] != (dim, 1):
-        raise ValueError("the kernel reads each row's keys as [T, D] rows in place: got strides "
-                         f"{keys.stride()} and {values.stride()}")
-    if int(lengths.max()) > keys.shape[2]:
-        raise ValueError(f"a row of {int(lengths.max())} keys over a view of {keys.shape[2]}")
-    query, lengths = query.contiguous(), lengths.to(torch.int64).contiguous()
-    out = torch.empty_like(query)
-    status = _library.decode_attention(
-        query.data_ptr(), keys.data_ptr(), values.data_ptr(), lengths.data_ptr(), out.data_ptr(),
-        rows, heads, group, dim, keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
-        dim ** -0.5 if scale is None else scale, torch.get_num_threads())
-    if status != 0:
-        raise MemoryError("the CPU decode attention kernel could not allocate its work buffers")
-    return out
+    return torch.ops.ragblend.decode_attention(query, keys, values, lengths, scale)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] (1..LINEAR_ROWS rows) @ weight [out, in]ᵀ → [rows, out], float32 on the CPU."""
-    rows, features = _check_rows("linear_rows", x, [weight])
-    x = x.contiguous()
-    out = x.new_empty(rows, weight.shape[0])
-    _library.linear_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, weight.shape[0], features,
-                         torch.get_num_threads())
-    return out
+    """x [rows, in] (1..LINEAR_ROWS rows) @ weight [out, in]ᵀ → [rows, out], float32 on the CPU, the weight
+    contiguous."""
+    return torch.ops.ragblend.linear_rows(x, weight)
 
 
 def linear_rows_many(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """x [rows, in] (1..LINEAR_ROWS rows) @ [w₀; w₁; ..]ᵀ → [rows, Σ out]: the weights [out_m, in] wherever each
     lies in memory (nothing is copied), their outputs side by side, each as linear_rows gives it, in one call
     that streams them as if they were one matrix (a layer's q/k/v, or gate/up)."""
-    rows, features = _check_rows("linear_rows_many", x, weights)
-    x, count, sizes = x.contiguous(), len(weights), [w.shape[0] for w in weights]
-    out = x.new_empty(rows, sum(sizes))
-    _library.linear_rows_many(x.data_ptr(), (ctypes.c_void_p * count)(*(w.data_ptr() for w in weights)),
-                              (ctypes.c_int64 * count)(*sizes), count, out.data_ptr(), rows, features,
-                              torch.get_num_threads())
-    return out
-
-
-def _check_rows(kernel: str, x: torch.Tensor, weights: Sequence[torch.Tensor]) -> tuple[int, int]:
-    """(rows, in) of x [rows, in] after checking what the linear kernels take: 1..LINEAR_ROWS float32 rows and
-    contiguous float32 [out, in] weights on the CPU."""
-    rows, features = x.shape
-    _check_float32(x, *weights)
-    if not 1 <= rows <= LINEAR_ROWS or any(w.shape[1] != features or not w.is_contiguous() for w in weights):
-        raise ValueError(f"{kernel} takes 1..{LINEAR_ROWS} rows and contiguous [out, {features}] weights, got "
-                         f"{rows} rows and {[tuple(w.shape) for w in weights]}")
-    return rows, features
+    return torch.ops.ragblend.linear_rows_many(x, weights)
 
 
 def rope_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -185,27 +209,7 @@ def rope_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos:
     strides free): RoPE on the queries and keys (HF's rotate-half form, the same bits), the rotated keys and the
     values written into one pool layer, pool_keys/pool_values [slots, Hkv, columns, D], row r at slot r and
     column positions[r] [rows]. cos, sin [rows, D]. Returns the rotated queries [rows, Hq, D]."""
-    rows, dim = cos.shape
-    heads, kv_heads = query.shape[1] // dim, pool_keys.shape[1]
-    _check_float32(query, key, value, cos, sin, pool_keys, pool_values)
-    if (query.stride(1), key.stride(1), value.stride(1)) != (1, 1, 1) or key.stride(0) != value.stride(0) \
-            or key.shape[1] != kv_heads * dim or pool_keys.stride() != pool_values.stride() \
-            or pool_keys.stride()[2:] != (dim, 1) or rows > pool_keys.shape[0]:
-        raise ValueError(f"rope_write: query {tuple(query.shape)}, key {tuple(key.shape)} and pool "
-                         f"{tuple(pool_keys.shape)} do not fit heads of {dim}")
-    low, high = torch.aminmax(positions)
-    if int(low) < 0 or int(high) >= pool_keys.shape[2]:
-        raise ValueError(f"positions outside the pool's {pool_keys.shape[2]} columns")
-    cos, sin, positions = cos.contiguous(), sin.contiguous(), positions.to(torch.int64).contiguous()
-    out = query.new_empty(rows, heads, dim)
-    _library.rope_write(query.data_ptr(), key.data_ptr(), value.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                        positions.data_ptr(), out.data_ptr(), pool_keys.data_ptr(), pool_values.data_ptr(), rows,
-                        heads, kv_heads, dim, query.stride(0), key.stride(0), pool_keys.stride(0),
-                        pool_keys.stride(1))
-    return out
-
-
-PREFILL_DIM_MULTIPLE = 16  # prefill_attention's head sizes: its tiles are two vectors of 8 floats wide
+    return torch.ops.ragblend.rope_write(query, key, value, cos, sin, positions, pool_keys, pool_values)
 
 
 def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
@@ -214,30 +218,4 @@ def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     0..: query [1, Hq, Tq, D], keys/values [1, Hkv, Tk, D] (Tk > positions[-1]; each key's D floats contiguous;
     keys after the last position are never read) → [1, Tq, Hq, D]. float32 on the CPU, D a multiple of
     PREFILL_DIM_MULTIPLE; `load()` must have given a library."""
-    batch, heads, count, dim = query.shape
-    _check_float32(query, keys, values)
-    if batch != 1 or keys.shape[0] != 1 or heads % keys.shape[1] or dim % PREFILL_DIM_MULTIPLE:
-        raise ValueError(f"prefill_attention takes one prompt, whole groups of query heads and a head size that is "
-                         f"a multiple of {PREFILL_DIM_MULTIPLE}: got query {tuple(query.shape)}, keys "
-                         f"{tuple(keys.shape)}")
-    if query.stride(3) != 1 or keys.stride()[2:] != (dim, 1) or values.stride()[2:] != (dim, 1):
-        raise ValueError("the kernel reads queries, keys and values as rows of D floats in place: got strides "
-                         f"{query.stride()}, {keys.stride()} and {values.stride()}")
-    positions = positions.to(torch.int64).contiguous()
-    if positions.numel() != count or count == 0 or int(positions[-1]) >= keys.shape[2]:
-        raise ValueError(f"{count} queries at {positions.numel()} positions over {keys.shape[2]} keys")
-    if positions[0] < 0 or bool((positions[1:] <= positions[:-1]).any()):  # its tasks read keys by the last
-        raise ValueError("query positions must be non-negative and strictly increasing")
-    out = query.new_empty(1, count, heads, dim)
-    status = _library.prefill_attention(
-        query.data_ptr(), keys.data_ptr(), values.data_ptr(), positions.data_ptr(), out.data_ptr(), count,
-        keys.shape[1], heads // keys.shape[1], dim, query.stride(1), query.stride(2), keys.stride(1),
-        values.stride(1), dim ** -0.5 if scale is None else scale, torch.get_num_threads())
-    if status != 0:
-        raise MemoryError("the CPU prefill attention kernel could not allocate its work buffers")
-    return out
-
-
-def _check_float32(*tensors: torch.Tensor) -> None:
-    if any(t.dtype != torch.float32 or not t.is_cpu for t in tensors):  # is_cpu: no device object made
-        raise TypeError("the CPU kernels take float32 tensors on the CPU")
+    return torch.ops.ragblend.prefill_attention(query, keys, values, positions, scale)

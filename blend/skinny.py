@@ -16,12 +16,13 @@ Where the CPU decode kernels are built (blend.cpu_kernels), 1..8 rows of a float
 the LM head: 1 row 24 ms, 4 rows 28 ms, 8 rows 34 ms); a row's result is then the same whatever the rows with
 it, as in the attention kernel.
 
-Many rows (a prefill's) of a float32 layer go through oneDNN's matmul where the kernels are on (torch's
-`mkldnn._linear_pointwise`, the op inductor's CPU path uses; no second copy of the weights): MKL's sgemm runs
-SmolLM2's widening layers (576 → 1,536) at ~100 GFLOP/s here, oneDNN at ~130; a blended prefill of 3.1k tokens
-1.86–1.96 → 1.76–1.79 s.
+Many rows (a prefill's) go through `F.linear` (MKL's sgemm, ~100 GFLOP/s on SmolLM2's widening layers here).
+oneDNN's matmul runs them at ~130, but torch reaches it only through a private op (`mkldnn._linear_pointwise`)
+or through oneDNN's own tensor layout (`aten.mkldnn_linear`, whose copies in and out cost what it gains), so
+the prefill's linears stay on the public path: one SmolLM2 layer's linears at 3.1k rows ~1.25x oneDNN's time,
+a blended prefill ~5% longer (bench/kernels.py measures both).
 
-`use_skinny_linears(model, kernel, onednn)` switches the model's plain `nn.Linear` modules to `SkinnyLinear`
+`use_skinny_linears(model, kernel)` switches the model's plain `nn.Linear` modules to `SkinnyLinear`
 (the same parameters; only `forward` differs, and only on the CPU).
 """
 from __future__ import annotations
@@ -38,14 +39,9 @@ PADDED_ROWS = {1: 2, 3: 4}  # row counts run with zero rows added, as a count MK
 
 class SkinnyLinear(nn.Linear):
     kernel = False  # 1..LINEAR_ROWS float32 rows through cpu_kernels.linear_rows (set by use_skinny_linears)
-    onednn = False  # more than SKINNY_ROWS float32 rows through oneDNN's matmul (likewise)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.onednn and rows > SKINNY_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, self.in_features), self.weight, self.bias,
-                                                     "none", [], "")                        # [rows, out]
-            return out.view(*x.shape[:-1], self.out_features)
         if not 1 <= rows <= SKINNY_ROWS or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)                     # [rows, in]
@@ -60,17 +56,14 @@ class SkinnyLinear(nn.Linear):
         return out.contiguous().view(*x.shape[:-1], self.out_features)
 
 
-def use_skinny_linears(model: nn.Module, kernel: bool = False, onednn: bool = False) -> int:
+def use_skinny_linears(model: nn.Module, kernel: bool = False) -> int:
     """Switch `model`'s plain nn.Linear modules to SkinnyLinear in place, through the CPU kernel (`kernel`: the
-    caller has built it) and oneDNN (`onednn`, where torch has it) where a float32 weight is contiguous;
-    returns how many."""
-    onednn = onednn and torch.backends.mkldnn.is_available()
+    caller has built it) where a float32 weight is contiguous; returns how many."""
     switched = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = SkinnyLinear  # same module, same weights: only forward changes
             switched += 1
         if isinstance(module, SkinnyLinear):
-            fits = module.weight.dtype == torch.float32 and module.weight.is_contiguous()
-            module.kernel, module.onednn = kernel and fits, onednn and fits
+            module.kernel = kernel and module.weight.dtype == torch.float32 and module.weight.is_contiguous()
     return switched

@@ -1,18 +1,32 @@
-/* A decode step's two memory-bound parts on the CPU (blend/cpu_kernels.py builds and calls them):
+/* The CPU kernels of blend/cpu_kernels.py, registered as torch custom ops in the `ragblend` namespace
+ * (torch.ops.ragblend.*; built by torch.utils.cpp_extension, see that module's docstring):
  *
- *   decode_attention  for each row, the query heads that share a KV head over that row's own keys
- *                     [0, length), read once, in place in the KV pool
- *   linear_rows       1..8 rows times a weight matrix (or several: linear_rows_many), the weights streamed
- *                     once by all threads
- *   rope_write        RoPE on the step's new queries and keys, the keys and values written into the pool
+ *   decode_attention   for each row, the query heads that share a KV head over that row's own keys
+ *                      [0, length), read once, in place in the KV pool
+ *   linear_rows(_many) 1..8 rows times a weight matrix (or several), the weights streamed once by all threads
+ *   rope_write         RoPE on a decode step's new queries and keys, the keys and values written into the pool
+ *   prefill_attention  causal flash attention of queries at sorted positions over the prompt's keys
  *
  * Each row's result depends on its own inputs only, never on the step's other rows: a request decodes the
- * same tokens alone or batched. Plain C with GCC/Clang vector types (no intrinsics): the compiler maps them
- * to the machine's vectors. */
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
+ * same tokens alone or batched. Threads come from ATen's intra-op pool (at::parallel_for; in torch's OpenMP
+ * build that is OpenMP, compiled into this file and linked to torch's own libgomp); a thread computes each
+ * output element in the same order whichever elements it is given. Plain C++ with GCC/Clang vector types (no
+ * intrinsics): the compiler maps them to the machine's vectors. Built with -ffp-contract=off (the decode
+ * kernels' sums are the same bits at any row count) and `omp simd` reductions (the order the vectoriser
+ * gives them, kept from build to build). Each op checks what it reads and writes (shapes, strides, dtypes,
+ * positions, lengths) before it touches memory, whoever calls it. */
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace {
 
 typedef float floats8 __attribute__((vector_size(32)));
 typedef float floats8_unaligned __attribute__((vector_size(32), aligned(4)));
@@ -34,7 +48,7 @@ typedef struct {
 
 static inline prefetch_span span(const float *start, int64_t floats, int64_t steps) {
     int64_t lines = (floats * (int64_t)sizeof(float) + LINE - 1) / LINE;
-    return (prefetch_span){(const char *)start, (const char *)(start + floats), (lines + steps - 1) / steps};
+    return prefetch_span{(const char *)start, (const char *)(start + floats), (lines + steps - 1) / steps};
 }
 
 static inline void prefetch_step(prefetch_span *p) {
@@ -44,7 +58,7 @@ static inline void prefetch_step(prefetch_span *p) {
 
 /* exp(x) for x <= 0 (scores minus their max), 8 lanes: Cephes' expf polynomial, relative error ~1e-7. */
 static inline floats8 exp8_nonpositive(floats8 x) {
-    floats8 low = (floats8){0} - 87.0f; /* exp(-87) ~ 1.6e-38: below it 2^n leaves the floats */
+    floats8 low = floats8{} - 87.0f; /* exp(-87) ~ 1.6e-38: below it 2^n leaves the floats */
     ints8 below = x < low;
     x = (floats8)(((ints8)x & ~below) | ((ints8)low & below));
     ints8 n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, ints8); /* nearest x / ln 2, as x <= 0 */
@@ -117,7 +131,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         for (t = 0; t < count; t++) sum += scores[t];
         if (dim % 8 == 0) { /* the output row in vector registers while V's rows are added in */
             floats8 acc[dim / 8];
-            for (int64_t i = 0; i < dim / 8; i++) acc[i] = (floats8){0};
+            for (int64_t i = 0; i < dim / 8; i++) acc[i] = floats8{};
             for (t = 0; t < count; t++) {
                 const float *vt = v + t * dim;
                 for (int64_t i = 0; i < dim / 8; i++) acc[i] += scores[t] * *(const floats8_unaligned *)(vt + 8 * i);
@@ -156,62 +170,55 @@ static inline task_keys task_at(int64_t task, const int64_t *first, const int64_
     int64_t r = 0;
     while (first[r + 1] <= task) r++;
     int64_t chunks = (first[r + 1] - first[r]) / heads, start = (task - first[r]) % chunks * CHUNK;
-    return (task_keys){r, (task - first[r]) / chunks, start, lengths[r] - start < CHUNK ? lengths[r] - start : CHUNK};
+    return task_keys{r, (task - first[r]) / chunks, start, lengths[r] - start < CHUNK ? lengths[r] - start : CHUNK};
 }
 
 /* q, out [rows, heads, group, dim] contiguous. Row r, KV head h of k at k + r*k_row + h*k_head, its keys
- * dim floats apart (v likewise); lengths [rows]: keys per row (0: a padding row, output zeros).
- * Returns 0, or -1 when out of memory. */
-int decode_attention(const float *q, const float *k, const float *v, const int64_t *lengths, float *out,
-                     int64_t rows, int64_t heads, int64_t group, int64_t dim, int64_t k_row, int64_t k_head,
-                     int64_t v_row, int64_t v_head, float scale, int threads) {
-    int64_t *first = malloc((rows + 1) * sizeof(int64_t)); /* row r's tasks: [first[r], first[r + 1]) */
-    if (!first) return -1;
+ * dim floats apart (v likewise); lengths [rows]: keys per row (0: a padding row, output zeros). */
+void decode_attention_kernel(const float *q, const float *k, const float *v, const int64_t *lengths, float *out,
+                             int64_t rows, int64_t heads, int64_t group, int64_t dim, int64_t k_row,
+                             int64_t k_head, int64_t v_row, int64_t v_head, float scale) {
+    std::vector<int64_t> first(rows + 1); /* row r's tasks: [first[r], first[r + 1]) */
     first[0] = 0;
     for (int64_t r = 0; r < rows; r++) first[r + 1] = first[r] + heads * ((lengths[r] + CHUNK - 1) / CHUNK);
     int64_t tasks = first[rows], width = group * (dim + 2);
-    float *parts = malloc((tasks ? tasks : 1) * width * sizeof(float));
-    if (!parts) {
-        free(first);
-        return -1;
-    }
+    std::vector<float> parts(tasks * width);
 
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < tasks; task++) {
-        task_keys t = task_at(task, first, lengths, heads);
-        /* a static schedule gives each thread consecutive tasks: the next one is usually this thread's own */
-        task_keys n = task + 1 < tasks ? task_at(task + 1, first, lengths, heads) : (task_keys){0, 0, 0, 0};
-        attend_chunk(q + (t.row * heads + t.head) * group * dim,
-                     k + t.row * k_row + t.head * k_head + t.start * dim,
-                     v + t.row * v_row + t.head * v_head + t.start * dim, t.count, group, dim, scale,
-                     parts + task * width, k + n.row * k_row + n.head * k_head + n.start * dim,
-                     v + n.row * v_row + n.head * v_head + n.start * dim, n.count * dim);
-    }
-
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t rh = 0; rh < rows * heads; rh++) {
-        int64_t r = rh / heads, h = rh % heads, chunks = (first[r + 1] - first[r]) / heads;
-        const float *row_parts = parts + (first[r] + h * chunks) * width;
-        for (int64_t g = 0; g < group; g++) {
-            float *o = out + (rh * group + g) * dim, max = -INFINITY, sum = 0.0f;
-            for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
-            for (int64_t c = 0; c < chunks; c++) {
-                float m = row_parts[c * width + g * (dim + 2) + dim];
-                max = m > max ? m : max;
-            }
-            for (int64_t c = 0; c < chunks; c++) {
-                const float *part = row_parts + c * width + g * (dim + 2);
-                float weight = expf(part[dim] - max);
-                sum += weight * part[dim + 1];
-                for (int64_t d = 0; d < dim; d++) o[d] += weight * part[d];
-            }
-            if (sum > 0.0f)
-                for (int64_t d = 0; d < dim; d++) o[d] /= sum;
+    /* each thread takes a run of consecutive tasks: the next one is usually this thread's own */
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t task = begin; task < end; task++) {
+            task_keys t = task_at(task, first.data(), lengths, heads);
+            task_keys n = task + 1 < tasks ? task_at(task + 1, first.data(), lengths, heads) : task_keys{0, 0, 0, 0};
+            attend_chunk(q + (t.row * heads + t.head) * group * dim,
+                         k + t.row * k_row + t.head * k_head + t.start * dim,
+                         v + t.row * v_row + t.head * v_head + t.start * dim, t.count, group, dim, scale,
+                         parts.data() + task * width, k + n.row * k_row + n.head * k_head + n.start * dim,
+                         v + n.row * v_row + n.head * v_head + n.start * dim, n.count * dim);
         }
-    }
-    free(parts);
-    free(first);
-    return 0;
+    });
+
+    at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t rh = begin; rh < end; rh++) {
+            int64_t r = rh / heads, h = rh % heads, chunks = (first[r + 1] - first[r]) / heads;
+            const float *row_parts = parts.data() + (first[r] + h * chunks) * width;
+            for (int64_t g = 0; g < group; g++) {
+                float *o = out + (rh * group + g) * dim, max = -INFINITY, sum = 0.0f;
+                for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
+                for (int64_t c = 0; c < chunks; c++) {
+                    float m = row_parts[c * width + g * (dim + 2) + dim];
+                    max = m > max ? m : max;
+                }
+                for (int64_t c = 0; c < chunks; c++) {
+                    const float *part = row_parts + c * width + g * (dim + 2);
+                    float weight = expf(part[dim] - max);
+                    sum += weight * part[dim + 1];
+                    for (int64_t d = 0; d < dim; d++) o[d] += weight * part[d];
+                }
+                if (sum > 0.0f)
+                    for (int64_t d = 0; d < dim; d++) o[d] /= sum;
+            }
+        }
+    });
 }
 
 /* ---- RoPE and the pool write ------------------------------------------------------------------------
@@ -229,10 +236,10 @@ static inline void rope_head(const float *x, const float *cos, const float *sin,
  * [rows, q_heads, dim]; its key heads k + r*kv_row rotated and its value heads v + r*kv_row copied into
  * pool_k / pool_v at position positions[r] (head h at r*slot_stride + h*head_stride + position*dim).
  * cos, sin [rows, dim]. */
-void rope_write(const float *q, const float *k, const float *v, const float *cos, const float *sin,
-                const int64_t *positions, float *q_out, float *pool_k, float *pool_v, int64_t rows, int64_t q_heads,
-                int64_t kv_heads, int64_t dim, int64_t q_row, int64_t kv_row, int64_t slot_stride,
-                int64_t head_stride) {
+void rope_write_kernel(const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                       const int64_t *positions, float *q_out, float *pool_k, float *pool_v, int64_t rows,
+                       int64_t q_heads, int64_t kv_heads, int64_t dim, int64_t q_row, int64_t kv_row,
+                       int64_t slot_stride, int64_t head_stride) {
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos + r * dim, *s = sin + r * dim;
         for (int64_t h = 0; h < q_heads; h++)
@@ -255,7 +262,7 @@ static inline __attribute__((always_inline)) void linear_range(const float *x, c
     for (int64_t o = lo; o < hi; o++) {
         const float *wo = w + o * k;
         floats8 acc[R];
-        for (int r = 0; r < R; r++) acc[r] = (floats8){0};
+        for (int r = 0; r < R; r++) acc[r] = floats8{};
         int64_t d = 0;
         for (; d + 8 <= k; d += 8) {
             floats8 wd = *(const floats8_unaligned *)(wo + d);
@@ -274,38 +281,31 @@ static inline __attribute__((always_inline)) void linear_range(const float *x, c
  * one input, wherever each lies in memory), 1..8 rows (a decode step's): matrix m's outputs in the columns after
  * the matrices before it. The weights are streamed from memory once by all threads, each thread taking an equal
  * run of the outputs as if the matrices were one (one long stream, not a piece of each matrix). MKL runs one row
- * as a GEMV on one thread, a few as a GEMM packed for many. Returns 0, or -1 for another row count. */
-int linear_rows_many(const float *x, const float *const *w, const int64_t *n, int64_t count, float *out,
-                     int64_t rows, int64_t k, int threads) {
-    if (rows < 1 || rows > 8) return -1;
-    int64_t total = 0;
+ * as a GEMV on one thread, a few as a GEMM packed for many. */
+void linear_rows_kernel(const float *x, const float *const *w, const int64_t *n, int64_t count, float *out,
+                        int64_t rows, int64_t k) {
+    int64_t total = 0, team = at::get_num_threads();
     for (int64_t m = 0; m < count; m++) total += n[m];
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
-        int64_t begin = total * me / team, end = total * (me + 1) / team, offset = 0; /* this thread's outputs */
-        for (int64_t m = 0; m < count; offset += n[m], m++) {
-            int64_t lo = (begin > offset ? begin : offset) - offset;
-            int64_t hi = (end < offset + n[m] ? end : offset + n[m]) - offset;
-            if (lo >= hi) continue;
-            switch (rows) { /* the row count as a constant: the accumulators stay in registers */
-                case 1: linear_range(x, w[m], out + offset, total, lo, hi, k, 1); break;
-                case 2: linear_range(x, w[m], out + offset, total, lo, hi, k, 2); break;
-                case 3: linear_range(x, w[m], out + offset, total, lo, hi, k, 3); break;
-                case 4: linear_range(x, w[m], out + offset, total, lo, hi, k, 4); break;
-                case 5: linear_range(x, w[m], out + offset, total, lo, hi, k, 5); break;
-                case 6: linear_range(x, w[m], out + offset, total, lo, hi, k, 6); break;
-                case 7: linear_range(x, w[m], out + offset, total, lo, hi, k, 7); break;
-                default: linear_range(x, w[m], out + offset, total, lo, hi, k, 8); break;
+    at::parallel_for(0, team, 1, [&](int64_t first_member, int64_t end_member) {
+        for (int64_t me = first_member; me < end_member; me++) {
+            int64_t begin = total * me / team, end = total * (me + 1) / team, offset = 0; /* this member's outputs */
+            for (int64_t m = 0; m < count; offset += n[m], m++) {
+                int64_t lo = (begin > offset ? begin : offset) - offset;
+                int64_t hi = (end < offset + n[m] ? end : offset + n[m]) - offset;
+                if (lo >= hi) continue;
+                switch (rows) { /* the row count as a constant: the accumulators stay in registers */
+                    case 1: linear_range(x, w[m], out + offset, total, lo, hi, k, 1); break;
+                    case 2: linear_range(x, w[m], out + offset, total, lo, hi, k, 2); break;
+                    case 3: linear_range(x, w[m], out + offset, total, lo, hi, k, 3); break;
+                    case 4: linear_range(x, w[m], out + offset, total, lo, hi, k, 4); break;
+                    case 5: linear_range(x, w[m], out + offset, total, lo, hi, k, 5); break;
+                    case 6: linear_range(x, w[m], out + offset, total, lo, hi, k, 6); break;
+                    case 7: linear_range(x, w[m], out + offset, total, lo, hi, k, 7); break;
+                    default: linear_range(x, w[m], out + offset, total, lo, hi, k, 8); break;
+                }
             }
         }
-    }
-    return 0;
-}
-
-/* linear_rows_many of one matrix: out [rows, n]. */
-int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_t n, int64_t k, int threads) {
-    return linear_rows_many(x, &w, &n, 1, out, rows, k, threads);
+    });
 }
 
 /* ---- prefill attention ---------------------------------------------------------------------------------
@@ -321,6 +321,7 @@ int linear_rows(const float *x, const float *w, float *out, int64_t rows, int64_
 #if defined(__clang__)
 #pragma clang fp contract(fast)
 #elif defined(__GNUC__)
+#pragma GCC push_options
 #pragma GCC optimize("fp-contract=fast")
 #endif
 
@@ -359,7 +360,7 @@ static inline __attribute__((always_inline)) void scores_tile(const float *qs, c
                                                               const int64_t dim, const int R) {
     for (int j = 0; j < KBLOCK; j += 16) {
         floats8 acc0[R], acc1[R];
-        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = (floats8){0};
+        for (int r = 0; r < R; r++) acc0[r] = acc1[r] = floats8{};
         tile_product(qs, dim, kt + j, KBLOCK, dim, acc0, acc1, R);
         for (int r = 0; r < R; r++) {
             *(floats8 *)(s + r * KBLOCK + j) = acc0[r];
@@ -459,42 +460,36 @@ static void prefill_task_dim(const float *qs, const int64_t *pos, int64_t M, con
 
 /* Queries q (query head h·group + g at q + (h·group + g)·q_head, position t's row at + t·q_row, dim floats) at
  * sorted positions [tq] over keys/values k, v (KV head h at k + h·k_head, its keys dim floats apart, at least
- * positions[tq - 1] + 1 of them); out [tq, heads·group, dim] contiguous. dim a multiple of 16.
- * Returns 0, -1 when out of memory, -2 for a dim it does not take. */
-int prefill_attention(const float *q, const float *k, const float *v, const int64_t *positions, float *out,
-                      int64_t tq, int64_t heads, int64_t group, int64_t dim, int64_t q_head, int64_t q_row,
-                      int64_t k_head, int64_t v_head, float scale, int threads) {
-    if (dim % 16) return -2;
+ * positions[tq - 1] + 1 of them); out [tq, heads·group, dim] contiguous. dim a multiple of 16. */
+void prefill_attention_kernel(const float *q, const float *k, const float *v, const int64_t *positions, float *out,
+                              int64_t tq, int64_t heads, int64_t group, int64_t dim, int64_t q_head, int64_t q_row,
+                              int64_t k_head, int64_t v_head, float scale) {
     int64_t keys = positions[tq - 1] + 1, blocks = (keys + KBLOCK - 1) / KBLOCK;
     int64_t row_blocks = (tq + QROWS - 1) / QROWS, tasks = heads * row_blocks, width = QROWS * group;
-    float *kt = aligned_alloc(32, heads * blocks * dim * KBLOCK * sizeof(float));
-    if (!kt) return -1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-#pragma omp for schedule(static)
-        for (int64_t hb = 0; hb < heads * blocks; hb++) { /* Kᵀ a block at a time, zeros past the last key */
+    at::Tensor kt_buffer = at::empty({heads * blocks * dim * KBLOCK}, at::kFloat); /* 64-byte aligned */
+    float *kt = kt_buffer.data_ptr<float>();
+    at::parallel_for(0, heads * blocks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t hb = begin; hb < end; hb++) { /* Kᵀ a block at a time, zeros past the last key */
             const float *kh = k + hb / blocks * k_head;
             int64_t kb = hb % blocks * KBLOCK;
             float *dst = kt + hb * dim * KBLOCK;
             for (int64_t t = 0; t < KBLOCK; t++)
                 for (int64_t d = 0; d < dim; d++) dst[d * KBLOCK + t] = kb + t < keys ? kh[(kb + t) * dim + d] : 0.0f;
         }
-        /* per thread: the task's query vectors, scores, output, and per-vector max, sum, rescale, position */
-        size_t floats = width * (2 * dim + KBLOCK + 3);
-        float *scratch = aligned_alloc(32, ((floats * sizeof(float) + 31) / 32) * 32);
-        int64_t *pos = malloc(width * sizeof(int64_t));
-        if (!scratch || !pos) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-            float *qs = scratch, *o = qs + width * dim, *s = o + width * dim, *mx = s + width * KBLOCK;
-            float *l = mx + width, *alpha = l + width;
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < tasks; task++) {
-                /* the later rows see the most keys: they go first, so the threads end together */
+    });
+    /* per worker: the task's query vectors, scores, output, and per-vector max, sum, rescale (aligned vectors
+     * of 8), and positions */
+    int64_t workers = at::get_num_threads(), floats = (width * (2 * dim + KBLOCK + 3) + 15) / 16 * 16;
+    at::Tensor scratch = at::empty({workers, floats}, at::kFloat);
+    std::vector<int64_t> query_positions(workers * width);
+    std::atomic<int64_t> next_task{0}; /* tasks handed out one at a time, in order, to whichever worker is free */
+    at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t end_worker) {
+        for (int64_t worker = first_worker; worker < end_worker; worker++) {
+            float *qs = scratch.data_ptr<float>() + worker * floats, *o = qs + width * dim, *s = o + width * dim;
+            float *mx = s + width * KBLOCK, *l = mx + width, *alpha = l + width;
+            int64_t *pos = query_positions.data() + worker * width;
+            for (int64_t task; (task = next_task.fetch_add(1)) < tasks;) {
+                /* the later rows see the most keys: they go first, so the workers end together */
                 int64_t h = task % heads, t0 = (row_blocks - 1 - task / heads) * QROWS;
                 int64_t rows = tq - t0 < QROWS ? tq - t0 : QROWS, M = rows * group;
                 for (int64_t t = 0; t < rows; t++)
@@ -514,9 +509,168 @@ int prefill_attention(const float *q, const float *k, const float *v, const int6
                     }
             }
         }
-        free(scratch);
-        free(pos);
+    });
+}
+
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+/* ---- the ops: what each kernel reads and writes checked, then the kernel ---------------------------------- */
+
+constexpr int64_t LINEAR_ROWS = 8;            /* linear_rows takes 1..this many rows (linear_range's R) */
+constexpr int64_t PREFILL_DIM_MULTIPLE = 16;  /* prefill_attention's head sizes: tiles two vectors of 8 wide */
+
+template <typename... Tensors>
+void check_float32(const Tensors &...tensors) {
+    TORCH_CHECK_TYPE(((tensors.scalar_type() == at::kFloat && tensors.is_cpu()) && ...),
+                     "the CPU kernels take float32 tensors on the CPU");
+}
+
+/* An index tensor (lengths, positions) as int64 [count] on the CPU, to read before the kernel does. */
+at::Tensor int64_vector(const at::Tensor &values, int64_t count, const char *name) {
+    TORCH_CHECK_VALUE(values.is_cpu() && values.dim() == 1 && values.numel() == count, "expected ", count, " ",
+                      name, " on the CPU, got ", values.sizes());
+    return values.to(at::kLong).contiguous();
+}
+
+float scale_for(std::optional<double> scale, int64_t dim) {
+    return static_cast<float>(scale.has_value() ? *scale : std::pow(static_cast<double>(dim), -0.5));
+}
+
+at::Tensor decode_attention(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &values,
+                            const at::Tensor &lengths, std::optional<double> scale) {
+    check_float32(query, keys, values);
+    TORCH_CHECK_VALUE(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4,
+                      "decode_attention takes query [rows, Hkv, G, D] and keys, values [rows, Hkv, T, D], got ",
+                      query.sizes(), ", ", keys.sizes(), " and ", values.sizes());
+    int64_t rows = query.size(0), heads = query.size(1), group = query.size(2), dim = query.size(3);
+    TORCH_CHECK_VALUE(keys.stride(2) == dim && keys.stride(3) == 1 && values.stride(2) == dim &&
+                          values.stride(3) == 1,
+                      "the kernel reads each row's keys as [T, D] rows in place: got strides ", keys.strides(),
+                      " and ", values.strides());
+    TORCH_CHECK_VALUE(keys.size(0) == rows && keys.size(1) == heads && keys.size(3) == dim &&
+                          values.sizes() == keys.sizes(),
+                      "decode_attention: query ", query.sizes(), ", keys ", keys.sizes(), " and values ",
+                      values.sizes(), " disagree");
+    at::Tensor row_lengths = int64_vector(lengths, rows, "lengths");
+    const int64_t *length = row_lengths.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; r++) {
+        TORCH_CHECK_VALUE(length[r] >= 0, "a row of ", length[r], " keys");
+        TORCH_CHECK_VALUE(length[r] <= keys.size(2), "a row of ", length[r], " keys over a view of ", keys.size(2));
     }
-    free(kt);
-    return failed ? -1 : 0;
+    at::Tensor q = query.contiguous(), out = at::empty(q.sizes(), q.options());
+    decode_attention_kernel(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), length,
+                            out.data_ptr<float>(), rows, heads, group, dim, keys.stride(0), keys.stride(1),
+                            values.stride(0), values.stride(1), scale_for(scale, dim));
+    return out;
+}
+
+at::Tensor linear_rows_many(const at::Tensor &x, at::TensorList weights) {
+    TORCH_CHECK_VALUE(x.dim() == 2, "linear rows take x [rows, in], got ", x.sizes());
+    int64_t rows = x.size(0), features = x.size(1), total = 0;
+    check_float32(x);
+    bool fit = 1 <= rows && rows <= LINEAR_ROWS;
+    std::vector<const float *> pointers;
+    std::vector<int64_t> sizes;
+    for (const at::Tensor &weight : weights) {
+        check_float32(weight);
+        fit = fit && weight.dim() == 2 && weight.size(1) == features && weight.is_contiguous();
+        pointers.push_back(weight.data_ptr<float>());
+        sizes.push_back(weight.size(0));
+        total += weight.size(0);
+    }
+    if (!fit) {
+        std::vector<at::IntArrayRef> shapes;
+        for (const at::Tensor &weight : weights) shapes.push_back(weight.sizes());
+        TORCH_CHECK_VALUE(false, "linear rows take 1..", LINEAR_ROWS, " rows and contiguous [out, ", features,
+                          "] weights, got ", rows, " rows and ", shapes);
+    }
+    at::Tensor flat = x.contiguous(), out = at::empty({rows, total}, x.options());
+    linear_rows_kernel(flat.data_ptr<float>(), pointers.data(), sizes.data(), pointers.size(), out.data_ptr<float>(),
+                       rows, features);
+    return out;
+}
+
+at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight) { return linear_rows_many(x, {weight}); }
+
+at::Tensor rope_write(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, const at::Tensor &cos,
+                      const at::Tensor &sin, const at::Tensor &positions, at::Tensor &pool_keys,
+                      at::Tensor &pool_values) {
+    check_float32(query, key, value, cos, sin, pool_keys, pool_values);
+    TORCH_CHECK_VALUE(cos.dim() == 2 && cos.size(1) % 2 == 0 && sin.sizes() == cos.sizes(),
+                      "rope_write takes cos and sin [rows, D], D even: got ", cos.sizes(), " and ", sin.sizes());
+    int64_t rows = cos.size(0), dim = cos.size(1);
+    bool fit = query.dim() == 2 && key.dim() == 2 && value.sizes() == key.sizes() && pool_keys.dim() == 4 &&
+               pool_values.sizes() == pool_keys.sizes();
+    int64_t kv_heads = fit ? pool_keys.size(1) : 0, heads = fit ? query.size(1) / dim : 0;
+    fit = fit && query.size(0) == rows && key.size(0) == rows && query.size(1) == heads * dim &&
+          key.size(1) == kv_heads * dim && query.stride(1) == 1 && key.stride(1) == 1 && value.stride(1) == 1 &&
+          key.stride(0) == value.stride(0) && pool_keys.strides() == pool_values.strides() &&
+          pool_keys.size(3) == dim && pool_keys.stride(2) == dim && pool_keys.stride(3) == 1 &&
+          rows <= pool_keys.size(0);
+    TORCH_CHECK_VALUE(fit, "rope_write: query ", query.sizes(), ", key ", key.sizes(), " and pool ", pool_keys.sizes(),
+                      " do not fit heads of ", dim);
+    at::Tensor where = int64_vector(positions, rows, "positions");
+    const int64_t *position = where.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; r++)
+        TORCH_CHECK_VALUE(0 <= position[r] && position[r] < pool_keys.size(2), "positions outside the pool's ",
+                          pool_keys.size(2), " columns");
+    at::Tensor c = cos.contiguous(), s = sin.contiguous(), out = at::empty({rows, heads, dim}, query.options());
+    rope_write_kernel(query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(), c.data_ptr<float>(),
+                      s.data_ptr<float>(), position, out.data_ptr<float>(), pool_keys.data_ptr<float>(),
+                      pool_values.data_ptr<float>(), rows, heads, kv_heads, dim, query.stride(0), key.stride(0),
+                      pool_keys.stride(0), pool_keys.stride(1));
+    return out;
+}
+
+at::Tensor prefill_attention(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &values,
+                             const at::Tensor &positions, std::optional<double> scale) {
+    check_float32(query, keys, values);
+    bool fit = query.dim() == 4 && keys.dim() == 4 && values.sizes() == keys.sizes() && query.size(0) == 1 &&
+               keys.size(0) == 1 && keys.size(1) > 0 && query.size(1) % keys.size(1) == 0 &&
+               keys.size(3) == query.size(3) && query.size(3) % PREFILL_DIM_MULTIPLE == 0;
+    TORCH_CHECK_VALUE(fit, "prefill_attention takes one prompt, whole groups of query heads and a head size that is ",
+                      "a multiple of ", PREFILL_DIM_MULTIPLE, ": got query ", query.sizes(), ", keys ", keys.sizes());
+    int64_t heads = query.size(1), count = query.size(2), dim = query.size(3), kv_heads = keys.size(1);
+    TORCH_CHECK_VALUE(query.stride(3) == 1 && keys.stride(2) == dim && keys.stride(3) == 1 && values.stride(2) == dim &&
+                          values.stride(3) == 1,
+                      "the kernel reads queries, keys and values as rows of D floats in place: got strides ",
+                      query.strides(), ", ", keys.strides(), " and ", values.strides());
+    TORCH_CHECK_VALUE(positions.is_cpu() && positions.dim() == 1 && positions.numel() == count && count > 0, count,
+                      " queries at ", positions.numel(), " positions over ", keys.size(2), " keys");
+    at::Tensor sorted = positions.to(at::kLong).contiguous();
+    const int64_t *position = sorted.data_ptr<int64_t>();
+    TORCH_CHECK_VALUE(position[count - 1] < keys.size(2), count, " queries at ", count, " positions over ",
+                      keys.size(2), " keys");
+    bool increasing = position[0] >= 0; /* the kernel's tasks read keys up to their last query's position */
+    for (int64_t t = 1; t < count; t++) increasing = increasing && position[t] > position[t - 1];
+    TORCH_CHECK_VALUE(increasing, "query positions must be non-negative and strictly increasing");
+    at::Tensor out = at::empty({1, count, heads, dim}, query.options());
+    prefill_attention_kernel(query.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), position,
+                             out.data_ptr<float>(), count, kv_heads, heads / kv_heads, dim, query.stride(1),
+                             query.stride(2), keys.stride(1), values.stride(1), scale_for(scale, dim));
+    return out;
+}
+
+} // namespace
+
+TORCH_LIBRARY(ragblend, m) {
+    m.set_python_module("blend.cpu_kernels"); /* where the fake (shape-only) implementations are registered */
+    m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor lengths, float? scale=None) -> Tensor");
+    m.def("linear_rows(Tensor x, Tensor weight) -> Tensor");
+    m.def("linear_rows_many(Tensor x, Tensor[] weights) -> Tensor");
+    m.def("rope_write(Tensor query, Tensor key, Tensor value, Tensor cos, Tensor sin, Tensor positions, "
+          "Tensor(a!) pool_keys, Tensor(b!) pool_values) -> Tensor");
+    m.def("prefill_attention(Tensor query, Tensor keys, Tensor values, Tensor positions, float? scale=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ragblend, CPU, m) {
+    m.impl("decode_attention", &decode_attention);
+    m.impl("linear_rows", &linear_rows);
+    m.impl("linear_rows_many", &linear_rows_many);
+    m.impl("rope_write", &rope_write);
+    m.impl("prefill_attention", &prefill_attention);
 }

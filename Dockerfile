@@ -5,8 +5,8 @@ ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
     RAGBLEND_DATA_DIR=/data HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 WORKDIR /app
 
-# A C compiler for the CPU decode attention kernel (blend/cpu_attention.py: built at first use, for this CPU)
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+# A C++ compiler and ninja for the CPU kernels (blend/cpu_kernels.py: torch ops built at first use, for this CPU)
+RUN apt-get update && apt-get install -y --no-install-recommends g++ libc6-dev ninja-build && rm -rf /var/lib/apt/lists/*
 
 COPY requirements.txt pyproject.toml ./
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \

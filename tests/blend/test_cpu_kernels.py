@@ -323,3 +323,20 @@ def test_without_a_working_compiler_the_decode_step_uses_sdpa_and_mkl_with_the_r
     assert ("out of luck" if compiler == "failing" else "/nonexistent/c++") in result["reason"]
     assert done.stderr.strip() == "no CPU kernels; decode steps and prefills use torch's sdpa and MKL"
     assert not list((tmp_path / "kernels").glob("**/*"))  # nothing half-built left behind
+
+
+@needs_kernel
+def test_the_kernels_benchmark_runs_and_the_ops_give_the_old_librarys_bits():
+    """bench/kernels.py at small sizes: every case timed; where git has the ctypes library these ops replaced,
+    each op's outputs equal its outputs bit for bit (the same sums in the same order on every thread)."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "bench/kernels.py", "--rounds", "1", "--layers", "1", "--keys", "300",
+                           "--prefill-keys", "300", "--queries", "40"], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    cases = {"decode_attention", "linear_rows_1", "linear_rows_4", "linear_rows_8", "rope_write", "prefill_attention",
+             "prefill_linears_3100", "prefill_linears_470"}
+    assert set(report["median_ms"]["new"]) == cases
+    if report["old"]:
+        assert report["same_bits"] == dict.fromkeys(cases - {"prefill_linears_3100", "prefill_linears_470"}, True)

@@ -31,9 +31,10 @@ How they are built, and why so:
   here, registered when the library loads): the dispatcher calls them with no Python in between (a decode step
   makes ~120 calls), the profiler names them, FakeTensor and torch.compile trace them, and every op checks what
   it will read and write itself (shapes, strides, dtypes, lengths, positions), however it is reached.
-- Threads from ATen's intra-op pool (`at::parallel_for`): torch's OpenMP build implements it as OpenMP pragmas
-  compiled into the caller, so the source is built with `-fopenmp` but linked without an OpenMP library of its
-  own: its OpenMP calls resolve to the runtime torch loaded (libtorch_cpu's), one thread pool in the process.
+- Threads from ATen's intra-op pool (`at::parallel_for`, as many as torch.get_num_threads()): torch's OpenMP
+  build implements it as OpenMP pragmas compiled into the caller (ATen/ParallelOpenMP.h; without `-fopenmp` it
+  runs on one thread), so the source is built with `-fopenmp` but linked without an OpenMP library of its own:
+  its OpenMP calls resolve to the runtime torch loaded (libtorch_cpu's), one thread pool in the process.
 - `-O3 -march=native -ffp-contract=off`: this machine's vectors; no fused multiply-adds outside the prefill
   kernel, so a decode row's sums are the same bits at any row count (see the C++ file).
 - torch.utils.cpp_extension.load (with ninja and the C++ compiler, $CXX or c++) builds into a fresh temporary
@@ -112,14 +113,14 @@ def _torch_build_messages() -> Iterator[logging.handlers.BufferingHandler]:
 
 
 def _build() -> Path:
-    from torch.utils import cpp_extension
-
-    compiler = cpp_extension.get_cxx_compiler()
+    compiler = os.environ.get("CXX", "c++")  # the one torch.utils.cpp_extension builds with
     digest = hashlib.sha256(SOURCE.read_bytes() + _build_identity(compiler).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{digest}.so"
     if target.exists():
         torch.ops.load_library(str(target))
         return target
+    from torch.utils import cpp_extension  # imports setuptools (~1 s): only to build
+
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as building, _torch_build_messages() as messages:
         try:  # builds into `building` and loads the library from there

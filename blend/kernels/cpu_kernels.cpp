@@ -8,8 +8,8 @@
  *   prefill_attention  causal flash attention of queries at sorted positions over the prompt's keys
  *
  * Each row's result depends on its own inputs only, never on the step's other rows: a request decodes the
- * same tokens alone or batched. Threads come from ATen's intra-op pool (at::parallel_for; in torch's OpenMP
- * build that is OpenMP, compiled into this file and linked to torch's own libgomp); a thread computes each
+ * same tokens alone or batched. Threads come from ATen's intra-op pool (at::parallel_for: in torch's OpenMP
+ * build, OpenMP compiled into this file, its calls resolved to the runtime torch loaded); a thread computes each
  * output element in the same order whichever elements it is given. Plain C++ with GCC/Clang vector types (no
  * intrinsics): the compiler maps them to the machine's vectors. Built with -ffp-contract=off (the decode
  * kernels' sums are the same bits at any row count) and `omp simd` reductions (the order the vectoriser
@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -178,21 +179,21 @@ static inline task_keys task_at(int64_t task, const int64_t *first, const int64_
 void decode_attention_kernel(const float *q, const float *k, const float *v, const int64_t *lengths, float *out,
                              int64_t rows, int64_t heads, int64_t group, int64_t dim, int64_t k_row,
                              int64_t k_head, int64_t v_row, int64_t v_head, float scale) {
-    std::vector<int64_t> first(rows + 1); /* row r's tasks: [first[r], first[r + 1]) */
+    auto first = std::make_unique_for_overwrite<int64_t[]>(rows + 1); /* row r's tasks: [first[r], first[r + 1]) */
     first[0] = 0;
     for (int64_t r = 0; r < rows; r++) first[r + 1] = first[r] + heads * ((lengths[r] + CHUNK - 1) / CHUNK);
     int64_t tasks = first[rows], width = group * (dim + 2);
-    std::vector<float> parts(tasks * width);
+    auto parts = std::make_unique_for_overwrite<float[]>(tasks * width);
 
     /* each thread takes a run of consecutive tasks: the next one is usually this thread's own */
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         for (int64_t task = begin; task < end; task++) {
-            task_keys t = task_at(task, first.data(), lengths, heads);
-            task_keys n = task + 1 < tasks ? task_at(task + 1, first.data(), lengths, heads) : task_keys{0, 0, 0, 0};
+            task_keys t = task_at(task, first.get(), lengths, heads);
+            task_keys n = task + 1 < tasks ? task_at(task + 1, first.get(), lengths, heads) : task_keys{0, 0, 0, 0};
             attend_chunk(q + (t.row * heads + t.head) * group * dim,
                          k + t.row * k_row + t.head * k_head + t.start * dim,
                          v + t.row * v_row + t.head * v_head + t.start * dim, t.count, group, dim, scale,
-                         parts.data() + task * width, k + n.row * k_row + n.head * k_head + n.start * dim,
+                         parts.get() + task * width, k + n.row * k_row + n.head * k_head + n.start * dim,
                          v + n.row * v_row + n.head * v_head + n.start * dim, n.count * dim);
         }
     });
@@ -200,7 +201,7 @@ void decode_attention_kernel(const float *q, const float *k, const float *v, con
     at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
         for (int64_t rh = begin; rh < end; rh++) {
             int64_t r = rh / heads, h = rh % heads, chunks = (first[r + 1] - first[r]) / heads;
-            const float *row_parts = parts.data() + (first[r] + h * chunks) * width;
+            const float *row_parts = parts.get() + (first[r] + h * chunks) * width;
             for (int64_t g = 0; g < group; g++) {
                 float *o = out + (rh * group + g) * dim, max = -INFINITY, sum = 0.0f;
                 for (int64_t d = 0; d < dim; d++) o[d] = 0.0f;
@@ -480,12 +481,13 @@ void prefill_attention_kernel(const float *q, const float *k, const float *v, co
     /* per worker: the task's query vectors, scores, output, and per-vector max, sum, rescale (aligned vectors
      * of 8), and positions */
     int64_t workers = at::get_num_threads(), floats = (width * (2 * dim + KBLOCK + 3) + 15) / 16 * 16;
-    at::Tensor scratch = at::empty({workers, floats}, at::kFloat);
+    at::Tensor scratch_buffer = at::empty({workers, floats}, at::kFloat);
+    float *scratch = scratch_buffer.data_ptr<float>();
     std::vector<int64_t> query_positions(workers * width);
     std::atomic<int64_t> next_task{0}; /* tasks handed out one at a time, in order, to whichever worker is free */
     at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t end_worker) {
         for (int64_t worker = first_worker; worker < end_worker; worker++) {
-            float *qs = scratch.data_ptr<float>() + worker * floats, *o = qs + width * dim, *s = o + width * dim;
+            float *qs = scratch + worker * floats, *o = qs + width * dim, *s = o + width * dim;
             float *mx = s + width * KBLOCK, *l = mx + width, *alpha = l + width;
             int64_t *pos = query_positions.data() + worker * width;
             for (int64_t task; (task = next_task.fetch_add(1)) < tasks;) {

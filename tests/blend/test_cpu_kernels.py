@@ -247,8 +247,8 @@ def op_samples() -> dict[str, tuple]:
     cos, sin = torch.cat([angles, angles], 1).cos(), torch.cat([angles, angles], 1).sin()
     weights = [torch.randn(n, 24, generator=generator) for n in (5, 7)]
     return {
-        "decode_attention": (torch.randn(3, 2, 2, 16, generator=generator), pool[:3], pool[1:], torch.tensor([5, 0, 40]),
-                             None),
+        "decode_attention": (torch.randn(3, 2, 2, 16, generator=generator), pool[:3], pool[1:],
+                             torch.tensor([5, 0, 40]), None),
         "linear_rows": (torch.randn(3, 24, generator=generator), weights[0]),
         "linear_rows_many": (torch.randn(2, 24, generator=generator), weights),
         "rope_write": (*qkv.split([32, 32, 32], dim=1), cos, sin, torch.tensor([3, 0, 39]), pool.clone(), pool.clone()),

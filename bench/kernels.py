@@ -12,8 +12,9 @@ SmolLM2-135M's shapes (9 query heads, 3 KV heads of 64, hidden 576, MLP 1,536, v
   SkinnyLinear runs them now (F.linear, MKL) and as it did before (oneDNN, through the old blend/skinny.py).
 "Before" is the old blend/cpu_kernels.py (ctypes, kernels/cpu_kernels.c) and blend/skinny.py at `--old` (by
 default the commit before the C source went), imported from git into a temporary directory; the forms alternate
-in each of `--rounds` rounds and the medians are reported, with the load average before and after (other
-processes share the cores). Each kernel's outputs before and after are compared bit for bit. Prints JSON.
+in each of `--rounds` rounds and the medians of wall and process CPU time are reported, with the load average
+before and after (other processes share the cores). Each kernel's outputs before and after are compared bit
+for bit. Prints JSON.
 """
 from __future__ import annotations
 
@@ -153,10 +154,12 @@ def linear_cases(skinny_module) -> dict[str, Callable]:
     return cases
 
 
-def timed(case: Callable) -> float:
-    start = time.perf_counter()
+def timed(case: Callable) -> tuple[float, float]:
+    """Wall and process CPU milliseconds of one call (the CPU time is the steadier when other processes load
+    the cores: it leaves out the time spent waiting for one)."""
+    wall, cpu = time.perf_counter(), time.process_time()
     case()
-    return (time.perf_counter() - start) * 1e3
+    return (time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3
 
 
 def main() -> None:
@@ -195,18 +198,19 @@ def main() -> None:
                 for form, cases in forms.items():  # the forms alternate, case by case
                     times[form][name].append(timed(cases[name]))
         load_after = os.getloadavg()
-    medians = {form: {name: round(statistics.median(t), 2) for name, t in cases.items()}
-               for form, cases in times.items()}
+    medians, cpu_medians = ({form: {name: round(statistics.median(t[clock] for t in runs), 2)
+                                    for name, runs in cases.items()} for form, cases in times.items()}
+                            for clock in (0, 1))
     report = {
         "commit": git_commit(), "old": revision, "threads": torch.get_num_threads(), "rounds": args.rounds,
         "layers": args.layers, "keys": args.keys, "prefill_keys": args.prefill_keys, "queries": args.queries,
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in load_after],
-        "median_ms": medians, "same_bits": same_bits,
+        "median_ms": medians, "median_cpu_ms": cpu_medians, "same_bits": same_bits,
     }
     if "old" in medians:
-        report["new_over_old"] = {name: round(medians["new"][name] / medians["old"][name], 3)
-                                  for name in medians["new"]}
+        for key, clock in (("new_over_old", medians), ("new_over_old_cpu", cpu_medians)):
+            report[key] = {name: round(clock["new"][name] / clock["old"][name], 3) for name in clock["new"]}
     print(json.dumps(report, indent=1))
 
 

@@ -12,9 +12,9 @@ SmolLM2-135M's shapes (9 query heads, 3 KV heads of 64, hidden 576, MLP 1,536, v
   SkinnyLinear runs them now (F.linear, MKL) and as it did before (oneDNN, through the old blend/skinny.py).
 "Before" is the old blend/cpu_kernels.py (ctypes, kernels/cpu_kernels.c) and blend/skinny.py at `--old` (by
 default the commit before the C source went), imported from git into a temporary directory; the forms alternate
-in each of `--rounds` rounds and the medians of wall and process CPU time are reported, with the load average
-before and after (other processes share the cores). Each kernel's outputs before and after are compared bit
-for bit. Prints JSON.
+in each of `--rounds` rounds and the medians of wall and process CPU time (and the least wall time) are
+reported, with the load average before and after (other processes share the cores). Each kernel's outputs
+before and after are compared bit for bit. Prints JSON.
 """
 from __future__ import annotations
 
@@ -207,6 +207,8 @@ def main() -> None:
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in load_after],
         "median_ms": medians, "median_cpu_ms": cpu_medians, "same_bits": same_bits,
+        "min_ms": {form: {name: round(min(t[0] for t in runs), 2) for name, runs in cases.items()}
+                   for form, cases in times.items()},  # the least disturbed call
     }
     if "old" in medians:
         for key, clock in (("new_over_old", medians), ("new_over_old_cpu", cpu_medians)):

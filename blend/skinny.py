@@ -19,8 +19,9 @@ it, as in the attention kernel.
 Many rows (a prefill's) go through `F.linear` (MKL's sgemm, ~100 GFLOP/s on SmolLM2's widening layers here).
 oneDNN's matmul runs them at ~130, but torch reaches it only through a private op (`mkldnn._linear_pointwise`)
 or through oneDNN's own tensor layout (`aten.mkldnn_linear`, whose copies in and out cost what it gains), so
-the prefill's linears stay on the public path: one SmolLM2 layer's linears at 3.1k rows ~1.25x oneDNN's time,
-a blended prefill ~5% longer (bench/kernels.py measures both).
+a prefill's linears stay on the public path: one SmolLM2 layer's linears at 3.1k rows take ~1.25x oneDNN's
+time (bench/kernels.py, `prefill_linears`), and a blended prefill of 3.1k tokens took 1.87–1.92 s through MKL
+against 1.74–1.77 s through oneDNN (BENCHMARKS.md, 6a17731).
 
 `use_skinny_linears(model, kernel)` switches the model's plain `nn.Linear` modules to `SkinnyLinear`
 (the same parameters; only `forward` differs, and only on the CPU).

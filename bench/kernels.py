@@ -36,8 +36,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from blend import cpu_kernels  # noqa: E402
-from blend.skinny import use_skinny_linears  # noqa: E402
+from blend import cpu_kernels, skinny  # noqa: E402
 from common import git_commit  # noqa: E402
 
 HEADS, KV_HEADS, DIM, HIDDEN, MLP, VOCAB = 9, 3, 64, 576, 1536, 49152
@@ -179,7 +178,7 @@ def main() -> None:
         sys.exit(f"no CPU kernels: {cpu_kernels.unavailable()}")
     revision = None if args.no_old else args.old or old_revision()
     sizes = (args.layers, args.keys, args.prefill_keys, args.queries)
-    forms = {"new": {**kernel_cases(cpu_kernels, *sizes), **linear_cases(sys.modules["blend.skinny"])}}
+    forms = {"new": {**kernel_cases(cpu_kernels, *sizes), **linear_cases(skinny)}}
     with tempfile.TemporaryDirectory() as directory:
         if revision:
             old_kernels, old_skinny = import_old(revision, Path(directory))

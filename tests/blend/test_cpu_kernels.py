@@ -26,8 +26,8 @@ from tests.blend.test_attention import scattered
 
 # The kernel is the CPU's: on a GPU test run (bench/device_check.sh) these are not its business.
 pytestmark = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the CPU kernels")
-needs_kernel = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None,
-                                  reason="no C++ compiler to build the kernels")
+needs_kernel = pytest.mark.skipif(None in (shutil.which(os.environ.get("CXX", "c++")), shutil.which("ninja")),
+                                  reason="no C++ compiler or no ninja to build the kernels")
 
 LENGTHS = [1, 255, 256, 257, 700, 0, 3]  # around the kernel's 256-key chunks; 0 is a padding row
 

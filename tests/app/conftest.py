@@ -145,6 +145,11 @@ def live_server(make_app, corpus) -> Iterator[LiveServer]:
 
 # ---- a stub engine, for timing-controlled tests -------------------------------------------------
 
+def split_words(texts: list[str], add_special_tokens: bool = False) -> dict[str, list[list[str]]]:
+    """The stub's tokenizer: a word a token (for the prompt budgets)."""
+    return {"input_ids": [text.split() for text in texts]}
+
+
 class StubEngine:
     """Stands in for RagEngine: each query emits `max_tokens` deltas, one per `step_s`, each after
     `gate` opens; it records what it saw (calls, deltas emitted, whether a query stopped early).
@@ -160,8 +165,8 @@ class StubEngine:
         self.cancelled = threading.Event()
         self.emitted = 0
         self.batches: list[int] = []
-        self.parts = SimpleNamespace(llm=SimpleNamespace(name="stub"), tokenizer=None, kv_cache=None, ingestor=None,
-                                     retriever=None, store=SimpleNamespace(stats=lambda: {"tiers": {}}),
+        self.parts = SimpleNamespace(llm=SimpleNamespace(name="stub"), tokenizer=split_words, kv_cache=None,
+                                     ingestor=None, retriever=None, store=SimpleNamespace(stats=lambda: {"tiers": {}}),
                                      blender=SimpleNamespace(decode_step=self.decode_step, unsupported=None),
                                      close=lambda: None)
 

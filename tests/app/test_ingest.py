@@ -290,6 +290,17 @@ def test_all_inputs_bad_fails_fast_and_usage_errors_exit_2(tmp_path, env, monkey
     assert ragblend(env).exit_code == 2  # neither PATH nor --delete
 
 
+def test_a_deeply_nested_jsonl_line_is_one_error_line(tmp_path, env, monkeypatch):
+    """100,000 brackets raise RecursionError in json.loads: an error line and exit code 1, never a traceback."""
+    monkeypatch.setattr(app.components, "load_model", lambda *args, **kwargs: pytest.fail("no model should load"))
+    deep = tmp_path / "deep.jsonl"
+    deep.write_bytes(b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n")
+    result = ragblend(env, str(deep))
+    assert result.exit_code == 1 and not isinstance(result.exception, RecursionError), result.exception
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == \
+        [f"error: {deep}:1: nested too deeply"]
+
+
 def test_a_crash_mid_batch_keeps_what_was_committed(tmp_path, monkeypatch):
     from app.kv import ChunkKVCache
 

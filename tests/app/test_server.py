@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Iterator
 
 import httpx
 import pytest
@@ -202,7 +204,7 @@ BAD_INPUTS = [
     ("/v1/documents", {"title": "\x1b[31mred", "text": "t"}, "title"),
     ("/v1/query", {"question": "q", "max_tokens": True}, "max_tokens"),  # strict types: no bool for an int
     ("/v1/query", {"question": "q", "stream": "yes"}, "stream"),         # ... and no string for a bool
-    ("/v1/query", {"question": "q", "top_k": 2.0}, "top_k"),
+    ("/v1/query", {"question": "q", "top_k": 2.5}, "top_k"),  # 2.0 is an integer, as JSON Schema says
     ("/v1/chat/completions", {"messages": MSG, "max_tokens": True}, "max_tokens"),
     ("/v1/chat/completions", {"messages": MSG, "stream": "yes"}, "stream"),
 ]
@@ -362,3 +364,158 @@ def test_parallel_clients_all_get_their_answer_and_are_counted(live_server, corp
     # passages are read layer by layer (blend.pipeline): the tier's layer bandwidth is measured
     assert metric(after, 'ragblend:kv_tier_layer_bandwidth_bytes_per_second{tier="memory"}') > 0
     assert metric(after, "ragblend:num_requests_waiting") == 0
+
+
+# ---- issue #41: no 5xx on any upload, no silent overwrite, bounded work ---------------------------
+
+DEEP_LINE = b'{"text": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n"
+
+
+def test_deeply_nested_uploads_are_422_on_both_routes(client):
+    before = client.get("/v1/documents").json()["data"]
+    deep = b"[" * 100_000 + b"]" * 100_000
+    json_upload = client.post("/v1/documents", content=deep, headers={"content-type": "application/json"})
+    assert "nested too deeply" in assert_error(json_upload, 422, "body")["message"]
+    jsonl = client.post("/v1/documents", files={"file": ("deep.jsonl", b'{"text": "fine"}\n' + DEEP_LINE)})
+    assert "deep.jsonl:2: nested too deeply" in assert_error(jsonl, 422, "file")["message"]
+    assert client.get("/v1/documents").json()["data"] == before
+
+
+NOT_UTF8 = b"\xff\xfe"
+
+
+def multipart(fields: list[tuple[bytes, bytes, bytes | None]]) -> tuple[bytes, dict[str, str]]:
+    """A multipart body written byte by byte (no client would send these bytes): (name, value, file name)."""
+    parts = []
+    for name, value, filename in fields:
+        disposition = b'form-data; name="' + name + b'"' + (b'; filename="' + filename + b'"' if filename else b"")
+        parts.append(b"--b0undary\r\nContent-Disposition: " + disposition + b"\r\n\r\n" + value + b"\r\n")
+    return b"".join(parts) + b"--b0undary--\r\n", {"content-type": "multipart/form-data; boundary=b0undary"}
+
+
+@pytest.mark.parametrize("where", ["id", "title", "file name", "field name"])
+def test_multipart_text_that_is_not_utf8_is_422(client, where):
+    """Starlette reads such bytes as Latin-1 (b"\\xff\\xfe" -> "ÿþ"); two uploads could then land on one id."""
+    before = client.get("/v1/documents").json()["data"]
+    fields = [(b"file", b"The ferry leaves at nine.", b"ferry" + (NOT_UTF8 if where == "file name" else b"") + b".txt")]
+    if where in ("id", "title"):
+        fields.append((where.encode(), b"note" + NOT_UTF8, None))
+    if where == "field name":
+        fields.append((b"x" + NOT_UTF8, b"value", None))
+    body, headers = multipart(fields)
+    error = assert_error(client.post("/v1/documents", content=body, headers=headers), 422)
+    assert "UTF-8" in error["message"], error
+    assert client.get("/v1/documents").json()["data"] == before
+
+
+def test_an_upload_never_silently_replaces_another_document(client):
+    first = {"id": "ferry-note", "title": "Ferry", "text": "The ferry to Sarne leaves at nine."}
+    assert client.post("/v1/documents", json=first).status_code == 201
+    try:
+        # The same document again: unchanged, whoever sends it.
+        again = client.post("/v1/documents", json=first)
+        assert again.status_code == 201 and again.json()["data"][0]["status"] == "unchanged"
+        # Another text under the same id, JSON or multipart: 409, and the first stays as it was.
+        other = {**first, "text": "The ferry to Sarne leaves at ten."}
+        conflict = assert_error(client.post("/v1/documents", json=other), 409, "id")
+        assert conflict["code"] == "document_exists" and "replace=true" in conflict["message"]
+        upload = client.post("/v1/documents", files={"file": ("ferry-note.txt", other["text"].encode())})
+        assert assert_error(upload, 409, "id")["code"] == "document_exists"
+        batch = b'{"id": "new-one", "text": "A new document."}\n{"id": "ferry-note", "text": "Replaced?"}\n'
+        assert_error(client.post("/v1/documents", files={"file": ("batch.jsonl", batch)}), 409, "id")
+        assert client.get("/v1/documents/new-one").status_code == 404  # all or none
+        hits = client.post("/v1/query", json={"question": "When does the ferry to Sarne leave?", "top_k": 1,
+                                              "max_tokens": 1}).json()["sources"]
+        assert hits[0]["doc_id"] == "ferry-note" and "nine" in hits[0]["text"]
+        # Asked for: replaced.
+        replaced = client.post("/v1/documents", params={"replace": "true"}, json=other)
+        assert replaced.status_code == 201 and replaced.json()["data"][0]["status"] == "updated"
+        hits = client.post("/v1/query", json={"question": "When does the ferry to Sarne leave?", "top_k": 1,
+                                              "max_tokens": 1}).json()["sources"]
+        assert hits[0]["doc_id"] == "ferry-note" and "ten" in hits[0]["text"]
+    finally:
+        client.delete("/v1/documents/ferry-note")
+
+
+def test_a_file_without_a_known_suffix_is_read_by_its_content_type(client):
+    """The rule the OpenAPI description states: the format comes from the file name's suffix, else from the
+    part's content type; neither known is a 422."""
+    upload = client.post("/v1/documents", files={"file": ("notes", b"# Tide tables\n\nHigh tide at six.", "text/markdown")})
+    assert upload.status_code == 201, upload.text
+    assert [(d["id"], d["title"]) for d in upload.json()["data"]] == [("notes", "Tide tables")]
+    assert client.delete("/v1/documents/notes").status_code == 200
+    assert_error(client.post("/v1/documents", files={"file": ("notes", b"%PDF", "application/pdf")}), 422, "file")
+
+
+@contextmanager
+def over_budget_client(engine_with, monkeypatch, **limits) -> Iterator[TestClient]:
+    """A client of an app with the given limits whose engine fails the test if a request reaches the model."""
+    from app.server import create_app
+
+    def no_model_work(*args, **kwargs):
+        raise AssertionError("a request over its budget reached the model")
+
+    settings, engine = engine_with(limits=limits)
+    monkeypatch.setattr(engine.parts.blender, "prefill_steps", no_model_work)
+    monkeypatch.setattr(engine.parts.kv_cache, "compute", no_model_work)
+    try:
+        with TestClient(create_app(settings, engine)) as client:
+            yield client
+    finally:
+        engine.parts.close()
+
+
+def test_a_chat_over_its_token_budget_is_refused_before_any_model_work(engine_with, corpus, monkeypatch):
+    limits = {"max_message_tokens": 300, "max_prompt_tokens": 600}
+    long_turn = "The harbour wall was finished in 1956 and still stands today. " * 30  # ~400 tokens
+    medium = "The harbour wall was finished in 1956. " * 15  # ~150 tokens
+    with over_budget_client(engine_with, monkeypatch, **limits) as client:
+        one_long = [{"role": "user", "content": "Tell me about the wall."},
+                    {"role": "assistant", "content": long_turn}, {"role": "user", "content": "When?"}]
+        error = assert_error(client.post("/v1/chat/completions", json={"messages": one_long}), 422, "messages.1")
+        assert "limits.max_message_tokens" in error["message"] and "300" in error["message"]
+        many = [{"role": r, "content": medium} for _ in range(3) for r in ("user", "assistant")]
+        many.append({"role": "user", "content": "When was it finished?"})
+        error = assert_error(client.post("/v1/chat/completions", json={"messages": many, "stream": True}), 422,
+                             "messages")
+        assert "limits.max_prompt_tokens" in error["message"] and "600" in error["message"]
+        huge = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x " * 1_000_000},
+                {"role": "user", "content": "And?"}]  # refused without tokenizing 2 MB
+        assert "limits.max_message_tokens" in assert_error(
+            client.post("/v1/chat/completions", json={"messages": huge}), 422, "messages.1")["message"]
+
+
+def test_passages_count_in_the_prompt_budget(engine_with, corpus, monkeypatch):
+    """The passages are known only once retrieved: a prompt over the budget with them is a 400 before the
+    prefill (a budget the question alone fits)."""
+    with over_budget_client(engine_with, monkeypatch, max_prompt_tokens=120, max_top_k=4) as client:
+        error = assert_error(client.post("/v1/query", json={"question": corpus.questions[0][0], "top_k": 4}), 400)
+    assert "limits.max_prompt_tokens" in error["message"] and "top_k" in error["message"]
+
+
+def test_corrupt_entries_are_counted_in_metrics_and_store_stats(corpus, engine_with):
+    from app.server import create_app
+    from app.usage import store_report
+    from store.serialize import parse_head
+
+    settings, engine = engine_with(store={"memory_bytes": 0})  # disk only: a damaged file is read
+    question = corpus.questions[0][0]
+    with TestClient(create_app(settings, engine)) as client:
+        assert client.post("/v1/query", json={"question": question, "top_k": 1, "max_tokens": 1}).status_code == 200
+        [hit] = engine.parts.retriever.search(question, 1)
+        key = engine.parts.kv_cache.key(engine.parts.kv_cache.passage_ids(hit.chunk.token_ids, hit.title))
+        path = engine.parts.store.tiers[0]._cache.peek_file(key)
+        data = bytearray(open(path, "rb").read())
+        offset, length = parse_head(bytes(data)).layer_range(3)
+        data[offset + length // 2] ^= 0x20
+        open(path, "wb").write(bytes(data))
+
+        answer = client.post("/v1/query", json={"question": question, "top_k": 1, "max_tokens": 1}).json()
+        assert answer["stats"]["store_hits"] == {"computed": 1}  # recomputed, never used
+        metrics = client.get("/metrics").text
+    assert 'ragblend:kv_store_corrupt_total{tier="disk"} 1.0' in metrics, metrics
+    assert 'ragblend:kv_store_stale_total{tier="disk"} 0.0' in metrics
+    engine.parts.usage.flush()
+    report = store_report(engine.parts.store.stats(), engine.parts.metadata.usage())
+    assert report["dropped"]["corrupt"]["disk"] >= 1
+    engine.parts.close()

@@ -55,6 +55,7 @@ def test_queue_wait_past_timeout_answers_503_and_never_runs(stub_app):
         timed_out = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         assert timed_out.status_code == 503
         assert timed_out.json()["error"]["code"] == "queue_timeout"
+        assert int(timed_out.headers["Retry-After"]) >= 1
         engine.gate.set()
         assert running.result(10).status_code == 200
         wait_until(lambda: app.state.service.waiting == 0)
@@ -172,7 +173,7 @@ def test_health_is_503_while_the_model_thread_is_stuck(stub_app):
         assert health["status"] == "stuck" and health["error"]["code"] == "stuck"
         thread = health["model_thread"]
         assert thread["alive"] and thread["active_slots"] == 1 and thread["current"]["age_s"] > 0.3
-        assert thread["current"]["work"].startswith("request anything?")
+        assert thread["current"]["work"] == "request query"
         assert client.get("/health/live").status_code == 503  # a restart would help
         assert client.get("/health/ready").status_code == 503
         engine.gate.set()
@@ -188,3 +189,36 @@ def test_health_paths_need_no_api_key(stub_app):
         for path in ("/health", "/health/live", "/health/ready"):
             assert client.get(path).status_code == 200, path
         assert client.get("/v1/models").status_code == 401
+
+
+def test_health_shows_what_kind_of_work_runs_never_a_clients_text(stub_app):
+    """/health is open to anyone (probes): it says a query or a chat runs and for how long, not what it asks."""
+    app, engine = stub_app(server={"api_key": "k"})
+    engine.gate.clear()
+    secret = "What is the door code of the Kestrel Bakery?"
+    key = {"Authorization": "Bearer k"}
+    with TestClient(app) as client, ThreadPoolExecutor(2) as pool:
+        for path, body, kind in [("/v1/query", {"question": secret, "max_tokens": 1}, "query"),
+                                 ("/v1/chat/completions", {"messages": [{"role": "user", "content": secret}],
+                                                           "max_tokens": 1}, "chat")]:
+            running = pool.submit(client.post, path, json=body, headers=key)
+            assert engine.started.acquire(timeout=10)
+            health = client.get("/health")
+            assert "Kestrel" not in health.text and "door code" not in health.text
+            current = health.json()["model_thread"]["current"]
+            assert current["work"] == f"request {kind}" and current["age_s"] >= 0
+            engine.gate.set()
+            assert running.result(10).status_code == 200
+            engine.gate.clear()
+
+
+def test_every_503_says_when_to_retry(stub_app):
+    """Loading, the queue timeout (above) and shutting down: each 503 has a Retry-After."""
+    app, engine = stub_app()
+    with TestClient(app) as client:
+        app.state.service.begin_shutdown()
+        for method, path, body in [("POST", "/v1/query", QUERY), ("GET", "/v1/models", None),
+                                   ("POST", "/v1/documents", {"text": "t"})]:
+            refused = client.request(method, path, json=body)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down", refused.text
+            assert int(refused.headers["Retry-After"]) >= 1

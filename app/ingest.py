@@ -49,6 +49,10 @@ class DocumentTooLarge(IngestError):
     """A document over `limits.max_document_chars` (HTTP 413)."""
 
 
+class DocumentExists(IngestError):
+    """A different document holds this id and the caller did not ask to replace it (HTTP 409)."""
+
+
 class IngestCancelled(Exception):
     """The ingest stopped between two chunks because its caller gave up (nothing was committed)."""
 
@@ -103,16 +107,20 @@ class Ingestor:
     on_precomputed: Callable[[int], object] = _noop
     precompute_at: Literal["ingest", "first_use"] = "ingest"
 
-    def ingest(self, docs: Sequence[SourceDocument], cancelled: Callable[[], bool] = lambda: False
-               ) -> list[IngestResult]:
-        """Add or replace documents, all or none: chunk all first (bad input fails before anything is
-        written), then `commit_all` (the API's uploads). IngestError, or IngestCancelled when
-        `cancelled()` turns true."""
+    def ingest(self, docs: Sequence[SourceDocument], cancelled: Callable[[], bool] = lambda: False, *,
+               replace: bool = True) -> list[IngestResult]:
+        """Add documents, all or none: chunk all first (bad input fails before anything is written), then
+        `commit_all` (the API's uploads). A document whose id holds a different one replaces it only with
+        `replace` (else DocumentExists); the same document again is "unchanged" either way. IngestError,
+        or IngestCancelled when `cancelled()` turns true."""
         prepared = []
         for doc in docs:
             if cancelled():
                 raise IngestCancelled(f"{doc.source}: ingest cancelled")
             prepared.append(self.prepare(doc))
+        if not replace and (taken := next((p for p in prepared if p.existed and not p.unchanged), None)):
+            raise DocumentExists(f"{taken.doc.source}: a different document has the id {taken.doc.doc_id!r}; "
+                                 f"send replace=true to replace it")
         return self.commit_all(prepared, cancelled)
 
     def ingest_text(self, doc_id: str, title: str | None, text: str, source: str | None = None) -> IngestResult:
@@ -242,28 +250,35 @@ def collect_files(paths: list[Path]) -> tuple[list[tuple[Path, str]], list[str]]
 def read_documents(path: Path, doc_id: str) -> tuple[list[SourceDocument], list[str]]:
     """The documents in one file, and an error line for each bad one (a JSONL file may hold both)."""
     try:
-        text = read_text(path)
-    except IngestError as exc:
-        return [], [str(exc)]
-    if path.suffix.lower() == ".jsonl":
-        return _read_jsonl(path, doc_id, text)
-    title = path.stem
-    if path.suffix.lower() == ".md":
-        title, text = _markdown_title(text, title)
-    return [SourceDocument(doc_id, title, text, str(path))], []
-
-
-def read_text(path: Path) -> str:
-    try:
         data = path.read_bytes()
     except OSError as exc:
-        raise IngestError(f"{path}: cannot read: {exc.strerror or exc}") from None
+        return [], [f"{path}: cannot read: {exc.strerror or exc}"]
+    return parse_documents(data, path.suffix, path.stem, doc_id, str(path))
+
+
+def parse_documents(data: bytes, suffix: str, stem: str, doc_id: str, source: str
+                    ) -> tuple[list[SourceDocument], list[str]]:
+    """The documents in a file's bytes, read as its `suffix` says (.txt, .md, .jsonl): `ragblend ingest` reads
+    files, the API uploads. `stem` is the default title, `source` names the file in messages."""
+    try:
+        text = decode_text(data, source)
+    except IngestError as exc:
+        return [], [str(exc)]
+    if suffix.lower() == ".jsonl":
+        return _read_jsonl(source, stem, doc_id, text)
+    title = stem
+    if suffix.lower() == ".md":
+        title, text = _markdown_title(text, title)
+    return [SourceDocument(doc_id, title, text, source)], []
+
+
+def decode_text(data: bytes, source: str) -> str:
     if b"\x00" in data:
-        raise IngestError(f"{path}: binary file, not text")
+        raise IngestError(f"{source}: binary file, not text")
     try:
         return normalize_text(data.decode("utf-8-sig"))
     except UnicodeDecodeError as exc:
-        raise IngestError(f"{path}: not UTF-8 text (invalid byte at offset {exc.start})") from None
+        raise IngestError(f"{source}: not UTF-8 text (invalid byte at offset {exc.start})") from None
 
 
 def _markdown_title(text: str, fallback: str) -> tuple[str, str]:
@@ -275,16 +290,19 @@ def _markdown_title(text: str, fallback: str) -> tuple[str, str]:
     return match.group(1), text
 
 
-def _read_jsonl(path: Path, file_id: str, text: str) -> tuple[list[SourceDocument], list[str]]:
+def _read_jsonl(source: str, stem: str, file_id: str, text: str) -> tuple[list[SourceDocument], list[str]]:
     docs, errors = [], []
     for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
-        where = f"{path}:{number}"
+        where = f"{source}:{number}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             errors.append(f"{where}: malformed JSON: {exc.msg} (column {exc.colno})")
+            continue
+        except RecursionError:  # brackets nested deeper than the parser's stack
+            errors.append(f"{where}: nested too deeply")
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             errors.append(f'{where}: expected an object with a "text" string')
@@ -297,7 +315,7 @@ def _read_jsonl(path: Path, file_id: str, text: str) -> tuple[list[SourceDocumen
             errors.append(f'{where}: "title" must be a string')
             continue
         doc = SourceDocument(f"{file_id}:{number}" if doc_id is None else str(doc_id),
-                             path.stem if title is None else title, obj["text"], where)
+                             stem if title is None else title, obj["text"], where)
         try:
             _check_document(doc)
         except IngestError as exc:

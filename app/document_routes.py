@@ -1,40 +1,44 @@
 """The document routes: list, get and delete documents, and uploads (JSON `{id?, title?, text}` or a
 multipart .txt/.md/.jsonl file, read by the same code as `ragblend ingest`). Uploads and deletes run
-on the ingest lane, one at a time, through the Serving's upload Ingestor."""
+on the ingest lane, one at a time, through the Serving's upload Ingestor.
+
+An upload never replaces a different document unless it says so (`?replace=true`): otherwise a taken
+id is a 409 and nothing is written. Every text of a multipart form (field names and values, the file
+name) must be UTF-8, as a JSON body must: Starlette's own parser would read other bytes as Latin-1.
+"""
 from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
+from contextlib import aclosing
 from dataclasses import asdict
-from pathlib import Path
+from pathlib import PurePosixPath
 from typing import Callable
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException, MultiPartParser, parse_options_header
 
-from app.api_models import (ERRORS, DeletedDocument, DocumentIn, DocumentList, DocumentMeta, ErrorResponse,
-                            IngestedDocument, IngestResponse, LimitError, openapi_body)
+from app.api_models import (DOCUMENT_ERRORS, ERRORS, UPLOAD_SCHEMA, UPLOAD_TYPES, DeletedDocument, DocumentIn,
+                            DocumentList, DocumentMeta, ErrorResponse, IngestedDocument, IngestResponse, LimitError,
+                            openapi_body)
 from app.components import Serving
 from app.errors import ApiError
-from app.ingest import SUFFIXES, SourceDocument, read_documents
+from app.ingest import SUFFIXES, SourceDocument, parse_documents
 from app.service import Service, service, serving
 from retrieval import DocumentInfo, Retriever
 
 router = APIRouter()
+REPLACE = Query(False, description="Replace a different document that has the same id. Without it such an "
+                                   "upload is a 409 and changes nothing; the same document again is `unchanged`.")
 
 
-UPLOAD_SCHEMA = {"type": "object", "required": ["file"], "properties": {
-    "file": {"type": "string", "format": "binary", "description": f"One of {', '.join(SUFFIXES)}"},
-    "id": {"type": "string", "description": "Document id (default: the file name without extension)."},
-    "title": {"type": "string"}}}
-
-
-@router.post("/v1/documents", status_code=201, response_model=IngestResponse, responses=ERRORS,
+@router.post("/v1/documents", status_code=201, response_model=IngestResponse, responses=DOCUMENT_ERRORS,
              openapi_extra=openapi_body(DocumentIn, multipart=UPLOAD_SCHEMA))
-async def add_document(request: Request, svc: Service = Depends(service),
+async def add_document(request: Request, replace: bool = REPLACE, svc: Service = Depends(service),
                        parts: Serving = Depends(serving)) -> IngestResponse:
     """Ingest JSON `{id?, title?, text}` or a multipart `file` (.txt, .md, .jsonl) like `ragblend ingest`."""
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
@@ -45,8 +49,8 @@ async def add_document(request: Request, svc: Service = Depends(service),
     else:
         raise ApiError(415, f"unsupported content type {content_type!r}: send application/json or "
                             f"multipart/form-data", "unsupported_media_type")
-    return IngestResponse(data=await svc.on_lane(request, lambda cancelled: _ingest(parts, docs, cancelled),
-                                                 f"upload of {len(docs)} document(s)"))
+    return IngestResponse(data=await svc.on_lane(request, lambda cancelled: _ingest(parts, docs, cancelled, replace),
+                                                 "upload"))
 
 
 def _json_document(body: bytes) -> SourceDocument:
@@ -56,54 +60,96 @@ def _json_document(body: bytes) -> SourceDocument:
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ApiError(422, f"body: invalid JSON ({'nested too deeply' if isinstance(exc, RecursionError) else exc})",
                        "invalid_body", "body") from None
-    try:
-        doc = DocumentIn.model_validate(data)
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    doc = _validated(DocumentIn, data)
     doc_id = doc.id or "doc-" + hashlib.sha256(doc.text.encode()).hexdigest()[:16]
     return SourceDocument(doc_id, doc.title, doc.text, "api")
+
+
+def _validated(model: type[DocumentMeta], data: object) -> DocumentMeta:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
 async def _uploaded_documents(request: Request) -> list[SourceDocument]:
     """The documents in an uploaded file, read by the same code as `ragblend ingest`; the form's id and
     title pass the same checks as a JSON upload's."""
-    form = await request.form()
-    upload = form.get("file")
-    if not isinstance(upload, UploadFile):
-        raise LimitError("file", "a multipart file field named 'file' is required")
-    fields = {name: form.get(name) for name in ("id", "title") if form.get(name) is not None}
+    form = await _utf8_form(request)
     try:
-        meta = DocumentMeta.model_validate(fields)
-    except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
-    doc_id, title = meta.id, meta.title
-    name = Path(upload.filename or "").name
-    if Path(name).suffix.lower() not in SUFFIXES:
-        raise LimitError("file", f"unsupported file {name!r}: use {', '.join(SUFFIXES)}")
-    data = await upload.read()
-    with tempfile.TemporaryDirectory(prefix="ragblend-upload-") as tmp:
-        path = Path(tmp) / name
-        path.write_bytes(data)
-        docs, errors = read_documents(path, str(doc_id).strip() if doc_id else path.stem)
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            raise LimitError("file", "a multipart file field named 'file' is required")
+        meta = _validated(DocumentMeta, {name: form.get(name) for name in ("id", "title") if name in form})
+        name = PurePosixPath((upload.filename or "").replace("\\", "/")).name
+        suffix, stem = _upload_format(name, upload.content_type)
+        docs, errors = parse_documents(await upload.read(), suffix, stem, meta.id.strip() if meta.id else stem,
+                                       f"upload:{name}")
+    finally:
+        await form.close()
     if errors:
-        raise LimitError("file", "; ".join(errors[:5]).replace(tmp + "/", ""))
+        raise LimitError("file", "; ".join(errors[:5]))
     ids = [d.doc_id for d in docs]
     if len(set(ids)) != len(ids):
         raise LimitError("file", "duplicate document ids in the file")
     if not docs:
         raise LimitError("file", "the file holds no documents")
-    for doc in docs:
-        doc.source = doc.source.replace(tmp + "/", "upload:")
-        if title and len(docs) == 1:
-            doc.title = str(title)
+    if meta.title and len(docs) == 1:
+        docs[0].title = meta.title
     return docs
 
 
-def _ingest(parts: Serving, docs: list[SourceDocument], cancelled: Callable[[], bool]) -> list[IngestedDocument]:
+def _upload_format(name: str, content_type: str | None) -> tuple[str, str]:
+    """(suffix, stem) of an uploaded file: its name's suffix when that is .txt, .md or .jsonl (the stem is
+    then the name without it), else the one its part's Content-Type names (the stem is the whole name)."""
+    suffix = PurePosixPath(name).suffix.lower()
+    if suffix in SUFFIXES:
+        return suffix, name[:-len(suffix)]
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    if media_type in UPLOAD_TYPES:
+        return UPLOAD_TYPES[media_type], name
+    raise LimitError("file", f"unsupported file {name!r} ({media_type or 'no content type'}): name it "
+                             f"{', '.join(SUFFIXES)} or send it as {', '.join(UPLOAD_TYPES)}")
+
+
+class Utf8MultiPartParser(MultiPartParser):
+    """Starlette's multipart parser, refusing a field name, file name or field value that is not UTF-8."""
+
+    def on_headers_finished(self) -> None:
+        _, options = parse_options_header(self._current_part.content_disposition)
+        for key in (b"name", b"filename"):
+            _check_utf8(options.get(key, b""), "file" if key == b"filename" else "body",
+                        "file name" if key == b"filename" else "field name")
+        super().on_headers_finished()
+
+    def on_part_end(self) -> None:
+        if self._current_part.file is None:
+            _check_utf8(self._current_part.data, self._current_part.field_name, "field's value")
+        super().on_part_end()
+
+
+def _check_utf8(data: bytes | bytearray, param: str, what: str) -> None:
+    try:
+        bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LimitError(param, f"the {what} is not UTF-8 (invalid byte at offset {exc.start})") from None
+
+
+async def _utf8_form(request: Request) -> FormData:
+    """The multipart form, parsed with Utf8MultiPartParser: one file and a few fields."""
+    try:
+        async with aclosing(request.stream()) as stream:
+            return await Utf8MultiPartParser(request.headers, stream, max_files=1, max_fields=16).parse()
+    except MultiPartException as exc:  # as Starlette's request.form() reports it
+        raise HTTPException(400, detail=exc.message) from None
+
+
+def _ingest(parts: Serving, docs: list[SourceDocument], cancelled: Callable[[], bool],
+            replace: bool) -> list[IngestedDocument]:
     """On the ingest lane: chunk all first (bad input fails before anything is written) and embed here,
     precompute each chunk's KV on the model thread (one task per chunk, between other requests' work),
     then commit all or none. Cancelled (client gone, shutdown) between two embedding batches or chunks."""
-    results = parts.uploads.ingest(docs, cancelled)
+    results = parts.uploads.ingest(docs, cancelled, replace=replace)
     return [IngestedDocument(**asdict(_document(parts.retriever, r.doc_id)), status=r.status) for r in results]
 
 
@@ -119,7 +165,8 @@ def list_documents(parts: Serving = Depends(serving)) -> DocumentList:
     return DocumentList(data=parts.retriever.list_documents())
 
 
-@router.get("/v1/documents/{doc_id:path}", response_model=DocumentInfo, responses={404: {"model": ErrorResponse}})
+@router.get("/v1/documents/{doc_id:path}", response_model=DocumentInfo,
+            responses={404: {"model": ErrorResponse}, **ERRORS})
 def get_document(doc_id: str, parts: Serving = Depends(serving)) -> DocumentInfo:
     return _document(parts.retriever, doc_id)
 
@@ -134,4 +181,4 @@ async def delete_document(doc_id: str, request: Request, svc: Service = Depends(
         except KeyError:
             raise ApiError(404, f"no document {doc_id!r}", "not_found", "doc_id") from None
         return DeletedDocument(id=doc_id)
-    return await svc.on_lane(request, delete, f"delete {doc_id[:60]}")
+    return await svc.on_lane(request, delete, "delete")

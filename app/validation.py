@@ -8,7 +8,9 @@ import re
 
 MAX_ID_CHARS = 256
 MAX_TITLE_CHARS = 1024
-NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"  # also the OpenAPI `pattern` of ids and titles
+NO_CONTROL_CHARS = r"^[^\x00-\x1f\x7f]*$"  # also the OpenAPI `pattern` of titles
+ONE_LINE_NOT_BLANK = r"^[^\x00-\x1f\x7f]*[^\s\x00-\x1f\x7f][^\x00-\x1f\x7f]*$"  # ... and of ids
+NOT_BLANK = r"\S"  # ... and of questions and texts
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 

@@ -1,25 +1,30 @@
 """Request and response schemas of the HTTP API: ragblend's own (/v1/query, /v1/documents) and
 the OpenAI-compatible chat completions.
 
-Static bounds live here (and so in the OpenAPI spec); the limits that come from settings
-(question length, top_k, max_tokens) are checked by `check_limits`, with the same 422 shape.
+Static bounds live here (and so in the OpenAPI spec); the limits that come from settings (question
+length, top_k, max_tokens: `check_limits`; prompt tokens per message and in all: `check_budget`) give
+the same 422 shape, and `state_limits` writes them into the app's OpenAPI description. Every rule the
+server enforces is stated there, as a schema keyword where JSON Schema can say it, else in words.
 Our own endpoints reject unknown fields; the OpenAI ones ignore them, as OpenAI clients send
 fields we have no use for.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from app.config import LimitsSettings
+from app.conversation import CHARS_PER_TOKEN_BOUND
 from app.engine import Mode, QueryStats, Source
-from app.validation import (MAX_ID_CHARS, MAX_TITLE_CHARS, NO_CONTROL_CHARS, not_blank, valid_doc_id,
-                            valid_title, valid_unicode)
+from app.validation import (MAX_ID_CHARS, MAX_TITLE_CHARS, NO_CONTROL_CHARS, NOT_BLANK, ONE_LINE_NOT_BLANK,
+                            not_blank, valid_doc_id, valid_title, valid_unicode)
 from app.explain import Explain
+from app.ingest import SUFFIXES
 from retrieval import DocumentInfo
-from blend.selection import POLICIES, get_policy
+from blend.selection import POLICIES
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
 
@@ -35,23 +40,35 @@ class LimitError(ValueError):
 # Every string a client sends is valid Unicode (app/validation.py has the rules); ids and titles carry
 # their rules in the schema too, so the OpenAPI spec documents them.
 Text = Annotated[str, AfterValidator(valid_unicode)]
-NonBlank = Annotated[str, AfterValidator(not_blank), AfterValidator(valid_unicode)]
-DocId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=NO_CONTROL_CHARS,
-                             description="One line, no control characters."), AfterValidator(valid_doc_id)]
+NonBlank = Annotated[str, Field(pattern=NOT_BLANK), AfterValidator(not_blank), AfterValidator(valid_unicode)]
+DocId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=ONE_LINE_NOT_BLANK,
+                             description="One line, not blank, no control characters."), AfterValidator(valid_doc_id)]
 Title = Annotated[str, Field(max_length=MAX_TITLE_CHARS, pattern=NO_CONTROL_CHARS,
                              description="One line, no control characters."), AfterValidator(valid_title)]
+
+
+
+def _integral_floats(model: type[BaseModel], data: Any) -> Any:
+    """`data` with 2.0 as the integer 2 in the model's int fields, as JSON Schema counts it an integer
+    (2.5 and true stay what they are, and are refused)."""
+    if not isinstance(data, dict):
+        return data
+    ints = {name for name, f in model.model_fields.items() if int in (f.annotation, *get_args(f.annotation))}
+    return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
 
 
 class StrictBody(BaseModel):
     """A request body: strict types (no true for 1, no "yes" for true); unknown fields refused."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+    _integral = model_validator(mode="before")(classmethod(_integral_floats))
 
 
 class OpenAIBody(BaseModel):
     """An OpenAI-shaped request: strict types, but unknown fields ignored (clients send many)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+    _integral = model_validator(mode="before")(classmethod(_integral_floats))
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -67,8 +84,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
-# The error responses a route documents in the OpenAPI schema.
-ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 413, 422, 429, 503)}
+RETRY_AFTER = {"Retry-After": {"description": "Seconds after which a retry may succeed.", "required": True,
+                               "schema": {"type": "integer", "minimum": 1}}}
+# The error responses a route documents in the OpenAPI schema: every 429 and 503 says when to retry.
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, **({"headers": RETRY_AFTER} if code in (429, 503) else {})}
+    for code in (400, 401, 413, 422, 429, 503)}
+DOCUMENT_ERRORS = {**ERRORS, 409: {"model": ErrorResponse, "description": "A different document has that id "
+                                                                          "(and replace is not true)."},
+                   415: {"model": ErrorResponse}}
 
 
 # ---- /v1/query ---------------------------------------------------------------------------------
@@ -80,8 +104,8 @@ class QueryRequest(StrictBody):
                                             "prefill; reuse: cached chunk KV, nothing recomputed.")
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
                                           description="Share of cached tokens recomputed (default: blend.ratio).")
-    selection: str | None = Field(None, description="Selection policy of the tokens to recompute, one of "
-                                                    f"{', '.join(sorted(POLICIES))} (default: blend.selection).")
+    selection: Literal[tuple(sorted(POLICIES))] | None = Field(  # type: ignore[valid-type]
+        None, description="Selection policy of the tokens to recompute (default: blend.selection).")
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0, allow_inf_nan=False)
     stream: bool = False
@@ -89,11 +113,6 @@ class QueryRequest(StrictBody):
                                                 "(for benchmarks, as vLLM's ignore_eos).")
     explain: bool = Field(False, description="Also return `explain`: each prompt token's text, piece, selection "
                                              "score and whether it was recomputed (limits.max_explain_tokens).")
-
-    @field_validator("selection")
-    @classmethod
-    def _known_policy(cls, value: str | None) -> str | None:
-        return None if value is None else get_policy(value).name
 
 
 class QueryResponse(BaseModel):
@@ -125,14 +144,29 @@ class StreamOptions(OpenAIBody):
     include_usage: bool = False
 
 
+# What `question()` needs, in JSON Schema: a user message whose content (or one of its text parts) is not blank.
+_WITH_TEXT = {"type": "string", "pattern": NOT_BLANK}
+USER_TEXT = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"const": "user"},
+    "content": {"anyOf": [_WITH_TEXT, {"type": "array", "contains": {
+        "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": _WITH_TEXT}}}]}}}
+
+
+def _at_most_4_stops(schema: dict[str, Any]) -> None:
+    for branch in schema["anyOf"]:
+        if branch.get("type") == "array":
+            branch["maxItems"] = 4
+
+
 class ChatCompletionRequest(OpenAIBody):
     model: Text | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, json_schema_extra={"contains": USER_TEXT}, description=(
+        "The conversation: at least one user message with text; the last such message is the question."))
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    stop: Text | list[Text] | None = Field(None, validate_default=True)
+    stop: Text | list[Text] | None = Field(None, validate_default=True, json_schema_extra=_at_most_4_stops)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -247,6 +281,22 @@ class DocumentIn(DocumentMeta):
     text: NonBlank = Field(min_length=1)
 
 
+# A multipart upload's file: its format is its name's suffix, else its part's content type.
+UPLOAD_TYPES = {"text/plain": ".txt", "text/markdown": ".md", "application/jsonl": ".jsonl",
+                "application/x-ndjson": ".jsonl"}
+_FORM_ID = {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS, "pattern": ONE_LINE_NOT_BLANK}
+UPLOAD_SCHEMA = {
+    "schema": {"type": "object", "required": ["file"], "additionalProperties": False, "properties": {
+        "file": {"type": "string", "format": "binary", "description": (
+            f"UTF-8 text, read as its file name's suffix says ({', '.join(SUFFIXES)}), else as its content type "
+            f"says ({', '.join(UPLOAD_TYPES)}); a .jsonl file holds one {{id?, title?, text}} object a line.")},
+        "id": {**_FORM_ID, "description": "Document id (default: the file name without its suffix); one line, "
+                                          "not blank, no control characters."},
+        "title": {"type": "string", "maxLength": MAX_TITLE_CHARS, "pattern": NO_CONTROL_CHARS,
+                  "description": "One line, no control characters."}}},
+    "encoding": {"file": {"contentType": ", ".join(UPLOAD_TYPES)}}}
+
+
 @pydantic_dataclass
 class IngestedDocument(DocumentInfo):
     status: Literal["added", "updated", "unchanged"]
@@ -270,21 +320,73 @@ class DeletedDocument(BaseModel):
 
 # ---- limits from settings ----------------------------------------------------------------------
 
-def check_limits(limits: LimitsSettings, *, question: str, top_k: int | None, max_tokens: int | None,
-                 question_field: str = "question", max_tokens_field: str = "max_tokens") -> None:
-    """Raise LimitError naming the first field over its configured limit."""
+def check_limits(limits: LimitsSettings, *, question: str, top_k: int | None, max_tokens: dict[str, int | None],
+                 question_field: str = "question") -> None:
+    """Raise LimitError naming the first field over its configured limit (`max_tokens`: each field that
+    sets the answer's length, by name)."""
     if len(question) > limits.max_question_chars:
         raise LimitError(question_field, f"at most {limits.max_question_chars} characters "
                                          f"(got {len(question)})")
     if top_k is not None and top_k > limits.max_top_k:
         raise LimitError("top_k", f"at most {limits.max_top_k} (got {top_k})")
-    if max_tokens is not None and max_tokens > limits.max_new_tokens:
-        raise LimitError(max_tokens_field, f"at most {limits.max_new_tokens} (got {max_tokens})")
+    for field, value in max_tokens.items():
+        if value is not None and value > limits.max_new_tokens:
+            raise LimitError(field, f"at most {limits.max_new_tokens} (got {value})")
+
+
+def check_budget(limits: LimitsSettings, texts: Sequence[tuple[str, str]], count: Callable[[list[str]], list[int]],
+                 total_field: str) -> None:
+    """Raise LimitError naming the first (field, text) over `limits.max_message_tokens`, else `total_field`
+    when all of them pass `limits.max_prompt_tokens`. `count` gives each text's tokens; a text with more
+    characters than a limit's tokens could hold (CHARS_PER_TOKEN_BOUND each) is refused uncounted."""
+    per, total = limits.max_message_tokens, limits.max_prompt_tokens
+    over = f"over limits.max_message_tokens ({per})"
+    for field, text in texts:
+        if len(text) > CHARS_PER_TOKEN_BOUND * per:
+            raise LimitError(field, f"{len(text):,} characters, {over}")
+    if sum(len(text) for _, text in texts) > CHARS_PER_TOKEN_BOUND * total:
+        raise LimitError(total_field, f"over limits.max_prompt_tokens ({total}) together")
+    counts = count([text for _, text in texts])
+    for (field, _), n in zip(texts, counts):
+        if n > per:
+            raise LimitError(field, f"{n} tokens, {over}")
+    if sum(counts) > total:
+        raise LimitError(total_field, f"{sum(counts)} tokens together, over limits.max_prompt_tokens ({total})")
+
+
+# (schema, property) -> (the JSON Schema keyword, the setting) of each limit `check_limits` enforces.
+_STATED_LIMITS = {("QueryRequest", "question"): ("maxLength", "max_question_chars"),
+                  ("QueryRequest", "top_k"): ("maximum", "max_top_k"),
+                  ("QueryRequest", "max_tokens"): ("maximum", "max_new_tokens"),
+                  ("ChatCompletionRequest", "top_k"): ("maximum", "max_top_k"),
+                  ("ChatCompletionRequest", "max_tokens"): ("maximum", "max_new_tokens"),
+                  ("ChatCompletionRequest", "max_completion_tokens"): ("maximum", "max_new_tokens")}
+
+
+def state_limits(openapi: dict[str, Any], limits: LimitsSettings) -> None:
+    """Write this server's limits into its OpenAPI description: as keywords where JSON Schema can say them,
+    the token budgets (tokens are not characters) and the chat question's length in words."""
+    schemas = openapi["components"]["schemas"]
+    limited = [(model, name, keyword, getattr(limits, setting))
+               for (model, name), (keyword, setting) in _STATED_LIMITS.items()]
+    # FastAPI's OpenAPI models hold bounds as floats, and 2**63 - 1 rounds up to 2**63: state it exactly.
+    limited.append(("ChatCompletionRequest", "seed", "maximum", MAX_SEED))
+    for model, name, keyword, value in limited:
+        prop = schemas[model]["properties"][name]
+        typed = next(s for s in prop.get("anyOf", [prop]) if s.get("type") in ("integer", "string"))
+        typed[keyword] = value
+    budget = (f"At most {limits.max_message_tokens} tokens a message (limits.max_message_tokens) and "
+              f"{limits.max_prompt_tokens} in the whole prompt, passages included (limits.max_prompt_tokens).")
+    schemas["QueryRequest"]["properties"]["question"]["description"] = budget
+    messages = schemas["ChatCompletionRequest"]["properties"]["messages"]
+    messages["description"] += (f" The question has at most {limits.max_question_chars} characters "
+                                f"(limits.max_question_chars). {budget}")
 
 
 def openapi_body(model: type[BaseModel], *, multipart: dict[str, Any] | None = None) -> dict[str, Any]:
-    """An `openapi_extra` request body for routes that read the body themselves."""
+    """An `openapi_extra` request body for routes that read the body themselves; `multipart`: the media
+    type object (schema and encoding) of a multipart/form-data alternative."""
     content: dict[str, Any] = {"application/json": {"schema": model.model_json_schema()}}
     if multipart:
-        content["multipart/form-data"] = {"schema": multipart}
+        content["multipart/form-data"] = multipart
     return {"requestBody": {"required": True, "content": content}}

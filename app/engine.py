@@ -256,6 +256,10 @@ class RagEngine:
         fixed = len(head) + sum(map(len, passages)) + len(suffix) + max_tokens
         self._check_length(fixed - max_tokens, max_tokens)
         turns, conversation = fit_conversation(parts.prompt, params.turns, params.system, fixed, self._context_limit())
+        prompt_tokens, budget = fixed - max_tokens + sum(map(len, conversation)), self.settings.limits.max_prompt_tokens
+        if prompt_tokens > budget:  # the route checked the messages; the passages are known only now
+            raise RequestError(f"prompt of {prompt_tokens} tokens (messages, passages and question) exceeds "
+                               f"limits.max_prompt_tokens ({budget}); lower top_k or shorten the messages")
 
         t = time.perf_counter()
         pieces, before = [_Piece("head", head, [])], list(head)

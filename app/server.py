@@ -18,6 +18,7 @@ from typing import Any, Iterator
 from fastapi import FastAPI
 
 from app import document_routes, query_routes, service
+from app.api_models import state_limits
 from app.components import Engine
 from app.config import Settings
 from app.engine import RagEngine
@@ -40,6 +41,14 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     app = FastAPI(title="ragblend", version="0.1.0", lifespan=lifespan,
                   description="RAG answers with CacheBlend chunk-KV reuse; OpenAI-compatible chat completions.")
     app.state.service = svc
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:  # built once (FastAPI keeps it), then this server's limits written in
+            state_limits(default_openapi(), settings.limits)
+        return app.openapi_schema
+
+    app.openapi = openapi
     routers = (service.router, query_routes.router, document_routes.router)
     for router in routers:
         app.include_router(router)

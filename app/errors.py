@@ -11,29 +11,34 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from app.api_models import LimitError
 from app.engine import RequestError
-from app.ingest import DocumentTooLarge, IngestCancelled, IngestError
+from app.ingest import DocumentExists, DocumentTooLarge, IngestCancelled, IngestError
 from app.worker import QueueTimeout, WorkerStopped
 
 log = logging.getLogger("ragblend.server")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
-               422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+               405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable"}
 # The `code` of errors raised without one: every error body has a non-null code.
 HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-              413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_value", 429: "rate_limited",
-              500: "internal_error", 503: "unavailable"}
+              409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_value",
+              429: "rate_limited", 500: "internal_error", 503: "unavailable"}
+UNAVAILABLE_RETRY_S = 5  # Retry-After of a 503 without a better estimate (loading, shutting down, cancelled)
 
 
 class ApiError(Exception):
-    """An error as the client sees it."""
+    """An error as the client sees it. A 503 always says when to retry (Retry-After)."""
 
     def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(message)
+        if status == 503:
+            headers = {"Retry-After": str(UNAVAILABLE_RETRY_S), **(headers or {})}
         self.status, self.message, self.param, self.headers = status, message, param, headers
         self.code = code or HTTP_CODES.get(status, "error")
 
@@ -61,6 +66,8 @@ def as_api_error(exc: Exception) -> ApiError:
             return ApiError(422, str(exc), "invalid_value", exc.param)
         case DocumentTooLarge():
             return ApiError(413, str(exc), "document_too_large")
+        case DocumentExists():
+            return ApiError(409, str(exc), "document_exists", "id")
         case IngestError():
             return ApiError(422, str(exc), "invalid_document")
         case RequestError():
@@ -100,7 +107,19 @@ def _validation_error(errors: list[dict[str, Any]]) -> ApiError:
 
 
 async def handle_error(request: Request, exc: Exception) -> JSONResponse:
-    return as_api_error(exc).response()
+    error = as_api_error(exc)
+    if error.status == 405:  # Starlette's Allow names the first route of the path only: name every route's
+        error.headers = {**(error.headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+    return error.response()
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods some route of the app answers on the request's path."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] != Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 # What create_app registers `handle_error` for (Exception last: the 500 of last resort).

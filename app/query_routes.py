@@ -2,6 +2,7 @@
 JSON or server-sent events. Both run as a QueryRun: one program in a slot on the model thread."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -12,11 +13,11 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.api_models import (ERRORS, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Choice,
                             ChunkChoice, Delta, ModelCard, ModelList, PromptTokensDetails, QueryRequest, QueryResponse,
-                            Usage, check_limits)
+                            Usage, check_budget, check_limits)
 from app.conversation import Conversation
 from app.engine import QueryParams, QueryResult
 from app.errors import ApiError, as_api_error
-from app.service import Service, service, until_done
+from app.service import STOP_MARGIN_S, Service, service, until_done
 from app.worker import Job, WorkerStopped
 
 router = APIRouter()
@@ -32,8 +33,8 @@ class QueryRun:
         self.svc, self.job, self._first, self._rest = svc, job, first, rest
 
     @classmethod
-    async def start(cls, svc: Service, params: QueryParams, request: Request) -> QueryRun:
-        job = await svc.submit_query(params)
+    async def start(cls, svc: Service, params: QueryParams, request: Request, kind: str) -> QueryRun:
+        job = await svc.submit_query(params, kind)
         events = aiter(job)
         try:
             return cls(svc, job, await until_done(request, job, anext(events)), events)
@@ -46,10 +47,13 @@ class QueryRun:
         result (storing a chat turn's KV); the client need not wait for that."""
         try:
             async for event in self._all():
-                yield event
                 if isinstance(event, QueryResult):
+                    if event.finish_reason == "cancelled":
+                        break  # cut short: never passed off as a whole answer
+                    yield event
                     self.svc.metrics.observe_query(event.stats, self.job.queue_s)
                     return
+                yield event
         finally:
             self.cancel()
         # Ended without a result: cancelled (the client left, or the server is stopping).
@@ -78,7 +82,12 @@ class QueryRun:
 
 
 def sse(run: QueryRun, events: AsyncIterator[ServerSentEvent]) -> EventSourceResponse:
-    """Server-sent events; a client that goes away cancels the run, which stops its generation."""
+    """Server-sent events; a client that goes away cancels the run, which stops its generation.
+
+    At shutdown the stream runs on: it ends with its final event within `server.shutdown_grace_s`, or the
+    scheduler cancels it then and it ends with a `shutting_down` error event. sse_starlette would cut it
+    at once (its default grace is 0); ours outlasts the scheduler's by half the stop margin, and stays
+    inside uvicorn's (run_server)."""
     async def guarded() -> AsyncIterator[ServerSentEvent]:
         try:
             async for event in events:
@@ -87,7 +96,9 @@ def sse(run: QueryRun, events: AsyncIterator[ServerSentEvent]) -> EventSourceRes
             yield ServerSentEvent(json.dumps(as_api_error(exc).body()), event="error")
         finally:
             run.cancel()
-    return EventSourceResponse(guarded(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    grace = run.svc.settings.server.shutdown_grace_s + STOP_MARGIN_S / 2
+    return EventSourceResponse(guarded(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                               shutdown_grace_period=grace)
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
@@ -97,12 +108,15 @@ def models(svc: Service = Depends(service)) -> ModelList:
 
 @router.post("/v1/query", response_model=QueryResponse, responses={200: SSE, **ERRORS})
 async def query(body: QueryRequest, request: Request, svc: Service = Depends(service)):
-    check_limits(svc.settings.limits, question=body.question, top_k=body.top_k, max_tokens=body.max_tokens)
+    check_limits(svc.settings.limits, question=body.question, top_k=body.top_k,
+                 max_tokens={"max_tokens": body.max_tokens})
+    await asyncio.to_thread(check_budget, svc.settings.limits, [("question", body.question)], svc.count_tokens,
+                            "question")
     params = svc.query_params(body.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
                               selection=body.selection, max_tokens=body.max_tokens, temperature=body.temperature,
                               ignore_eos=body.ignore_eos,
                               explain_tokens=svc.settings.limits.max_explain_tokens if body.explain else 0)
-    run = await QueryRun.start(svc, params, request)
+    run = await QueryRun.start(svc, params, request, "query")
     if body.stream:
         return sse(run, query_events(run))
     return run.response(await run.result(request))
@@ -124,14 +138,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
     from turn to turn (usage.prompt_tokens_details.cached_tokens counts it)."""
     body.question()  # 422 without a user message
     chat = Conversation.from_messages(body.messages)
-    check_limits(svc.settings.limits, question=chat.question, top_k=body.top_k, max_tokens=body.new_tokens(),
-                 question_field="messages",
-                 max_tokens_field="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    check_limits(svc.settings.limits, question=chat.question, top_k=body.top_k, question_field="messages",
+                 max_tokens={"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens})
+    messages = [(f"messages.{i}", message.text()) for i, message in enumerate(body.messages)]
+    await asyncio.to_thread(check_budget, svc.settings.limits, messages, svc.count_tokens, "messages")
     params = svc.query_params(chat.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
                               max_tokens=body.new_tokens(), temperature=body.temperature or 0.0,
                               top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed, system=chat.system,
                               turns=chat.turns, retrieval_query=chat.retrieval_query(), remember=True)
-    run = await QueryRun.start(svc, params, request)
+    run = await QueryRun.start(svc, params, request, "chat")
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

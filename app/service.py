@@ -34,7 +34,7 @@ from app.engine import QueryParams
 from app.errors import ApiError
 from app.metrics import Metrics
 from app.scheduler import Scheduler
-from app.worker import Job, QueueFull, Worker, WorkerStopped
+from app.worker import Job, QueueFull, QueueTimeout, Worker, WorkerStopped
 
 log = logging.getLogger("ragblend.server")
 
@@ -161,11 +161,17 @@ class Service:
         return QueryParams(question, top_k=top_k or self.settings.retrieval.top_k,
                            max_tokens=max_tokens or self.settings.limits.default_max_new_tokens, **rest)
 
-    async def submit_query(self, params: QueryParams) -> Job:
-        """Queue a query for a slot on the model thread and wait until it has one."""
+    async def submit_query(self, params: QueryParams, kind: str) -> Job:
+        """Queue a query for a slot on the model thread and wait until it has one. Its label, which /health
+        shows to anyone, is its `kind` ("query", "chat"): never the client's text (that is logged at DEBUG)."""
         engine, scheduler = self.serving.engine, self.serving.scheduler
+        log.debug("request queued", extra={"kind": kind, "question": params.question[:200]})
         return await self._started(lambda: scheduler.submit(
-            lambda cancelled: engine.program(params, cancelled), label=params.question[:60]), scheduler.retry_after)
+            lambda cancelled: engine.program(params, cancelled), label=kind), scheduler.retry_after)
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Each text's tokens in the model's tokenizer, special tokens left out: the unit of the budgets."""
+        return [len(ids) for ids in self.serving.engine.parts.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     async def on_lane(self, request: Request, fn: Callable[[Callable[[], bool]], Any], label: str) -> Any:
         """Run `fn(cancelled)` on the ingest lane and return its result; cancelled if the client leaves."""
@@ -174,7 +180,8 @@ class Service:
         return await until_done(request, job, job.result())
 
     async def _started(self, submit: Callable[[], Job], retry_after: Callable[[], int]) -> Job:
-        """Queue a job and wait until it starts (429 when full, 503 after the timeout or when stopping)."""
+        """Queue a job and wait until it starts (429 when full, 503 after the timeout or when stopping; each
+        with a Retry-After)."""
         try:
             job = submit()
         except QueueFull:
@@ -182,6 +189,9 @@ class Service:
                            headers={"Retry-After": str(retry_after())}) from None
         try:
             await job.wait_started(self.settings.server.request_timeout_s)
+        except QueueTimeout:
+            raise ApiError(503, "timed out waiting in the queue; retry later", "queue_timeout",
+                           headers={"Retry-After": str(retry_after())}) from None
         except asyncio.CancelledError:
             job.cancel()
             raise
@@ -210,7 +220,7 @@ def service(request: Request) -> Service:
         raise WorkerStopped
     if not svc.ready.is_set():
         message = f"engine failed to load: {svc.load_error}" if svc.load_error else "the model is loading"
-        raise ApiError(503, message, "loading", headers={"Retry-After": "5"})
+        raise ApiError(503, message, "loading")
     return svc
 
 
@@ -222,9 +232,10 @@ def serving(svc: Service = Depends(service)) -> Serving:
 # ---- health and metrics: no API key, answered in every state ------------------------------------
 
 router = APIRouter()
+HEALTH_503 = {503: {"description": "Not ready: loading, failed to load, stuck, or shutting down (the body says which)."}}
 
 
-@router.get("/health")
+@router.get("/health", responses=HEALTH_503)
 def health(request: Request) -> JSONResponse:
     """200 when the server can answer: the engine is loaded and its model thread is alive and not stuck;
     503 otherwise (loading, failed to load, stuck, shutting down). The body says which, and what the
@@ -233,7 +244,7 @@ def health(request: Request) -> JSONResponse:
     return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 
 
-@router.get("/health/live")
+@router.get("/health/live", responses=HEALTH_503)
 def health_live(request: Request) -> JSONResponse:
     """Liveness: 503 only when a restart would help (the model thread died or is stuck)."""
     status = request.app.state.service.health()["status"]
@@ -241,7 +252,7 @@ def health_live(request: Request) -> JSONResponse:
     return JSONResponse({"status": status}, status_code=503 if dead else 200)
 
 
-@router.get("/health/ready")
+@router.get("/health/ready", responses=HEALTH_503)
 def health_ready(request: Request) -> JSONResponse:
     """Readiness: 200 when /health is (send traffic here)."""
     status = request.app.state.service.health()["status"]

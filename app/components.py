@@ -96,7 +96,7 @@ class Components:
 
     @cached_property
     def usage(self) -> UsageLog:
-        return UsageLog(self.metadata)
+        return UsageLog(self.metadata, store_counts=lambda: self.store.counts())  # the store's dropped entries
 
     @cached_property
     def embedder(self) -> Embedder:

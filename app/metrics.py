@@ -14,7 +14,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 
 
 
 class _StoreCollector:
-    """Per-tier hits and misses of the KV store, read from `store.stats()` at scrape time."""
+    """Per-tier hits, misses and dropped entries (corrupt: damaged; stale: an older format; both recomputed,
+    never used) of the KV store, read from `store.stats()` at scrape time."""
 
     def __init__(self, stats: Callable[[], dict[str, Any] | None]):
         self._stats = stats
@@ -27,6 +28,9 @@ class _StoreCollector:
                                    labels=["tier"])
         misses = CounterMetricFamily("ragblend:kv_store_misses", "Chunk KV lookups a store tier missed.",
                                      labels=["tier"])
+        dropped = {kind: CounterMetricFamily(f"ragblend:kv_store_{kind}", f"Chunk KV entries a store tier dropped as "
+                                                                     f"{why}: recomputed, never used.", labels=["tier"])
+                   for kind, why in (("corrupt", "damaged"), ("stale", "of an older format"))}
         # What the loading controller (blend.ratio: auto) sees: mean read + check + decode rate of one layer.
         bandwidth = GaugeMetricFamily("ragblend:kv_tier_layer_bandwidth_bytes_per_second",
                                       "Per-layer KV read bandwidth of a store tier (mean over its layer reads).",
@@ -34,11 +38,14 @@ class _StoreCollector:
         for tier, counts in stats.get("tiers", {}).items():
             hits.add_metric([tier], counts.get("hits", 0))
             misses.add_metric([tier], counts.get("misses", 0))
+            for kind, family in dropped.items():
+                family.add_metric([tier], counts.get(kind, 0))
             if counts.get("layer_reads") and counts.get("layer_ms_mean"):
                 per_layer = counts["layer_bytes"] / counts["layer_reads"]
                 bandwidth.add_metric([tier], per_layer / (counts["layer_ms_mean"] / 1e3))
         yield hits
         yield misses
+        yield from dropped.values()
         yield bandwidth
 
 

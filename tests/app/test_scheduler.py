@@ -283,11 +283,14 @@ def test_stop_fails_waiting_work_and_is_bounded(decoder):
     """Waiting requests get WorkerStopped at once, a running one is cancelled after the grace period,
     and nothing new is accepted."""
     scheduler = make(decoder, max_batch=1)
+    stopping, during_grace = threading.Event(), []
 
     def endless(cancelled):
         cache, token = Row("s"), 0
         while True:
             time.sleep(0.01)
+            if stopping.is_set():
+                during_grace.append(token)
             yield f"s:{token}"
             token = yield DecodeStep(cache, token, len(cache.tokens))
 
@@ -295,17 +298,16 @@ def test_stop_fails_waiting_work_and_is_bounded(decoder):
         running = scheduler.submit(endless)
         await running.wait_started(10)
         queued = scheduler.submit(counting("q", 2))
-        start = time.monotonic()
+        stopping.set()
         stopped = await asyncio.to_thread(scheduler.stop, 0.3, 5.0)
-        seconds = time.monotonic() - start
         with pytest.raises(WorkerStopped):
             await collect_raising(queued)
         with pytest.raises(WorkerStopped):
             scheduler.submit(counting("late", 1))
-        return stopped, seconds
+        return stopped
 
-    stopped, seconds = run(main())
-    assert stopped and 0.3 <= seconds < 5
+    # The running request went on during the grace, then was cancelled: the model thread ended.
+    assert run(main()) and during_grace
     with pytest.raises(WorkerStopped):
         scheduler.run_on_model(lambda: None, label="late")
 

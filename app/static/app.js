@@ -470,7 +470,8 @@ async function upload(event) {
   button.disabled = true;
   result.textContent = `Uploading ${file.name}…`;
   try {
-    const response = await (await api("/v1/documents", { method: "POST", body: form })).json();
+    const url = $("#upload-replace").checked ? "/v1/documents?replace=true" : "/v1/documents";
+    const response = await (await api(url, { method: "POST", body: form })).json();
     result.textContent = response.data.map((d) => `${d.id}: ${d.status} (${d.n_chunks} chunk${d.n_chunks === 1 ? "" : "s"})`).join("; ");
     $("#upload-form").reset();
   } catch (err) {

@@ -163,8 +163,10 @@ def test_oldest_turns_are_dropped_when_the_context_is_full(lighthouses, server_e
 
 
 @pytest.mark.slow
-def test_a_conversation_far_over_the_context_keeps_the_newest_exchanges_that_fit(server_engine):
-    """3,000 exchanges (a few MB): only a handful of renders decide what is kept."""
+def test_a_conversation_far_over_the_context_keeps_the_newest_exchanges_that_fit(server_engine, monkeypatch):
+    """3,000 exchanges (a few MB): only a handful of renders decide what is kept. (The route refuses such a
+    chat, over limits.max_prompt_tokens; with a budget above the context, the context decides.)"""
+    monkeypatch.setattr(server_engine.settings.limits, "max_prompt_tokens", 1_000_000)
     turns = []
     for i in range(3000):
         turns += [("user", f"Question {i} about the harbour wall and its granite blocks?"),

@@ -164,7 +164,7 @@ def test_sigterm_during_streams_ends_each_with_its_final_event_or_shutting_down(
             assert stream.answering.wait(300), name
         server.send_signal(signal.SIGTERM)
         try:
-            late = httpx.post(f"{http.base_url}v1/query", json={"question": question}, timeout=60)
+            late = httpx.post(http.base_url.join("/v1/query"), json={"question": question}, timeout=60)
             assert late.status_code == 503 and int(late.headers["Retry-After"]) >= 1, late.text
             assert late.json()["error"]["code"] == "shutting_down"
         except httpx.TransportError:  # the listener is already closed: refused before any request

@@ -47,28 +47,30 @@ Title = Annotated[str, Field(max_length=MAX_TITLE_CHARS, pattern=NO_CONTROL_CHAR
                              description="One line, no control characters."), AfterValidator(valid_title)]
 
 
+class RequestBody(BaseModel):
+    """Strict types (no true for 1, no "yes" for true), but 2.0 is the integer 2, as JSON Schema counts it."""
 
-def _integral_floats(model: type[BaseModel], data: Any) -> Any:
-    """`data` with 2.0 as the integer 2 in the model's int fields, as JSON Schema counts it an integer
-    (2.5 and true stay what they are, and are refused)."""
-    if not isinstance(data, dict):
-        return data
-    ints = {name for name, f in model.model_fields.items() if int in (f.annotation, *get_args(f.annotation))}
-    return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
+    model_config = ConfigDict(strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _integral_floats(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        ints = {name for name, f in cls.model_fields.items() if int in (f.annotation, *get_args(f.annotation))}
+        return {k: int(v) if k in ints and isinstance(v, float) and v.is_integer() else v for k, v in data.items()}
 
 
-class StrictBody(BaseModel):
-    """A request body: strict types (no true for 1, no "yes" for true); unknown fields refused."""
+class StrictBody(RequestBody):
+    """A request body of our own: unknown fields refused."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    _integral = model_validator(mode="before")(classmethod(_integral_floats))
 
 
-class OpenAIBody(BaseModel):
-    """An OpenAI-shaped request: strict types, but unknown fields ignored (clients send many)."""
+class OpenAIBody(RequestBody):
+    """An OpenAI-shaped request: unknown fields ignored (clients send many)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
-    _integral = model_validator(mode="before")(classmethod(_integral_floats))
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -146,10 +148,10 @@ class StreamOptions(OpenAIBody):
 
 # What `question()` needs, in JSON Schema: a user message whose content (or one of its text parts) is not blank.
 _WITH_TEXT = {"type": "string", "pattern": NOT_BLANK}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": _WITH_TEXT}}
 USER_TEXT = {"type": "object", "required": ["role", "content"], "properties": {
-    "role": {"const": "user"},
-    "content": {"anyOf": [_WITH_TEXT, {"type": "array", "contains": {
-        "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": _WITH_TEXT}}}]}}}
+    "role": {"const": "user"}, "content": {"anyOf": [_WITH_TEXT, {"type": "array", "contains": _TEXT_PART}]}}}
 
 
 def _at_most_4_stops(schema: dict[str, Any]) -> None:

@@ -232,7 +232,7 @@ def serving(svc: Service = Depends(service)) -> Serving:
 # ---- health and metrics: no API key, answered in every state ------------------------------------
 
 router = APIRouter()
-HEALTH_503 = {503: {"description": "Not ready: loading, failed to load, stuck, or shutting down (the body says which)."}}
+HEALTH_503 = {503: {"description": "Not ready: loading, failed to load, stuck or shutting down (the body says)."}}
 
 
 @router.get("/health", responses=HEALTH_503)

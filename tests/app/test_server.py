@@ -440,7 +440,8 @@ def test_an_upload_never_silently_replaces_another_document(client):
 def test_a_file_without_a_known_suffix_is_read_by_its_content_type(client):
     """The rule the OpenAPI description states: the format comes from the file name's suffix, else from the
     part's content type; neither known is a 422."""
-    upload = client.post("/v1/documents", files={"file": ("notes", b"# Tide tables\n\nHigh tide at six.", "text/markdown")})
+    markdown = ("notes", b"# Tide tables\n\nHigh tide at six.", "text/markdown")
+    upload = client.post("/v1/documents", files={"file": markdown})
     assert upload.status_code == 201, upload.text
     assert [(d["id"], d["title"]) for d in upload.json()["data"]] == [("notes", "Tide tables")]
     assert client.delete("/v1/documents/notes").status_code == 200

@@ -18,13 +18,18 @@ Contract (tests/retrieval/test_retrieval_metadata.py runs it against both backen
 - KV usage (which retrieved chunks were served from which store tier, which were computed) is
   counted here too: per source in `kv_served`, per KV entry in `kv_usage` (hits, computes, last
   use). It lives with the chunks, so every replica adds to the same numbers and the CLI reads them.
+- KV leases (store/leases.py's `LeaseLedger`, which this class satisfies without importing store): one
+  `kv_leases` row per (family, kv key, tier) a lease holds, with the entry's bytes in that tier, its
+  ttl, whether a hit renews it (soft) and when it ends. Every lease change is one transaction serialized
+  under LEASES, so a tier's cap is checked and filled by one writer at a time across replicas; a lease
+  that has ended is ignored by every query the moment it ends, and deleted by the next `expire_leases`.
 """
 from __future__ import annotations
 
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -37,6 +42,7 @@ log = logging.getLogger("ragblend.retrieval")
 
 DB_FILE = "metadata.sqlite"  # the SQLite default, under the index dir
 _ID_BATCH = 1000  # ids per `IN (...)` list: well under SQLite's and PostgreSQL's parameter limits
+CHUNKS, LEASES = "chunks", "leases"  # the writers that must take turns (`_write`'s `serial`)
 
 
 class SchemaError(RuntimeError):
@@ -111,9 +117,10 @@ class Metadata(ABC):
         """A read-only transaction: every statement sees the same committed state."""
 
     @abstractmethod
-    def _write(self, ordered: bool = True) -> AbstractContextManager[Connection]:
-        """A transaction, committed on exit, rolled back on an exception. `ordered`: serialized with
-        every other ordered writer (anything that adds or removes chunks must be)."""
+    def _write(self, serial: str | None = CHUNKS) -> AbstractContextManager[Connection]:
+        """A transaction, committed on exit, rolled back on an exception. `serial`: serialized with every
+        other writer of that name (CHUNKS: anything that adds or removes chunks must be; LEASES: lease
+        changes, so a tier's pinned bytes are summed and added to by one writer at a time); None: no order."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -151,7 +158,7 @@ class Metadata(ABC):
         return None if row is None else row[0]
 
     def set_meta(self, key: str, value: str) -> None:
-        with self._write(ordered=False) as db:
+        with self._write(serial=None) as db:
             db.execute("INSERT INTO meta (key, value) VALUES (?, ?)"
                        " ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
 
@@ -281,7 +288,7 @@ class Metadata(ABC):
         """Add counts of retrieved chunks: per source (a store tier, or "computed"), and per kv key
         (hits, computes, last use in unix seconds). Keys in sorted order, so concurrent writers
         lock rows in the same order and never deadlock."""
-        with self._write(ordered=False) as db:
+        with self._write(serial=None) as db:
             db.executemany("INSERT INTO kv_served (source, chunks) VALUES (?, ?) ON CONFLICT (source)"
                            " DO UPDATE SET chunks = kv_served.chunks + excluded.chunks", sorted(served.items()))
             db.executemany(
@@ -309,3 +316,79 @@ class Metadata(ABC):
             row = db.execute("SELECT hits, computes, last_used FROM kv_usage WHERE kv_key = ?", (kv_key,)).fetchone()
         return None if row is None else tuple(row)
 
+
+    def referenced_keys(self, kv_keys: Collection[str]) -> set[str]:
+        """Those of `kv_keys` some chunk uses (for `ragblend store gc`)."""
+        keys, found = sorted(kv_keys), set()
+        with self._read() as db:
+            for i in range(0, len(keys), _ID_BATCH):
+                batch = keys[i:i + _ID_BATCH]
+                found |= {r[0] for r in db.execute(f"SELECT DISTINCT kv_key FROM chunks WHERE kv_key IN "
+                                                   f"({','.join('?' * len(batch))})", batch)}
+        return found
+
+    # KV leases (store.leases.LeaseLedger) ------------------------------------------------------
+    _LEASE_COLUMNS = "family, kv_key, tier, nbytes, ttl_s, soft, expires_at"
+    _HELD = "SELECT DISTINCT kv_key, tier FROM kv_leases WHERE expires_at > ?"
+
+    def grant_leases(self, family: str, sizes: Mapping[str, Mapping[str, int]], caps: Mapping[str, int],
+                     ttl_s: float, soft: bool, now: float) -> dict[str, tuple[bool, int, int]]:
+        """Lease every key of `sizes` (key -> tier -> its bytes there) to `family` until `now + ttl_s`, in
+        each tier of `caps` whose running leases' bytes (each key once), with these keys added, stay within
+        its cap; a tier they would pass is refused as a whole. Per tier: (granted, bytes pinned before, bytes
+        this lease adds). A running lease of the family is extended, never shortened."""
+        with self._write(serial=LEASES) as db:
+            held: dict[str, dict[str, int]] = {}  # tier -> key -> bytes, of the running leases
+            for tier, key, nbytes in db.execute("SELECT tier, kv_key, MAX(nbytes) FROM kv_leases WHERE expires_at > ?"
+                                                " GROUP BY tier, kv_key", (now,)):
+                held.setdefault(tier, {})[key] = nbytes
+            outcome, rows = {}, []
+            for tier, cap in caps.items():
+                pinned = held.get(tier, {})
+                before, adds = sum(pinned.values()), sum(s[tier] for key, s in sizes.items() if key not in pinned)
+                outcome[tier] = (before + adds <= cap, before, adds)
+                if outcome[tier][0]:
+                    rows += [(family, key, tier, s[tier], ttl_s, soft, now + ttl_s) for key, s in sorted(sizes.items())]
+            db.executemany(
+                f"INSERT INTO kv_leases ({self._LEASE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (family, kv_key, tier) DO UPDATE SET nbytes = excluded.nbytes, ttl_s = excluded.ttl_s,"
+                " soft = excluded.soft, expires_at = CASE WHEN excluded.expires_at > kv_leases.expires_at"
+                " THEN excluded.expires_at ELSE kv_leases.expires_at END", rows)
+        return outcome
+
+    def renew_leases(self, hits: Mapping[str, float]) -> None:
+        """Per kv key hit at a time: its soft leases that were running then run their ttl again from then."""
+        with self._write(serial=LEASES) as db:
+            db.executemany("UPDATE kv_leases SET expires_at = ? + ttl_s"
+                           " WHERE kv_key = ? AND soft AND expires_at > ? AND ? + ttl_s > expires_at",
+                           [(when, key, when, when) for key, when in sorted(hits.items())])
+
+    def release_leases(self, family: str, now: float) -> list[tuple[str, str, bool]]:
+        """End the family's leases. Per (kv key, tier) a running one held: whether another family's still does."""
+        with self._write(serial=LEASES) as db:
+            ended = db.execute("SELECT kv_key, tier FROM kv_leases WHERE family = ? AND expires_at > ?",
+                               (family, now)).fetchall()
+            db.execute("DELETE FROM kv_leases WHERE family = ?", (family,))
+            return self._still_held(db, ended, now)
+
+    def expire_leases(self, now: float) -> list[tuple[str, str, bool]]:
+        """Delete the leases that ended by `now`. Per (kv key, tier) one held: whether another lease still does.
+        A read first: the write lock is taken only when there is something to delete."""
+        with self._read() as db:
+            if db.execute("SELECT 1 FROM kv_leases WHERE expires_at <= ? LIMIT 1", (now,)).fetchone() is None:
+                return []
+        with self._write(serial=LEASES) as db:
+            ended = db.execute("SELECT DISTINCT kv_key, tier FROM kv_leases WHERE expires_at <= ?", (now,)).fetchall()
+            db.execute("DELETE FROM kv_leases WHERE expires_at <= ?", (now,))
+            return self._still_held(db, ended, now)
+
+    def _still_held(self, db: Connection, ended: Sequence[Sequence[Any]], now: float) -> list[tuple[str, str, bool]]:
+        held = {(key, tier) for key, tier in db.execute(self._HELD, (now,))}
+        return [(key, tier, (key, tier) in held) for key, tier in sorted({(k, t) for k, t in ended})]
+
+    def active_leases(self, now: float) -> list[tuple[str, str, str, int, float, bool, float]]:
+        """Every lease running at `now`: (family, kv key, tier, bytes, ttl_s, soft, expires_at)."""
+        with self._read() as db:
+            rows = db.execute(f"SELECT {self._LEASE_COLUMNS} FROM kv_leases WHERE expires_at > ?"
+                              " ORDER BY family, kv_key, tier", (now,)).fetchall()
+        return [(f, k, t, n, ttl, bool(soft), until) for f, k, t, n, ttl, soft, until in rows]

@@ -1,7 +1,8 @@
 """Metadata in PostgreSQL, shared by every replica (psycopg 3 with its connection pool).
 
 Writers that add or remove chunks take one transaction-scoped advisory lock first, so they commit
-one after another and identity ids grow in commit order (the contract in retrieval/metadata.py).
+one after another and identity ids grow in commit order (the contract in retrieval/metadata.py);
+lease changes take another, so a tier's pinned bytes are summed and added to by one writer at a time.
 A writer that dies mid-transaction (SIGKILL, lost connection) is rolled back by the server, and
 its lock goes with its session.
 """
@@ -16,11 +17,17 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from retrieval.metadata import Metadata
+from retrieval.metadata import CHUNKS, LEASES, Metadata
 
-# The one advisory lock ordered writers share (a fixed 63-bit number derived from a name).
-WRITE_LOCK = int.from_bytes(hashlib.sha256(b"ragblend.metadata.write").digest()[:8], "big") >> 1
-POOL_SIZE = 4  # the worker, the usage flusher, HTTP reads: rarely more at once
+
+def _advisory_lock(name: bytes) -> int:
+    """A fixed 63-bit advisory lock number derived from a name."""
+    return int.from_bytes(hashlib.sha256(name).digest()[:8], "big") >> 1
+
+
+# The advisory lock each kind of serialized writer shares (`Metadata._write`'s `serial`).
+LOCKS = {CHUNKS: _advisory_lock(b"ragblend.metadata.write"), LEASES: _advisory_lock(b"ragblend.metadata.leases")}
+POOL_SIZE = 5  # the worker, the usage flusher, the lease sweeper, HTTP reads: rarely more at once
 CONNECT_TIMEOUT_S = 10.0
 
 _V1 = (
@@ -59,6 +66,20 @@ _V2 = (
         last_used DOUBLE PRECISION NOT NULL
     )""",
 )
+_V3 = (
+    """CREATE TABLE kv_leases (
+        family TEXT NOT NULL,
+        kv_key TEXT NOT NULL,
+        tier TEXT NOT NULL,
+        nbytes BIGINT NOT NULL,
+        ttl_s DOUBLE PRECISION NOT NULL,
+        soft BOOLEAN NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (family, kv_key, tier)
+    )""",
+    "CREATE INDEX kv_leases_key ON kv_leases (kv_key)",
+    "CREATE INDEX kv_leases_expiry ON kv_leases (expires_at)",
+)
 
 
 class _Connection:
@@ -86,7 +107,7 @@ def describe(url: str) -> str:
 
 class PostgresMetadata(Metadata):
     backend = "postgresql"
-    MIGRATIONS = (_V1, _V2)
+    MIGRATIONS = (_V1, _V2, _V3)
 
     def __init__(self, url: str, pool_size: int = POOL_SIZE) -> None:
         self._where = describe(url)
@@ -121,8 +142,8 @@ class PostgresMetadata(Metadata):
             yield _Connection(conn)
 
     @contextmanager
-    def _write(self, ordered: bool = True) -> Iterator[_Connection]:
+    def _write(self, serial: str | None = CHUNKS) -> Iterator[_Connection]:
         with self.pool.connection() as conn, conn.transaction():
-            if ordered:
-                conn.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
+            if serial is not None:
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCKS[serial],))
             yield _Connection(conn)

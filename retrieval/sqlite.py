@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from retrieval.metadata import Metadata
+from retrieval.metadata import CHUNKS, Metadata
 
 # Version 1 is the schema ragblend started with (IF NOT EXISTS: a database made before versioning,
 # which recorded meta.schema = "1", adopts it as is).
@@ -51,11 +51,26 @@ _V2 = (
     )""",
     "DELETE FROM meta WHERE key = 'schema'",  # the pre-versioning marker; schema_version says it now
 )
+# Version 3: KV leases (store/leases.py), one row per (family, key, tier) a lease holds.
+_V3 = (
+    """CREATE TABLE kv_leases (
+        family TEXT NOT NULL,
+        kv_key TEXT NOT NULL,
+        tier TEXT NOT NULL,
+        nbytes INTEGER NOT NULL,
+        ttl_s REAL NOT NULL,
+        soft INTEGER NOT NULL,
+        expires_at REAL NOT NULL,
+        PRIMARY KEY (family, kv_key, tier)
+    )""",
+    "CREATE INDEX kv_leases_key ON kv_leases (kv_key)",
+    "CREATE INDEX kv_leases_expiry ON kv_leases (expires_at)",
+)
 
 
 class SQLiteMetadata(Metadata):
     backend = "sqlite"
-    MIGRATIONS = (_V1, _V2)
+    MIGRATIONS = (_V1, _V2, _V3)
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -92,8 +107,8 @@ class SQLiteMetadata(Metadata):
                 self.db.execute("COMMIT")
 
     @contextmanager
-    def _write(self, ordered: bool = True) -> Iterator[sqlite3.Connection]:
-        # SQLite has one writer at a time anyway: every write is ordered.
+    def _write(self, serial: str | None = CHUNKS) -> Iterator[sqlite3.Connection]:
+        # SQLite has one writer at a time anyway: every write is serialized with every other.
         with self._lock:
             self.db.execute("BEGIN IMMEDIATE")  # take the write lock now, not at the first write
             try:

@@ -12,12 +12,17 @@ raising CorruptEntryError / KVMismatchError for an entry it holds that is damage
 the KV its key names: the store then deletes it from that tier and counts it. What the store's reads
 share, whichever tier serves them, travels as one `Reading`. Each tier owns its background work (the Redis
 tier's write-behind queue) and its upkeep (`gc`), and stops the one in `close`.
+
+Leases (store/leases.py): a tier built with `pinned` (store.eviction.Pinned) never evicts by LRU a key it
+names; `size_of` and `footprint` give what a lease pins in the tier, `on_lease` hears when leases on
+keys begin or end there (Redis lifts and restores the entries' TTL), `idle_s` says how long an entry
+has gone unused (for the gc of entries nobody owns).
 """
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -151,6 +156,22 @@ class Tier(ABC):
 
     @abstractmethod
     def contains(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def size_of(self, key: str) -> int | None:
+        """The bytes the entry under `key` takes in this tier, without reading it (None: not here)."""
+
+    @abstractmethod
+    def footprint(self, entry: Entry) -> int:
+        """The bytes `entry` would take in this tier (what a lease pins here for an entry not here yet)."""
+
+    def on_lease(self, keys: Sequence[str], held: bool) -> None:
+        """Leases on `keys` in this tier began (`held`) or the last of them ended. Nothing to do by default:
+        LRU asks `pinned` at each eviction."""
+
+    def idle_s(self, key: str) -> float | None:
+        """Seconds since the entry under `key` was last read or written; None when absent or unknown here."""
+        return None
 
     @abstractmethod
     def keys(self) -> Iterator[str]: ...

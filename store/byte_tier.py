@@ -94,6 +94,9 @@ class ByteTier(Tier):
             self.write_behind.forget(key)
         return self.remove(key)
 
+    def footprint(self, entry: Entry) -> int:
+        return len(entry.data)
+
     def fingerprint_of(self, key: str) -> str | None:
         head = self.head(key, HEAD_BYTES)
         return None if head is None else read_header(head)["fingerprint"]

@@ -12,7 +12,8 @@ write lock serializes puts, evictions and recency updates across processes.
   are swept when a tier opens, once they are old enough not to be another process's write in
   progress; so are the `??/<key>.kv` files of the format-1 tier this one replaced.
 - Exact cap: diskcache's own cull drops ten entries at a time and counts the SQLite file against
-  the cap; `_LRUCache._cull` evicts least recently used entries until the entries' bytes fit.
+  the cap; `_LRUCache._cull` evicts least recently used entries until the entries' bytes fit,
+  passing over the keys leases hold here (`pinned`: this process's view of the shared leases).
 - Values are bytes only: `_BytesDisk` refuses diskcache's pickle modes both ways.
 
 The tier moves bytes; store.byte_tier.ByteTier (its base) checks and decodes them on the way out.
@@ -31,6 +32,7 @@ from typing import Any
 import diskcache
 
 from store.byte_tier import ByteTier
+from store.eviction import Pinned, never_pinned
 from store.keys import is_key, validate_key
 from store.layered import pread_into
 
@@ -76,47 +78,63 @@ class _BytesDisk(diskcache.Disk):
 
 
 class _LRUCache(diskcache.Cache):
-    """diskcache.Cache with an exact LRU cull and a shared eviction count.
+    """diskcache.Cache with an exact LRU cull that passes over leased keys, and shared eviction counts.
 
     The SQL below reads diskcache 5.6's schema (pinned in requirements.txt): the Cache table's
-    size, access_time and filename columns and the Settings row "size".
+    key, size, access_time and filename columns and the Settings row "size".
     """
+
+    pinned: Pinned = staticmethod(never_pinned)
 
     def _init_ragblend(self) -> None:
         with self.transact():
             self._sql("CREATE TABLE IF NOT EXISTS Ragblend (key TEXT PRIMARY KEY, value INTEGER NOT NULL)")
             self._sql("INSERT OR IGNORE INTO Ragblend VALUES ('evictions', 0)")
+            self._sql("INSERT OR IGNORE INTO Ragblend VALUES ('lease_held', 0)")
 
     def _cull(self, now: float, sql: Any, cleanup: Any, limit: int | None = None) -> None:
-        """Runs inside set()'s transaction: evict least recently used entries until the bytes fit."""
+        """Runs inside set()'s transaction: evict least recently used entries until the bytes fit, passing
+        over leased ones (the rows skipped so far are the OFFSET: evicted rows leave the order)."""
         ((total,),) = sql("SELECT value FROM Settings WHERE key = 'size'").fetchall()
-        evicted = 0
+        evicted = held = 0
         while total > self.size_limit:
-            rows = sql("SELECT rowid, size, filename FROM Cache ORDER BY access_time LIMIT 16").fetchall()
+            rows = sql("SELECT rowid, key, size, filename FROM Cache ORDER BY access_time LIMIT 16 OFFSET ?",
+                       (held,)).fetchall()
             if not rows:
                 break
-            for rowid, size, filename in rows:
+            for rowid, key, size, filename in rows:
                 if total <= self.size_limit:
                     break
+                if self.pinned(key):
+                    held += 1
+                    continue
                 sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
                 cleanup(filename)  # unlinked after the commit
                 total -= size
                 evicted += 1
-        if evicted:
-            sql("UPDATE Ragblend SET value = value + ? WHERE key = 'evictions'", (evicted,))
+        if evicted or held:
+            sql("UPDATE Ragblend SET value = value + CASE key WHEN 'evictions' THEN ? ELSE ? END"
+                " WHERE key IN ('evictions', 'lease_held')", (evicted, held))
 
     def fit(self) -> None:
         """Evict until the cap holds (after opening with a lower cap than the entries fill)."""
         with self._transact() as (sql, cleanup):
             self._cull(time.time(), sql, cleanup)
 
-    def counts(self) -> tuple[int, int, int]:
-        """(entries, bytes, evictions), as every process on the directory sees them."""
-        ((entries, nbytes, evictions),) = self._sql(
+    def counts(self) -> tuple[int, int, int, int]:
+        """(entries, bytes, evictions, evictions passed over a leased entry), as every process on the
+        directory sees them."""
+        ((entries, nbytes, evictions, held),) = self._sql(
             "SELECT (SELECT value FROM Settings WHERE key = 'count'),"
             " (SELECT value FROM Settings WHERE key = 'size'),"
-            " (SELECT value FROM Ragblend WHERE key = 'evictions')").fetchall()
-        return entries, nbytes, evictions
+            " (SELECT value FROM Ragblend WHERE key = 'evictions'),"
+            " (SELECT value FROM Ragblend WHERE key = 'lease_held')").fetchall()
+        return entries, nbytes, evictions, held
+
+    def size_and_access(self, key: str) -> tuple[int, float] | None:
+        """(bytes, last access in unix seconds) of `key`'s entry, without touching it."""
+        rows = self._sql("SELECT size, access_time FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchall()
+        return rows[0] if rows else None
 
     def peek_file(self, key: str) -> str | None:
         """Path of `key`'s file, without touching its recency or the hit counts."""
@@ -148,9 +166,11 @@ class FileReader:
 class DiskTier(ByteTier):
     name = "disk"
 
-    def __init__(self, root: str | Path, capacity_bytes: int, timeout_s: float = 10.0) -> None:
+    def __init__(self, root: str | Path, capacity_bytes: int, timeout_s: float = 10.0,
+                 pinned: Pinned = never_pinned) -> None:
         """`timeout_s`: how long a call waits for another process's write lock before it counts
-        an error and reports a miss (puts and recency updates are sub-millisecond transactions)."""
+        an error and reports a miss (puts and recency updates are sub-millisecond transactions).
+        `pinned`: the keys leases hold here, passed over by the cull (from the first one, on opening)."""
         super().__init__()
         if capacity_bytes < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity_bytes}")
@@ -159,6 +179,7 @@ class DiskTier(ByteTier):
         self._cache = _LRUCache(str(self.root), timeout=timeout_s, disk=_BytesDisk, size_limit=capacity_bytes,
                                 eviction_policy="least-recently-used", disk_min_file_size=0,
                                 statistics=False)
+        self._cache.pinned = pinned
         self._cache._init_ragblend()
         self._cache.fit()
         self._lock = threading.Lock()
@@ -255,6 +276,22 @@ class DiskTier(ByteTier):
             self._error("read", key, exc)
             return False
 
+    def size_of(self, key: str) -> int | None:
+        found = self._row(key)
+        return None if found is None else found[0]
+
+    def idle_s(self, key: str) -> float | None:
+        found = self._row(key)
+        return None if found is None else max(0.0, time.time() - found[1])
+
+    def _row(self, key: str) -> tuple[int, float] | None:
+        validate_key(key)
+        try:
+            return self._cache.size_and_access(key)
+        except _ERRORS as exc:
+            self._error("read", key, exc)
+            return None
+
     def keys(self) -> Iterator[str]:
         try:
             keys = [k for k in self._cache.iterkeys() if is_key(k)]
@@ -268,14 +305,14 @@ class DiskTier(ByteTier):
         self._cache.close()
 
     def stats(self) -> dict[str, Any]:
-        """Entries, bytes and evictions are the directory's (shared by every process on it);
-        errors are this process's."""
+        """Entries, bytes, evictions and evictions a lease held off are the directory's (shared by every
+        process on it); errors are this process's."""
         try:
-            entries, nbytes, evictions = self._cache.counts()
+            entries, nbytes, evictions, held = self._cache.counts()
         except _ERRORS as exc:
             self._error("stats", "-", exc)
-            entries = nbytes = evictions = None
+            entries = nbytes = evictions = held = None
         with self._lock:
             errors = self._errors
         return {"entries": entries, "bytes": nbytes, "capacity": self.capacity, "evictions": evictions,
-                "errors": errors}
+                "lease_held": held, "errors": errors}

@@ -19,7 +19,7 @@ from common.chunk_kv import ChunkKV
 from common.placement import HOST
 from store.base import Entry, EntryHooks, Reading, Tier
 from store.byte_tier import ByteTier
-from store.eviction import LRUPolicy
+from store.eviction import LRUPolicy, Pinned, never_pinned
 from store.keys import validate_key
 from store.layered import ResidentEntry
 
@@ -38,11 +38,12 @@ class MemoryReader:
 
 
 class LRUEntries:
-    """Entries in a dict under an LRU byte cap, thread-safe: what both in-process tiers keep theirs in."""
+    """Entries in a dict under an LRU byte cap that passes over leased keys (`pinned`), thread-safe: what
+    both in-process tiers keep theirs in."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, pinned: Pinned = never_pinned) -> None:
         self._data: dict[str, Any] = {}
-        self._lru = LRUPolicy(capacity_bytes)
+        self._lru = LRUPolicy(capacity_bytes, pinned)
         self._lock = threading.Lock()
         self._evictions = 0
 
@@ -76,6 +77,11 @@ class LRUEntries:
         with self._lock:
             return key in self._data
 
+    def size_of(self, key: str) -> int | None:
+        validate_key(key)
+        with self._lock:
+            return self._lru.size_of(key)
+
     def keys(self) -> Iterator[str]:
         with self._lock:
             return iter(self._lru.keys())
@@ -83,21 +89,22 @@ class LRUEntries:
     def clear(self) -> None:
         with self._lock:
             self._data.clear()
-            self._lru = LRUPolicy(self._lru.capacity)
+            self._lru = LRUPolicy(self._lru.capacity, self._lru.pinned)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"entries": len(self._data), "bytes": self._lru.nbytes, "capacity": self._lru.capacity,
-                    "evictions": self._evictions, "errors": 0}
+                    "evictions": self._evictions, "lease_held": self._lru.held, "errors": 0}
 
 
 class MemoryTier(Tier):
     """ChunkKVs kept as tensors on `device` (see the module doc); `pin`: host buffers are page-locked
-    (the store's placement decides: only where the model's device reads host memory by DMA)."""
+    (the store's placement decides: only where the model's device reads host memory by DMA); `pinned`:
+    the keys leases hold here, which LRU passes over (store.leases)."""
 
     def __init__(self, capacity_bytes: int, device: torch.device | str = HOST.device, name: str = "memory",
-                 pin: bool = False) -> None:
-        self._entries = LRUEntries(capacity_bytes)
+                 pin: bool = False, pinned: Pinned = never_pinned) -> None:
+        self._entries = LRUEntries(capacity_bytes, pinned)
         self.name, self.pin = name, pin
         self.device = torch.empty(0, device=device).device  # as tensors name it ("cuda" -> "cuda:0")
 
@@ -135,6 +142,12 @@ class MemoryTier(Tier):
     def contains(self, key: str) -> bool:
         return self._entries.contains(key)
 
+    def size_of(self, key: str) -> int | None:
+        return self._entries.size_of(key)
+
+    def footprint(self, entry: Entry) -> int:
+        return entry.kv.nbytes
+
     def keys(self) -> Iterator[str]:
         return self._entries.keys()
 
@@ -155,9 +168,9 @@ class BytesTier(ByteTier):
     name = "bytes"
     trusted = True
 
-    def __init__(self, capacity_bytes: int, write_behind: int = 0) -> None:
+    def __init__(self, capacity_bytes: int, write_behind: int = 0, pinned: Pinned = never_pinned) -> None:
         super().__init__(write_behind)
-        self._entries = LRUEntries(capacity_bytes)
+        self._entries = LRUEntries(capacity_bytes, pinned)
 
     def get_bytes(self, key: str) -> bytes | None:
         return self._entries.get(key)
@@ -181,6 +194,9 @@ class BytesTier(ByteTier):
 
     def contains(self, key: str) -> bool:
         return self._entries.contains(key)
+
+    def size_of(self, key: str) -> int | None:
+        return self._entries.size_of(key)
 
     def keys(self) -> Iterator[str]:
         return self._entries.keys()

@@ -9,6 +9,17 @@ policy, e.g. `--maxmemory 8gb --maxmemory-policy allkeys-lru`. An evicted entry 
 any other: the KV is recomputed and put back. `stats()` reports the server's memory, limit,
 policy and evictions.
 
+Leases (store/leases.py). Redis has no pinning of its own, so a leased entry is kept from aging
+out: while a lease holds it here it carries no TTL (PERSIST; a put of it sets none), and when the last
+lease on it ends it gets `ttl_s` again, from then. That is "a TTL at least as long as the lease". What
+Redis's own maxmemory policy can still do to a leased entry: under `allkeys-lru`/`allkeys-lfu`/
+`allkeys-random` (the suggestion above) it may evict it when memory runs out, like any key (a miss:
+recomputed and put back, still leased); under a `volatile-*` policy with `ttl_s` set it never does,
+since only keys with a TTL are candidates (but Redis then refuses writes once the leased entries alone
+fill it); under `noeviction` nothing is evicted and writes fail when full. `store.redis_pinned_bytes`
+caps the bytes leases keep from aging here. Another replica's put of a leased entry within its lease
+refresh (store.lease_refresh_s) of the grant may still set the TTL.
+
 Puts go through the tier's own write-behind thread (`ragblend-store-writer`, a bounded queue of
 `queue_size`: a full queue drops the write, counted), so a request never waits on Redis; a delete wins
 over the writes of its key queued before it. Upkeep is Redis's own: `gc` leaves it alone.
@@ -18,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -26,6 +37,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from store.byte_tier import ByteTier
+from store.eviction import Pinned, never_pinned
 from store.keys import is_key, validate_key
 from store.serialize import OPEN_BYTES
 
@@ -58,7 +70,8 @@ class RedisTier(ByteTier):
 
     def __init__(self, url: str, password: str | None = None, prefix: str = "ragblend:",
                  ttl_s: int | None = None, timeout_s: float = 0.5, backoff_s: float = 5.0,
-                 queue_size: int = 256) -> None:
+                 queue_size: int = 256, pinned: Pinned = never_pinned) -> None:
+        """`pinned`: the keys leases hold here (their entries get no TTL; see the module doc)."""
         extra = {} if password is None else {"password": password}
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -68,7 +81,7 @@ class RedisTier(ByteTier):
             **extra)
         kw = self._client.connection_pool.connection_kwargs
         self.where = f"{kw.get('host', kw.get('path'))}:{kw.get('port', '')}/{kw.get('db', 0)}"  # no password
-        self.prefix, self.ttl_s, self.backoff_s = prefix, ttl_s, backoff_s
+        self.prefix, self.ttl_s, self.backoff_s, self.pinned = prefix, ttl_s, backoff_s, pinned
         self._lock = threading.Lock()
         self._down_until = 0.0  # time.monotonic() before which Redis is skipped
         self._up = True
@@ -133,7 +146,31 @@ class RedisTier(ByteTier):
         return self._call(b"", self._client.getrange, name, offset, offset + length - 1) if length > 0 else b""
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._call(None, self._client.set, self._name(key), data, ex=self.ttl_s or None)
+        ttl = None if self.pinned(key) else self.ttl_s
+        self._call(None, self._client.set, self._name(key), data, ex=ttl or None)
+
+    def on_lease(self, keys: Sequence[str], held: bool) -> None:
+        """Lift the TTL of entries a lease now holds; give it back to those the last lease let go."""
+        if not self.ttl_s or not keys:
+            return
+
+        def apply() -> None:
+            with self._client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    if held:
+                        pipe.persist(self._name(key))
+                    else:
+                        pipe.expire(self._name(key), self.ttl_s)
+                pipe.execute()
+        self._call(None, apply)
+
+    def size_of(self, key: str) -> int | None:
+        return self._call(0, self._client.strlen, self._name(key)) or None
+
+    def idle_s(self, key: str) -> float | None:
+        """OBJECT IDLETIME: None for an absent key, or under an LFU policy (Redis then keeps no idle time)."""
+        idle = self._call(None, self._client.object, "idletime", self._name(key))
+        return None if idle is None else float(idle)
 
     def remove(self, key: str) -> bool:
         return bool(self._call(0, self._client.delete, self._name(key)))

@@ -10,6 +10,8 @@ time (`open(key)` -> LayeredEntry or ResidentEntry, `entry.layer(i, device, dtyp
 ahead on a small pool, for a loader that overlaps loading with compute. The disk tier may be shared by
 several processes. The store knows nothing about models beyond a fingerprint and the Placement it is
 handed (common.placement: the device the model's KV lives on, whether host buffers are pinned).
+Entries a client asked to keep are held under leases (store/leases.py: its docstring is the API for the
+request side), kept in a ledger the app hands in (the metadata database) and honoured by every tier's LRU.
 
 Exports:
     TieredStore, build_store, KVStore   the store (store/tiered.py), its factory (store/factory.py), its interface
@@ -20,6 +22,8 @@ Exports:
     LayeredEntry, ResidentEntry         an entry opened for per-layer reads (byte tier / tensor tier)
     LayerReadError                      a layer that failed
     StoreClosedError                    the store was used after close()
+    Leases, LeaseLedger, LeaseResult    leases: the store's view of them, where they live, what lease() did
+    family_id                           the id a lease family (a client's text) is known by
     kv_key, validate_key                keys: sha256 hex of (fingerprint, context hash, token ids)
     encode, decode, read_header         the entry format
     bytes_per_token, CODECS, get_codec  codec sizes; "native", "fp16", "int8"; the Codec objects
@@ -33,6 +37,7 @@ from store.disk import DiskTier
 from store.factory import build_store
 from store.keys import kv_key, validate_key
 from store.layered import LayeredEntry, LayerReadError, ResidentEntry
+from store.leases import LeaseLedger, LeaseResult, Leases, family_id
 from store.memory import BytesTier, MemoryTier
 from store.redis_tier import RedisTier
 from store.serialize import (CODECS, CorruptEntryError, OldFormatError, bytes_per_token, decode, encode, get_codec,
@@ -42,7 +47,7 @@ from store.tiered import KVStore, StoreClosedError, TieredStore
 
 __all__ = [
     "ByteTier", "BytesTier", "CODECS", "CorruptEntryError", "DiskTier", "Entry", "KVMismatchError", "KVStore",
-    "LayerReadError", "LayeredEntry", "MemoryTier", "OldFormatError", "RedisTier", "ResidentEntry",
-    "StoreClosedError", "StoreSettings", "Tier", "TieredStore", "build_store", "bytes_per_token", "decode",
-    "encode", "get_codec", "kv_key", "read_header", "validate_key",
+    "LayerReadError", "LayeredEntry", "LeaseLedger", "LeaseResult", "Leases", "MemoryTier", "OldFormatError",
+    "RedisTier", "ResidentEntry", "StoreClosedError", "StoreSettings", "Tier", "TieredStore", "build_store",
+    "bytes_per_token", "decode", "encode", "family_id", "get_codec", "kv_key", "read_header", "validate_key",
 ]

@@ -19,3 +19,10 @@ class StoreSettings(BaseModel):
     redis_backoff_s: float = 5.0
     redis_queue_size: int = 256
     read_threads: int = Field(4, ge=0)  # layers of open entries read ahead concurrently; 0: serial reads
+    # Leases (store/leases.py): the most bytes leased entries may pin in each tier (configs/default.yaml
+    # says why each default), at most the tier's own cap; 0 turns leases off in that tier.
+    gpu_pinned_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"  # auto: half the gpu tier
+    memory_pinned_bytes: int = Field(256 << 20, ge=0)
+    disk_pinned_bytes: int = Field(2 << 30, ge=0)
+    redis_pinned_bytes: int = Field(1 << 30, ge=0)
+    lease_refresh_s: float = Field(1.0, gt=0)  # how stale a store's view of the shared leases may be

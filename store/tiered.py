@@ -13,13 +13,18 @@ tier keeps (the memory and gpu tiers keep tensors, disk and Redis the encoded en
     put:  one Entry to every tier: tensor tiers keep the KV as the codec will give it back
           (`Codec.round_trip`, returned to the caller), byte tiers its encoding, made once.
     delete: from every tier; it wins over any background write of that key queued before it.
+    lease: entries held against LRU under a family, per tier within its pinned cap (store/leases.py,
+          whose docstring is the API the request side uses); a hit in `get` or `open` renews soft leases.
+          A store with leases runs one sweeper thread (`ragblend-lease-sweeper`), stopped by close().
+    gc:   entries of other models dropped; with `owned`, also entries of this one that no document,
+          prompt head or lease owns and that nobody used for `min_idle_s`.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -28,10 +33,15 @@ from common.placement import HOST, Placement
 from store.base import Entry, OpenEntry, Reading, Tier
 from store.counters import StoreCounters
 from store.keys import kv_key, validate_key
+from store.leases import Freed, LeaseResult, Leases, family_id
 from store.serialize import CorruptEntryError, OldFormatError
 
 log = logging.getLogger("ragblend.store")
 Found = TypeVar("Found", Entry, OpenEntry)
+# gc's rule for live work: an entry read or written this recently is kept, owned or not. Longer than any
+# upload's precompute runs before its commit makes the chunks own their entries, and than a conversation
+# pause worth keeping; an entry removed anyway is only recomputed when next needed.
+GC_MIN_IDLE_S = 3600.0
 
 
 class KVStore(Protocol):
@@ -62,9 +72,11 @@ class TieredStore:
     """
 
     def __init__(self, tiers: Sequence[Tier], codec: str = "fp16", fingerprint: str | None = None,
-                 placement: Placement = HOST, read_threads: int = 4, read_ahead: int = 2) -> None:
+                 placement: Placement = HOST, read_threads: int = 4, read_ahead: int = 2,
+                 leases: Leases | None = None) -> None:
         """`read_threads`: the pool that reads open entries' layers ahead, concurrently (0: each
-        layer is read when asked, on the caller's thread); `read_ahead`: layers per entry queued ahead."""
+        layer is read when asked, on the caller's thread); `read_ahead`: layers per entry queued ahead.
+        `leases`: the lease book the tiers were built with (their `pinned`); None: a store without leases."""
         if len({t.name for t in tiers}) != len(tiers):
             raise ValueError(f"tier names must be unique: {[t.name for t in tiers]}")
         self.tiers = list(tiers)
@@ -74,6 +86,12 @@ class TieredStore:
         self._counters = StoreCounters(t.name for t in self.tiers)
         self._close_lock = threading.Lock()
         self._closed = False
+        self._leases = leases
+        self._stop_sweeper = threading.Event()
+        self._sweeper = None
+        if leases is not None:
+            self._sweeper = threading.Thread(target=self._sweep_loop, name="ragblend-lease-sweeper", daemon=True)
+            self._sweeper.start()
 
     def _check_open(self) -> None:
         if self._closed:  # a plain read: once True it stays True
@@ -98,6 +116,8 @@ class TieredStore:
             if found is not None:
                 log.debug("store: hit %s in %s", key[:12], tier.name)
                 self._counters.bump("hits")
+                if self._leases is not None:
+                    self._leases.hit(key)  # its soft leases run again
                 return i, found
         self._counters.bump("misses")
         return None
@@ -171,23 +191,157 @@ class TieredStore:
         self._check_open()
         return any([t.delete(key) for t in self.tiers])  # a list, so every tier is asked
 
+    # --- leases (store/leases.py) ----------------------------------------------------------------
+
+    def lease(self, keys: Iterable[str], family: str, ttl_s: float, soft: bool = True) -> LeaseResult:
+        """Hold the entries under `keys` for `family` (free text, hashed) for `ttl_s` seconds in every tier
+        whose pinned cap allows; see store/leases.py. Reads no entry that every tier already holds."""
+        leases = self._lease_book()
+        if not ttl_s > 0:
+            raise ValueError(f"a lease's ttl_s must be > 0, got {ttl_s}")
+        family = family_id(family)
+        sizes: dict[str, dict[str, int]] = {}
+        missing: list[str] = []
+        for key in dict.fromkeys(keys):
+            found = self._sizes(validate_key(key), leases)
+            if found is None:
+                missing.append(key)
+            else:
+                sizes[key] = found
+        if not sizes:
+            return LeaseResult(family, (), tuple(missing), (), {}, None, leases.pinned_bytes())
+        try:
+            result = leases.grant(family, sizes, missing, ttl_s, soft)
+        except Exception as exc:  # the database is down: the request still answers, unleased
+            log.warning("store: lease not granted: %s: %s", type(exc).__name__, exc)
+            why = f"the lease ledger failed ({type(exc).__name__})"
+            return LeaseResult(family, (), tuple(missing), (), dict.fromkeys(leases.caps, why), None,
+                               leases.pinned_bytes())
+        for tier in self.tiers:
+            if tier.name in result.tiers:
+                tier.on_lease(result.leased, held=True)
+        return result
+
+    def _sizes(self, key: str, leases: Leases) -> dict[str, int] | None:
+        """The bytes the entry takes (or would take) in each tier with a pinned cap; None if no tier holds
+        it. The entry is read only when some tier lacks it (e.g. a Redis write still queued)."""
+        tiers = [t for t in self.tiers if t.name in leases.caps]
+        sizes = {t.name: t.size_of(key) for t in tiers}
+        if all(n is None for n in sizes.values()):
+            return None
+        if any(n is None for n in sizes.values()):
+            entry = self._any_entry(key)
+            if entry is None:
+                return None
+            sizes = {t.name: t.footprint(entry) if sizes[t.name] is None else sizes[t.name] for t in tiers}
+        return sizes
+
+    def _any_entry(self, key: str) -> Entry | None:
+        """The entry from the first tier that holds a good one (no promotion, no lookup counted)."""
+        for tier in self.tiers:
+            try:
+                entry = tier.get(key, self._reading)
+            except (CorruptEntryError, KVMismatchError) as exc:
+                self._drop(tier, key, exc)
+                continue
+            if entry is not None:
+                return entry
+        return None
+
+    def release(self, family: str) -> int:
+        """End the family's leases now; the number of entries they held (they stay, under LRU)."""
+        freed = self._lease_book().release(family_id(family))
+        self._unpinned(freed)
+        return len({key for key, _, _ in freed})
+
+    def drop_family(self, family: str, keep: Callable[[list[str]], Collection[str]] = lambda keys: ()
+                    ) -> tuple[int, int]:
+        """End the family's leases and delete their entries from every tier, except those another family
+        still leases or `keep(keys)` names (entries owned elsewhere: documents' passages). Returns (entries
+        the leases held, entries deleted)."""
+        leases = self._lease_book()
+        freed = leases.release(family_id(family))
+        self._unpinned(freed)
+        keys = sorted({key for key, _, _ in freed})
+        if not keys:
+            return 0, 0
+        kept = set(keep(keys)) | leases.leased_keys()
+        return len(keys), sum(self.delete(key) for key in keys if key not in kept)
+
+    def lease_stats(self, family: str | None = None, limit: int = 100) -> dict[str, Any]:
+        """Leases, families, entries, pinned bytes and caps per tier, refusals and expiries, and by family (the
+        `limit` pinning the most, or `family` alone): store.leases.Leases.stats."""
+        return self._lease_book().stats(family_id(family) if family else None, limit)
+
+    def sweep_leases(self) -> None:
+        """One sweeper pass now: renewals written, ended leases deleted (Redis TTLs given back), the
+        snapshot read again. The sweeper thread runs it every `refresh_s`."""
+        self._unpinned(self._lease_book().sweep())
+
+    def _lease_book(self) -> Leases:
+        self._check_open()
+        if self._leases is None:
+            raise RuntimeError("this store keeps no leases (built without a lease ledger)")
+        return self._leases
+
+    def _unpinned(self, freed: list[Freed]) -> None:
+        """Tell each tier which keys the last lease there let go."""
+        for tier in self.tiers:
+            if keys := [key for key, name, still in freed if name == tier.name and not still]:
+                tier.on_lease(keys, held=False)
+
+    def _sweep_loop(self) -> None:
+        failing = False
+        while not self._stop_sweeper.wait(self._leases.refresh_s):
+            try:
+                self.sweep_leases()
+            except StoreClosedError:
+                return
+            except Exception as exc:  # the database is down: the snapshot stands until it is back
+                log.log(logging.DEBUG if failing else logging.WARNING, "store: lease sweep failed: %s: %s",
+                        type(exc).__name__, exc)
+                failing = True
+            else:
+                failing = False
+
     # --- upkeep ---------------------------------------------------------------------------------
 
-    def gc(self, keep_fingerprint: str) -> dict[str, dict[str, int]]:
+    def gc(self, keep_fingerprint: str, owned: Callable[[list[str]], Collection[str]] | None = None,
+           min_idle_s: float = GC_MIN_IDLE_S) -> dict[str, dict[str, Any]]:
         """Drop entries of other models, or whose header is unreadable, from every tier that keeps its
-        own (each tier's `gc`: Redis's is its TTL); report what is left. Reads headers only."""
+        own (each tier's `gc`: Redis's is its TTL); report what is left. Reads headers only.
+
+        With `owned(keys)` (the keys among these that documents or the prompt head use), also remove this
+        model's entries that nothing owns - no document, prompt head or running lease - from every tier,
+        Redis included, unless read or written within `min_idle_s` (GC_MIN_IDLE_S: what a running server
+        is about to use) or of an age the tier cannot tell; per tier `orphans`: removed and kept, by why."""
         self._check_open()
-        report = {t.name: done for t in self.tiers if (done := t.gc(keep_fingerprint)) is not None}
+        report: dict[str, dict[str, Any]] = {t.name: done for t in self.tiers
+                                             if (done := t.gc(keep_fingerprint)) is not None}
+        if owned is not None:
+            if self._leases is not None:
+                self._leases.refresh()  # the leases granted up to now
+            leased = self._leases.leased_keys() if self._leases is not None else set()
+            for tier in self.tiers:
+                report.setdefault(tier.name, {})["orphans"] = _orphans(tier, keep_fingerprint, owned, leased,
+                                                                       min_idle_s)
         log.info("store: gc kept %s: %s", keep_fingerprint, report)
         return report
 
     def close(self) -> None:
-        """Stop the read pool and close the tiers (each finishes and stops its own background work).
-        Idempotent; a second caller waits for the first to finish. Calls already past their
-        closed-check complete."""
+        """Stop the lease sweeper (renewals not yet written are written), the read pool, and close the tiers
+        (each finishes and stops its own background work). Idempotent; a second caller waits for the first
+        to finish. Calls already past their closed-check complete."""
         with self._close_lock:
             if self._closed:
                 return
+            if self._sweeper is not None:
+                self._stop_sweeper.set()
+                self._sweeper.join()
+                try:
+                    self.sweep_leases()
+                except Exception as exc:
+                    log.warning("store: last lease sweep failed: %s: %s", type(exc).__name__, exc)
             self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
@@ -214,7 +368,8 @@ class TieredStore:
         totals, counts = self._counters.snapshot()
         tiers = {t.name: t.stats() | counts[t.name] for t in self.tiers}
         writes = {name: sum(s.get(name) or 0 for s in tiers.values()) for name in ("dropped_writes", "write_queue")}
-        return {"codec": self.codec, "fingerprint": self.fingerprint, **totals, **writes, "tiers": tiers}
+        leases = {} if self._leases is None else {"leases": self._leases.stats(limit=0)}
+        return {"codec": self.codec, "fingerprint": self.fingerprint, **totals, **writes, "tiers": tiers, **leases}
 
 
 class _Hooks:
@@ -232,3 +387,40 @@ class _Hooks:
 
     def promote(self, entry: Entry) -> None:
         self._store._promote(self._key, self._index, entry)
+
+
+def _orphans(tier: Tier, fingerprint: str, owned: Callable[[list[str]], Collection[str]], leased: set[str],
+             min_idle_s: float) -> dict[str, int]:
+    """Remove from `tier` the entries of model `fingerprint` nothing owns and nobody used for `min_idle_s`;
+    how many were removed, and kept by why."""
+    keys = list(tier.keys())
+    owned_keys = set(owned(keys)) if keys else set()
+    report = dict.fromkeys(("removed", "removed_bytes", "kept_owned", "kept_leased", "kept_recent",
+                            "kept_other_model"), 0)
+    for key in keys:
+        why = _kept_because(tier, key, fingerprint, owned_keys, leased, min_idle_s)
+        if why is not None:
+            report[why] += 1
+            continue
+        nbytes = tier.size_of(key) or 0
+        if tier.delete(key):
+            report["removed"] += 1
+            report["removed_bytes"] += nbytes
+    return report
+
+
+def _kept_because(tier: Tier, key: str, fingerprint: str, owned: Collection[str], leased: Collection[str],
+                  min_idle_s: float) -> str | None:
+    if key in owned:
+        return "kept_owned"
+    if key in leased:
+        return "kept_leased"
+    idle = tier.idle_s(key)
+    if idle is None or idle < min_idle_s:
+        return "kept_recent"  # in use lately, or of an age this tier cannot tell
+    try:
+        if tier.fingerprint_of(key) not in (fingerprint, None):
+            return "kept_other_model"  # a shared Redis may hold another deployment's entries
+    except CorruptEntryError:
+        pass  # unreadable: nobody's
+    return None

@@ -142,15 +142,15 @@ def store_stats(config: Optional[Path] = ConfigOpt) -> None:
 
 
 @store_cli.command("gc")
-def store_gc(config: Optional[Path] = ConfigOpt) -> None:
-    """Enforce the byte caps and drop entries of other model fingerprints."""
-    from app.components import Components
+def store_gc(min_idle_s: Optional[float] = typer.Option(
+                 None, "--min-idle-s", min=0,
+                 help="Keep unowned entries read or written this recently (default 3600: what a running "
+                      "server is about to use; an upload's entries before its commit)."),
+             config: Optional[Path] = ConfigOpt) -> None:
+    """Drop entries of other model fingerprints, and KV entries no document, prompt head or lease owns."""
+    from app.commands import run_store_gc
 
-    parts = Components(_settings(config))
-    try:
-        typer.echo(json.dumps(parts.store.gc(parts.llm.fingerprint), indent=2, default=str))
-    finally:
-        parts.close()
+    raise typer.Exit(run_store_gc(_settings(config), min_idle_s))
 
 
 def main() -> None:

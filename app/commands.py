@@ -1,7 +1,8 @@
-"""What the `ragblend` commands run (app/cli.py parses their arguments): ingest, ask and compare, over
-the parts app/components.py builds. Each returns the command's exit code."""
+"""What the `ragblend` commands run (app/cli.py parses their arguments): ingest, ask, compare and store gc,
+over the parts app/components.py builds. Each returns the command's exit code."""
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -144,6 +145,22 @@ def run_ask(settings: Settings, question: str, *, top_k: int | None, mode: str, 
             print(f"\nmode={s.mode} ttft={s.ttft_ms:.0f}ms total={s.total_ms:.0f}ms prompt={s.prompt_tokens} "
                   f"cached={s.cached_tokens} recomputed={s.recomputed_tokens} store={s.store_hits}")
     engine.parts.close()
+    return 0
+
+
+# ---- ragblend store gc --------------------------------------------------------------------------
+
+def run_store_gc(settings: Settings, min_idle_s: float | None) -> int:
+    """`ragblend store gc`: per tier, entries of other models dropped (and what is left), and the entries of
+    this model that no document, prompt head or running lease owns, removed unless read or written within
+    `min_idle_s` (store.tiered.GC_MIN_IDLE_S by default): printed as JSON."""
+    parts = Components(settings)
+    try:
+        idle = {} if min_idle_s is None else {"min_idle_s": min_idle_s}
+        report = parts.store.gc(parts.llm.fingerprint, owned=parts.owned_keys, **idle)
+    finally:
+        parts.close()
+    print(json.dumps(report, indent=2))
     return 0
 
 

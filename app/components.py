@@ -72,12 +72,19 @@ class Components:
 
     @cached_property
     def store(self) -> TieredStore:
+        """The store, its leases kept in the metadata database (shared by replicas, kept across restarts)."""
         return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint,
-                           placement_of(self.blender))  # the gpu tier and pinned memory follow the model
+                           placement_of(self.blender),  # the gpu tier and pinned memory follow the model
+                           ledger=self.metadata)
 
     def inspect_store(self) -> TieredStore:
         """The store opened without a model, for stats only (the caller closes it)."""
-        return build_store(self.settings.store, self.settings.kv_dir, fingerprint=None)
+        return build_store(self.settings.store, self.settings.kv_dir, fingerprint=None, ledger=self.metadata)
+
+    def owned_keys(self, keys: list[str]) -> set[str]:
+        """Those of `keys` the collection owns (documents' chunks) or the prompt head is: what `ragblend store
+        gc` keeps, and what dropping a lease family leaves in the store."""
+        return self.metadata.referenced_keys(keys) | ({self.kv_cache.head_key} & set(keys))
 
     @cached_property
     def kv_cache(self) -> ChunkKVCache:
@@ -156,6 +163,9 @@ class Serving:
     @property
     def store(self) -> TieredStore:
         return self._parts.store
+
+    def owned_keys(self, keys: list[str]) -> set[str]:
+        return self._parts.owned_keys(keys)
 
     @cached_property
     def uploads(self) -> Ingestor:

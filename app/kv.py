@@ -45,6 +45,11 @@ class ChunkKVCache:
             self._head, _ = self._load(self.head_ids, [])
         return self._head
 
+    @property
+    def head_key(self) -> str:
+        """The store key of the prompt head's KV."""
+        return self._key(self.head_ids, [])
+
     def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
         return self.prompt.passage_ids(chunk_ids, title)
 

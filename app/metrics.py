@@ -15,7 +15,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 
 
 class _StoreCollector:
     """Per-tier hits, misses and dropped entries (corrupt: damaged; stale: an older format; both recomputed,
-    never used) of the KV store, read from `store.stats()` at scrape time."""
+    never used) of the KV store, and its leases (store/leases.py), read from `store.stats()` at scrape time."""
 
     def __init__(self, stats: Callable[[], dict[str, Any] | None]):
         self._stats = stats
@@ -47,6 +47,35 @@ class _StoreCollector:
         yield misses
         yield from dropped.values()
         yield bandwidth
+        if "leases" in stats:
+            yield from _lease_metrics(stats["leases"], stats.get("tiers", {}))
+
+
+def _lease_metrics(leases: dict[str, Any], tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Running leases and families (every replica's), pinned bytes and caps per tier, evictions a lease held
+    off per tier (the disk's: every process on it), this process's refusals per tier and expired holds."""
+    yield GaugeMetricFamily("ragblend:kv_leases", "Running KV leases (family, entry pairs).", value=leases["leases"])
+    yield GaugeMetricFamily("ragblend:kv_lease_families", "Families with a running KV lease.",
+                            value=leases["families"])
+    per_tier = {
+        "pinned": (GaugeMetricFamily, "ragblend:kv_pinned_bytes", "Bytes running leases pin in a tier.",
+                   leases["pinned_bytes"]),
+        "cap": (GaugeMetricFamily, "ragblend:kv_pinned_cap_bytes", "The most bytes leases may pin in a tier.",
+                leases["caps"]),
+        "held": (CounterMetricFamily, "ragblend:kv_lease_held_evictions",
+                 "LRU evictions that passed over a leased entry (the lease kept it).",
+                 {name: tier["lease_held"] for name, tier in tiers.items() if tier.get("lease_held") is not None}),
+        "refused": (CounterMetricFamily, "ragblend:kv_lease_refusals",
+                    "Leases refused in a tier: its pinned cap would have been passed.",
+                    {name: leases["refused"].get(name, 0) for name in leases["caps"]}),
+    }
+    for family_type, name, documentation, values in per_tier.values():
+        family = family_type(name, documentation, labels=["tier"])
+        for tier, value in sorted(values.items()):
+            family.add_metric([tier], value)
+        yield family
+    yield CounterMetricFamily("ragblend:kv_leases_expired", "Lease holds (entry, tier) ended by expiry.",
+                              value=leases["expired"])
 
 
 class _DecodeStepCollector:

@@ -3,7 +3,8 @@ health and metrics, the page; and `ragblend serve`, uvicorn running it.
 
 The parts: app/service.py (the lifecycle: loading, the model thread and the ingest lane, health, shutdown),
 app/query_routes.py (/v1/query, /v1/chat/completions, /v1/models), app/document_routes.py (/v1/documents
-and uploads), app/page.py (the page), app/middleware.py (API key, body cap, request counting).
+and uploads), app/cache_routes.py (/v1/cache), app/page.py (the page), app/middleware.py (API key, body cap,
+request counting).
 
 Every error body is OpenAI-shaped: {"error": {"message", "type", "code", "param"}}.
 """
@@ -17,7 +18,7 @@ from typing import Any, Iterator
 
 from fastapi import FastAPI
 
-from app import document_routes, query_routes, service
+from app import cache_routes, document_routes, query_routes, service
 from app.api_models import state_limits
 from app.components import Engine
 from app.config import Settings
@@ -49,7 +50,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-    routers = (service.router, query_routes.router, document_routes.router)
+    routers = (service.router, query_routes.router, document_routes.router, cache_routes.router)
     for router in routers:
         app.include_router(router)
     page = page_routes()

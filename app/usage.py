@@ -93,8 +93,9 @@ def store_report(store_stats: dict[str, Any], usage: dict[str, Any]) -> dict[str
         "served": {source: {"chunks": n, "share": round(n / total, 4)} for source, n in served.items()},
         "dropped": dropped,  # entries found damaged (corrupt) or of an older format (stale), per tier: recomputed
         "bytes": {name: tier.get("bytes") for name, tier in tiers.items()},
-        "tiers": {name: {k: tier.get(k) for k in ("entries", "bytes", "evictions", "maxmemory", "policy")
-                         if k in tier} for name, tier in tiers.items()},
+        "tiers": {name: {k: tier.get(k) for k in ("entries", "bytes", "evictions", "lease_held", "maxmemory",
+                                                  "policy") if k in tier} for name, tier in tiers.items()},
+        "leases": {k: v for k, v in store_stats.get("leases", {}).items() if k != "by_family"},  # all replicas
         "codec": store_stats.get("codec"),
         "kv_entries_used": usage["entries_used"],
         "most_used": usage["top"],

@@ -1,6 +1,7 @@
 """Ingest: bookkeeping (re-ingest, replace, delete, failures) and the real `ragblend ingest` end to end."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from app.ingest import IngestCancelled, IngestError, Ingestor, SourceDocument, c
 from blend import PromptFormat, hash_ids
 from retrieval import Chunker, ChunkingSettings, Retriever
 from store import build_store, kv_key
-from tests.helpers import MODEL_CACHE, ROOT, DictKVCache, shared_embedder, shared_llm, shared_tokenizer, test_settings
+from tests.helpers import (MODEL_CACHE, ROOT, DictKVCache, random_kv, shared_embedder, shared_llm, shared_tokenizer,
+                           test_settings)
 
 LONG = " ".join(f"Sentence {i} of the long document talks about harbour number {i}." for i in range(12))
 
@@ -239,6 +241,32 @@ def test_ingest_demo_corpus_then_reingest_change_and_delete(tmp_path, env):
     final_docs, held = inspect(env)
     assert "alderwick/lighthouse" not in final_docs and len(final_docs) == 10
     assert held == {k for keys in final_docs.values() for k in keys}
+
+
+def test_store_gc_removes_the_kv_no_document_prompt_head_or_lease_owns(tmp_path, env):
+    """Issue #41: entries nobody owns (an upload killed before its commit, a conversation's KV) are removed by
+    `ragblend store gc` once unused for --min-idle-s; documents', the prompt head's and leased ones stay."""
+    (tmp_path / "note.md").write_text("# Ferry\n\nThe ferry to Alderwick leaves at nine and at four.")
+    assert ragblend(env, str(tmp_path / "note.md")).exit_code == 0
+    docs, _ = inspect(env)
+    parts = Components(test_settings(Path(env["RAGBLEND_DATA_DIR"])))
+    (orphan, orphan_kv), (leased, leased_kv) = (random_kv(i, fingerprint=shared_llm().fingerprint) for i in (1, 2))
+    parts.store.put(orphan, orphan_kv)
+    parts.store.put(leased, leased_kv)
+    assert parts.store.lease([leased], "a client's context", ttl_s=3600).complete
+    parts.close()
+
+    def gc(*args: str) -> dict:
+        result = CliRunner().invoke(cli, ["store", "gc", *args], env=env)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["disk"]
+
+    assert gc()["orphans"]["kept_recent"] == 1  # used just now: kept by the default --min-idle-s
+    report = gc("--min-idle-s", "0")["orphans"]
+    assert report["removed"] == 1 and report["removed_bytes"] > 0 and report["kept_leased"] == 1
+    assert report["kept_owned"] == len(docs["note"]) + 1  # the chunks and the prompt head
+    _, held = inspect(env)  # chunks' KV only, the head left out
+    assert held == set(docs["note"]) | {leased}
 
 
 def test_bad_inputs_are_reported_and_the_rest_is_ingested(tmp_path, env):

@@ -76,8 +76,8 @@ class UsageLog:
 
 def store_report(store_stats: dict[str, Any], usage: dict[str, Any]) -> dict[str, Any]:
     """`ragblend store stats`: where retrieved chunks' KV came from (every replica, from the
-    metadata database), the hit rate, and entries and bytes per tier (the memory tier is per
-    process: each server's /metrics shows its own)."""
+    metadata database), the hit rate, entries and bytes per tier (the memory tier is per
+    process: each server's /metrics shows its own), and the running leases (every replica's)."""
     served = {source: n for source, n in usage["served"].items() if source.partition(":")[0] not in DROPPED}
     dropped = {kind: {} for kind in DROPPED}
     for source, n in usage["served"].items():

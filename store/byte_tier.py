@@ -1,7 +1,7 @@
 """The tiers that keep encoded entries (disk, Redis, the in-process BytesTier): checked on the way out.
 
 A byte tier implements five byte operations - `get_bytes`, `reader` (byte ranges of one entry), `head`
-(an entry's first bytes), `put_bytes`, `remove` - plus contains/keys/stats; `ByteTier` turns them into the
+(an entry's first bytes), `put_bytes`, `remove` - plus contains/size_of/keys/stats; `ByteTier` turns them into the
 Tier interface: `get` decodes and checks the whole entry, `open` reads and checks only its head and hands
 the rest to a LayeredEntry, `put` writes the entry's bytes (through the tier's own write-behind thread when
 it has one: `write_behind`, the queue's size). `trusted` tiers hold bytes that never left this process

@@ -1,4 +1,4 @@
-"""In-process tiers, LRU under a byte cap, thread-safe.
+"""In-process tiers, LRU under a byte cap (passing over the keys leases hold), thread-safe.
 
 `MemoryTier` keeps tensors: each chunk's keys/values [L, H, T, D] in the model's dtype on the tier's
 device: host memory (page-locked when the placement says `pin`, so a layer's copy to the device is one

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 import redis
+import torch
 
+from common.placement import HOST, Placement
 from retrieval import open_metadata
 from store import RedisTier, StoreSettings, TieredStore, build_store, encode, family_id
 from tests.helpers import assert_same_kv, random_kv
@@ -47,10 +49,11 @@ def stores(database_url, tmp_path):
     Settings default to one entry-sized tier of each kind given; the sweeper runs only when a test asks."""
     opened = []
 
-    def open_(clock: Clock, kv_dir: str = "kv", **settings) -> TieredStore:
+    def open_(clock: Clock, placement: Placement = HOST, **settings) -> TieredStore:
         ledger = open_metadata(database_url, tmp_path)
         defaults = {"memory_bytes": 0, "disk_bytes": 0, "read_threads": 0, "lease_refresh_s": 3600.0}
-        store = build_store(StoreSettings(**(defaults | settings)), tmp_path / kv_dir, FP, ledger=ledger, clock=clock)
+        store = build_store(StoreSettings(**(defaults | settings)), tmp_path / "kv", FP, placement, ledger=ledger,
+                            clock=clock)
         opened.append((store, ledger))
         return store
     yield open_
@@ -59,8 +62,10 @@ def stores(database_url, tmp_path):
         ledger.close()
 
 
-TIERS = {"memory": {"memory_bytes": 3 * KV_BYTES, "memory_pinned_bytes": KV_BYTES},
+TIERS = {"gpu": {"gpu_bytes": 3 * KV_BYTES, "gpu_pinned_bytes": KV_BYTES},
+         "memory": {"memory_bytes": 3 * KV_BYTES, "memory_pinned_bytes": KV_BYTES},
          "disk": {"disk_bytes": 3 * ENTRY_BYTES, "disk_pinned_bytes": ENTRY_BYTES}}
+OFF_HOST = Placement(torch.device("cpu"), on_host=False)  # a model off the host, its device played by the CPU
 
 
 def churn(store: TieredStore, start: int = 100, count: int = 10) -> None:
@@ -69,9 +74,9 @@ def churn(store: TieredStore, start: int = 100, count: int = 10) -> None:
         store.put(*random_kv(i))
 
 
-@pytest.mark.parametrize("tier", ["memory", "disk"])
+@pytest.mark.parametrize("tier", ["gpu", "memory", "disk"])
 def test_a_leased_entry_survives_lru_pressure_that_evicts_an_unleased_one(stores, tier):
-    store = stores(Clock(), **TIERS[tier])
+    store = stores(Clock(), OFF_HOST if tier == "gpu" else HOST, **TIERS[tier])
     (leased, kv), (twin, _) = random_kv(0), random_kv(1)  # the same size; the leased one is the older
     store.put(leased, kv)
     store.put(twin, random_kv(1)[1])

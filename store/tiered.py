@@ -319,9 +319,10 @@ class TieredStore:
         report: dict[str, dict[str, Any]] = {t.name: done for t in self.tiers
                                              if (done := t.gc(keep_fingerprint)) is not None}
         if owned is not None:
+            leased: set[str] = set()
             if self._leases is not None:
-                self._leases.refresh()  # the leases granted up to now
-            leased = self._leases.leased_keys() if self._leases is not None else set()
+                self._leases.refresh()  # the leases granted up to now, by any process
+                leased = self._leases.leased_keys()
             for tier in self.tiers:
                 report.setdefault(tier.name, {})["orphans"] = _orphans(tier, keep_fingerprint, owned, leased,
                                                                        min_idle_s)

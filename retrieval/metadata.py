@@ -316,7 +316,6 @@ class Metadata(ABC):
             row = db.execute("SELECT hits, computes, last_used FROM kv_usage WHERE kv_key = ?", (kv_key,)).fetchone()
         return None if row is None else tuple(row)
 
-
     def referenced_keys(self, kv_keys: Collection[str]) -> set[str]:
         """Those of `kv_keys` some chunk uses (for `ragblend store gc`)."""
         keys, found = sorted(kv_keys), set()

@@ -20,9 +20,9 @@ the renewals that hits made (batched) and deletes the leases that have ended. Th
 - another replica's new lease is honoured here up to `refresh_s` later; until then this process's LRU
   may evict that entry from its own memory or the shared disk (recomputed when next needed);
 - a renewal reaches the database up to `refresh_s` after its hit (lost if the process dies first);
-  meanwhile other replicas may take a lease renewed in its last `refresh_s` for ended (and evict its
-  entry, or grant its bytes to another lease: a tier's pinned bytes may pass its cap by such leases
-  until the next refresh);
+  meanwhile other replicas take a lease renewed in its last `refresh_s` for ended: their sweeper may
+  delete it (the renewal is lost), their LRU evict its entry, their grants give its bytes to another
+  lease (a tier's pinned bytes may then pass its cap until the renewal lands);
 - an ended lease stops protecting at once: its end is in the snapshot and checked against the clock
   at every eviction, whatever the sweeper has done. Replicas' clocks must agree (NTP) well within a ttl.
 
@@ -34,7 +34,8 @@ API for the request side (on store.TieredStore):
         reaches a path, a Redis key or the database. The result: `family` (its id), `leased`, `missing`,
         `tiers` the lease holds in, `refused` {tier: why} (its entries fall back to LRU there),
         `expires_at`, `pinned_bytes` {tier: bytes pinned now}; `complete` when nothing was refused or
-        missing. A refusal or a database outage is reported in `refused`, never raised.
+        missing. A refusal or a database outage is reported in `refused`, never raised. It writes to
+        the database (and may wait on its lock): call it off the model thread, e.g. after the answer.
     store.release(family) -> int                 end the family's leases early (entries stay, under LRU)
     store.drop_family(family, keep) -> (int, int)  end them and delete their entries, except those another
                                                   family leases or `keep(keys)` names (documents' KV)

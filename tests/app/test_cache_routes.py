@@ -13,7 +13,8 @@ AUTH = {"Authorization": "Bearer k"}
 
 def samples(text: str) -> dict[tuple[str, tuple[str, ...]], float]:
     """(name, label values) -> value of every sample in a /metrics page."""
-    return {(s.name, tuple(s.labels.values())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    return {(s.name, tuple(s.labels.values())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def test_the_cache_endpoint_reports_leases_and_drops_a_family(corpus, engine_with):

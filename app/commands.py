@@ -207,7 +207,7 @@ def _run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int
                            selections, max_tokens, seed, torch.get_num_threads())
     parts = Components(settings)
     try:
-        harness = Harness(parts.blender, parts.prompt, config)
+        harness = Harness(parts.blender, parts.runtime, parts.prompt, config)
     except ValueError as exc:  # e.g. a check layer this model cannot have
         print(f"error: {exc}", file=sys.stderr)
         return 2

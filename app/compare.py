@@ -39,7 +39,7 @@ from typing import Any, Iterable
 import torch
 
 from app.answer_metrics import answer_scores
-from blend import Blender, ChunkKV, Prefill, PromptFormat, SamplingParams, TextStream, hash_ids
+from blend import Blender, ChunkKV, DecodeRuntime, Prefill, PromptFormat, SamplingParams, TextStream, hash_ids
 from common import write_atomic
 from store import get_codec
 
@@ -103,10 +103,10 @@ class Timed:
 
 
 class Harness:
-    """Runs every mode on one question with one Blender; knows nothing about files."""
+    """Runs every mode on one question with one Blender and its DecodeRuntime; knows nothing about files."""
 
-    def __init__(self, blender: Blender, prompt: PromptFormat, config: CompareConfig):
-        self.blender, self.prompt, self.config = blender, prompt, config
+    def __init__(self, blender: Blender, runtime: DecodeRuntime, prompt: PromptFormat, config: CompareConfig):
+        self.blender, self.runtime, self.prompt, self.config = blender, runtime, prompt, config
         self.modes = build_modes(config.ratios, config.selections)
         self.head_ids = prompt.head_ids
         self.head_kv = self._through_codec(blender.precompute(self.head_ids))
@@ -139,17 +139,14 @@ class Harness:
         int(prefill.logits.argmax())  # the first token (greedy)
         return Timed(prefill, time.perf_counter() - start)
 
-    def answer(self, prefill: Prefill) -> list[int]:
-        """Greedy answer tokens (eos included when generated): the engine's decode loop, in a pool slot
-        (the prefill's own cache is left as it was for teacher forcing)."""
-        return list(self.blender.decode(prefill, self.sampling))
-
-    def text(self, tokens: list[int]) -> str:
-        """The answer as serving writes it: through blend.TextStream (eos ends it, special tokens dropped)."""
-        stream = TextStream(self.prompt.tokenizer, eos_ids=self.blender.eos_ids)
-        for _ in stream.feed(tokens):
+    def answer(self, prefill: Prefill) -> tuple[list[int], str]:
+        """The greedy answer as serving makes it (the decode loop through the driver, in a pool slot; the
+        prefill's own cache is left as it was for teacher forcing): its tokens, eos included when generated,
+        and its text (blend.TextStream: eos ends it, special tokens dropped)."""
+        stream = TextStream(self.prompt.tokenizer, eos_ids=self.runtime.eos_ids)
+        for _ in self.runtime.generate(prefill, self.sampling, stream):
             pass
-        return stream.text.strip()
+        return stream.ids, stream.text.strip()
 
     def run(self, index: int, item: dict[str, Any]) -> dict[str, Any]:
         pkv = self.prepare(item)
@@ -157,18 +154,16 @@ class Harness:
         seed = self.config.seed + index
         # 2. The reference: full prefill, its greedy answer and teacher-forced log-probs.
         full = self.timed(self.modes[0], pkv, seed)
-        ref = self.answer(full.prefill)
+        ref, ref_text = self.answer(full.prefill)
         ref_logp = torch.log_softmax(self.blender.teacher_force(full.prefill, ref), dim=-1)  # [A, V]
-        ref_text = self.text(ref)
         results = {"full": mode_result(ref_text, golds, full, full.ttft_s, kl=0.0, top1=1.0, same=True)}
         # 3-5. Every other mode, back to back with the reference.
         for mode in self.modes[1:]:
             run = self.timed(mode, pkv, seed)
-            tokens = self.answer(run.prefill)
+            tokens, text = self.answer(run.prefill)
             logp = torch.log_softmax(self.blender.teacher_force(run.prefill, ref), dim=-1)
             kl, top1 = agreement(ref_logp, logp)
-            results[mode.name] = mode_result(self.text(tokens), golds, run, full.ttft_s, kl=kl, top1=top1,
-                                             same=tokens == ref)
+            results[mode.name] = mode_result(text, golds, run, full.ttft_s, kl=kl, top1=top1, same=tokens == ref)
         return {"index": index, "question": item["question"], "answers": golds, "prompt_tokens": len(pkv.full_ids),
                 "cached_tokens": len(pkv.full_ids) - len(pkv.suffix_ids), "reference_tokens": len(ref),
                 "reference_answer": ref_text, "modes": results}

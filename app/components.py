@@ -14,8 +14,6 @@ from dataclasses import replace
 from functools import cached_property
 from typing import Any, Protocol
 
-import torch
-
 from app.config import Settings
 from app.ingest import IngestCancelled, Ingestor
 from app.kv import ChunkKVCache
@@ -23,20 +21,9 @@ from app.loading import LoadingControl
 from app.scheduler import Scheduler
 from app.usage import UsageLog
 from app.worker import Worker
-from blend import Blender, LoadedModel, PromptFormat, load_model
-from common.placement import HOST, Placement
+from blend import Blender, DecodeRuntime, LoadedModel, PromptFormat, load_model
 from retrieval import Chunker, Embedder, Metadata, Retriever, open_embedder, open_metadata
 from store import TieredStore, build_store
-
-
-def placement_of(blender: Blender) -> Placement:
-    """Where the model's KV lives, for the store. A stand-in until blend's backend says it itself
-    (`Backend.placement`, issue #37), which replaces this function."""
-    device = blender.device
-    if device.type == "cpu":
-        return HOST
-    free, _ = torch.cuda.mem_get_info(device)  # once the model is loaded: the gpu tier's "auto" share
-    return Placement(device, on_host=False, pin=blender.backend.pin_host_memory, device_free_bytes=free)
 
 
 class Components:
@@ -57,14 +44,17 @@ class Components:
         """The Blender for the blend settings; a check layer the model cannot have is a config error."""
         b, m = self.settings.blend, self.settings.model
         try:
-            blender = Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
-                              deviation=b.deviation, selection=b.selection, cpu_kernel=m.cpu_kernel)
+            return Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
+                           deviation=b.deviation, selection=b.selection, cpu_kernel=m.cpu_kernel)
         except ValueError as exc:
             raise ValueError(f"invalid blend settings: {exc}") from None
-        # the decode KV pool: one slot per request the scheduler runs at once (app.scheduler)
-        blender.configure_decode(slots=self.settings.server.max_batch, max_len=m.kv_pool_tokens,
-                                 cuda_graphs=m.cuda_graphs)
-        return blender
+
+    @cached_property
+    def runtime(self) -> DecodeRuntime:
+        """Decoding: the KV pool, one slot per request the scheduler runs at once (app.scheduler), and the step."""
+        m = self.settings.model
+        return DecodeRuntime(self.blender, slots=self.settings.server.max_batch, max_len=m.kv_pool_tokens,
+                             cuda_graphs=m.cuda_graphs)
 
     @cached_property
     def prompt(self) -> PromptFormat:
@@ -74,7 +64,7 @@ class Components:
     def store(self) -> TieredStore:
         """The store, its leases kept in the metadata database (shared by replicas, kept across restarts)."""
         return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint,
-                           placement_of(self.blender),  # the gpu tier and pinned memory follow the model
+                           self.blender.backend.placement,  # the gpu tier and pinned memory follow the model
                            ledger=self.metadata)
 
     def inspect_store(self) -> TieredStore:
@@ -151,7 +141,7 @@ class Serving:
     def __init__(self, settings: Settings, engine: Engine, lane: Worker):
         parts, s = engine.parts, settings.server
         self.engine, self._parts, self._lane, self._limits = engine, parts, lane, settings.limits
-        self.scheduler = Scheduler(parts.blender.decode_step, max_batch=s.max_batch, queue_size=s.queue_size,
+        self.scheduler = Scheduler(parts.runtime.step, max_batch=s.max_batch, queue_size=s.queue_size,
                                    slice_s=s.prefill_slice_ms / 1000, max_stall_s=s.max_stall_ms / 1000)
         self.model_name = parts.llm.name
         self.blend_disabled: str | None = getattr(parts.blender, "unsupported", None)  # the model gate's reason
@@ -181,12 +171,11 @@ class Serving:
                        max_chars=self._limits.max_document_chars)
 
     def warm_up(self) -> None:
-        """First calls before any concurrency: the prompt head's KV, one embedding (the embedder's tokenizer
-        sets its padding/truncation state on first use; later calls from two threads only read it), and the
-        decode pool with its step (the kernel step's probe runs here, not in the first request)."""
+        """First calls before any concurrency: the prompt head's KV and one embedding (the embedder's tokenizer
+        sets its padding/truncation state on first use; later calls from two threads only read it). (The decode
+        runtime, with the kernel step's probe, was built with the scheduler.)"""
         parts = self._parts
-        for warm in (lambda: parts.kv_cache.head(), lambda: parts.embedder.embed(["warm up"]),
-                     lambda: parts.blender.pool):
+        for warm in (lambda: parts.kv_cache.head(), lambda: parts.embedder.embed(["warm up"])):
             try:
                 warm()
             except AttributeError:  # a stand-in engine without these parts

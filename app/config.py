@@ -19,8 +19,8 @@ ENV_NESTED_DELIMITER = "__"
 
 class ModelSettings(BaseModel):
     name: str = "embedded"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "cpu"  # auto (CUDA if present) | cpu | cuda | cuda:N
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto (CUDA if present) | cpu | cuda | cuda:N
 
     @field_validator("device")
     @classmethod

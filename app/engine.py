@@ -1,11 +1,11 @@
 """RagEngine: question → retrieve top-k → chunk KV (store or precompute) → blended prefill → decode.
 
 The engine owns the model, which is not thread-safe. `program(params)` is one request as a generator
-that the scheduler (app.scheduler) drives on the model thread, several at a time: it yields text
-deltas and finally a QueryResult for the client, and directives in between — retrieval and store
-reads offloaded to another thread, one slice per prefill layer or precomputed piece, one DecodeStep
-per token (batched with the other requests'). `stream()` drives one program alone (the CLI, tests)
-and `answer()` collects it.
+that blend.driver's Driver steps on the model thread (the server's scheduler, app.scheduler, several at a
+time): it yields text deltas and finally a QueryResult for the client, and directives in between —
+retrieval and store reads offloaded to another thread, one slice per prefill layer or precomputed piece,
+one DecodeStep per token (batched with the other requests'). `stream()` runs one program alone through the
+same driver, in one slot (the CLI, tests), and `answer()` collects it.
 
 The prompt: head | conversation | passages | question (blend.prompt). A chat request's earlier turns
 form the conversation, an exact prefix whose KV is stored per exchange: after sending its answer, the
@@ -25,10 +25,10 @@ from app.components import Components
 from app.config import Settings
 from app.conversation import fit_conversation
 from app.explain import Explain, explain_prompt
-from app.scheduler import Offload, run_alone
 from blend import ChunkKV, Prefill, SamplingParams, TextStream
 from blend.controller import Calibration
-from blend.decode import DecodeStep, decode_loop
+from blend.decode import decode_loop
+from blend.driver import Driver, Offload
 from blend.pipeline import LayerSource
 from blend.selection import get_policy
 from retrieval.retriever import Hit
@@ -145,8 +145,8 @@ class RagEngine:
 
     def stream(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
                ) -> Iterator[str | QueryResult]:
-        """Text deltas, then the QueryResult: one request run alone, on this thread."""
-        return run_alone(self.program(params, cancelled), self.parts.blender.decode_step)
+        """Text deltas, then the QueryResult: one request run alone, on this thread (the driver, one slot)."""
+        return Driver(self.parts.runtime.step).run(self.program(params, cancelled))
 
     def program(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
                 ) -> Generator[Any, Any, None]:
@@ -197,38 +197,19 @@ class RagEngine:
             tokens = (prefill.stats.recomputed_tokens + len(plan.suffix)) * parts.blender.num_layers
             parts.loading.observe(tokens, (stats.prefill_ms - stats.load_wait_ms) / 1000)
 
-        # 4. Decode in a KV pool slot: one token per DecodeStep, batched by the scheduler with the other
-        #    requests' (blend.decode.decode_loop, the loop Blender.decode runs too). Closing the program
+        # 4. Decode in a KV pool slot: one token per DecodeStep, batched by the driver with the other
+        #    requests' (blend.decode.decode_loop, the loop every answer runs). Closing the program
         #    (done, cancelled, failed) gives the slot back.
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
                                   stop=params.stop, seed=params.seed)
-        eos = frozenset() if params.ignore_eos else parts.blender.eos_ids
+        eos = frozenset() if params.ignore_eos else parts.runtime.eos_ids
         text = TextStream(parts.tokenizer, stop=params.stop, eos_ids=eos)
-        sequence = parts.blender.start_decode(prefill, sampling)
+        sequence = parts.runtime.start(prefill, sampling)  # the first token is chosen here
+        stats.ttft_ms = _ms(start)
         try:
-            loop, reply = decode_loop(sequence, prefill.logits), None
-            while True:
-                try:
-                    item = loop.send(reply)
-                except StopIteration:
-                    break
-                reply = None
-                if isinstance(item, DecodeStep):
-                    reply = yield item
-                    continue
-                if not stats.ttft_ms:
-                    stats.ttft_ms = _ms(start)
-                if delta := text.push(item):
-                    yield delta
-                if text.finish_reason is not None:
-                    break
-                if cancelled():
-                    text.finish_reason = "cancelled"
-                    break
+            yield from decode_loop(sequence, text, cancelled)
         finally:
             sequence.release()
-        if delta := text.flush():
-            yield delta
         stats.completion_tokens = len(text.tokens)
         stats.total_ms = _ms(start)
         answer, finish = text.text.strip(), text.finish_reason or "length"
@@ -283,14 +264,14 @@ class RagEngine:
     def _check_length(self, prompt_len: int, max_tokens: int) -> None:
         limit = self._context_limit()
         if limit and prompt_len + max_tokens > limit:
-            what = "decode KV pool's" if limit == self.parts.blender.decode_max_len else "model's"
+            what = "decode KV pool's" if limit == self.parts.runtime.max_len else "model's"
             raise RequestError(f"prompt of {prompt_len} tokens plus max_tokens ({max_tokens}) exceeds the {what} "
                                f"{limit}-token context; lower top_k or max_tokens")
 
     def _context_limit(self) -> int | None:
         """Positions a request may fill: the model's context, at most a decode pool slot (blend.pool)."""
         model = getattr(self.parts.llm.model.config, "max_position_embeddings", None)
-        return min(x for x in (model, self.parts.blender.decode_max_len) if x)
+        return min(x for x in (model, self.parts.runtime.max_len) if x)
 
     # ---- after the answer: the next turn's conversation KV -----------------------------------------
 

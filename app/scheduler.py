@@ -1,11 +1,12 @@
 """The scheduler: one thread owns the model and interleaves every request's work on it.
 
-A request is a generator (RagEngine.program) run on the model thread. It yields text deltas and its
-result for the client, and between them directives for the scheduler:
-    Offload(fn)       run fn off the model thread (retrieval, store reads); resumes with its result
-    None              a slice of model work is done (a prefill layer, a chunk's precompute)
-    DecodeStep(...)   it needs its next token; all such requests share one batched forward (blend.decode)
-Other threads hand the model thread whole functions with `run_on_model` (an upload's chunk precompute).
+A request is a program (RagEngine.program) that blend.driver's Driver steps on the model thread: it yields
+text deltas and its result for the client, and directives between them (Offload, None for a slice of model
+work, DecodeStep; blend.driver). The Driver does the stepping - advancing a program to its next directive, one
+batched decode step for every request waiting on a token, the row-by-row retry of a step that failed; this
+module adds what a server needs around it: the model thread, the queue and admission, the offload pool
+(`ragblend-prep`), slice budgets, model tasks (other threads hand the model thread whole functions with
+`run_on_model`: an upload's chunk precompute), /health and Retry-After.
 
 Each request holds a slot from admission to its last token; at most `max_batch` slots, the decode KV pool's
 slots (blend.pool: the server sizes both from server.max_batch; a request takes its pool slot when its
@@ -20,8 +21,7 @@ Prefill first (vLLM's and SGLang's default order): a request still prefilling ad
 step, so its prefill runs before the streams already answering get their next token, but for at most
 `max_stall_s` between two of their tokens (plus the rest of the layer it is in): a long prompt is cut into
 slices, one decode step after each.
-An error in one request (bad input, a corrupt chunk) ends that request only; a batched step that
-fails is retried row by row, so only the failing row sees the error.
+An error in one request (bad input, a corrupt chunk) ends that request only.
 """
 from __future__ import annotations
 
@@ -34,57 +34,27 @@ import time
 from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 from app.worker import END, Job, QueueFull, WorkerStopped
 from blend.decode import DecodeStep
+from blend.driver import DecodeFn, Driver, Offload, Program, Slot
 
+__all__ = ["DecodeStep", "Offload", "Scheduler"]
 log = logging.getLogger("ragblend.scheduler")
 
 Cancelled = Callable[[], bool]
 TASK_SHARE = 0.25  # while requests are in flight, model tasks (upload chunks) get at most this share of the thread
 
 
-# ---- the directives a request program yields -----------------------------------------------------
-
-@dataclass
-class Offload:
-    fn: Callable[[], Any]
-
-
-Program = Generator[Any, Any, None]
-# (sequences, tokens, positions) -> each row's next token (blend.Blender.decode_step)
-DecodeFn = Callable[[Sequence[Any], Sequence[int], Sequence[int]], Sequence[Any]]
-
-
-def run_alone(program: Program, decode_step: DecodeFn) -> Iterator[Any]:
-    """Drive one program without a scheduler (CLI, compare, tests): the client events it yields."""
-    value = None
-    while True:
-        try:
-            item = program.send(value)
-        except StopIteration:
-            return
-        value = None
-        if isinstance(item, Offload):
-            value = item.fn()
-        elif isinstance(item, DecodeStep):
-            value = decode_step([item.sequence], [item.token], [item.position])[0]
-        elif item is not None:
-            yield item
-
-
-# ---- slots and tasks -----------------------------------------------------------------------------
-
 @dataclass(eq=False)
-class _Slot:
-    job: Job
-    program: Program
+class _Request(Slot):
+    """A request's program in its slot, with the job that carries its events to its client."""
+    job: Job | None = None
     admitted: float = field(default_factory=time.monotonic)
-    state: str = "ready"            # ready (to advance) | offload (waiting on the prep thread) | decode
-    value: Any = None               # what the program resumes with
-    error: BaseException | None = None
-    step: DecodeStep | None = None
+
+    def cancelled(self) -> bool:
+        return self.job.cancelled.is_set()
 
     @property
     def label(self) -> str:
@@ -102,13 +72,13 @@ class _Task:
 class Scheduler:
     def __init__(self, decode_step: DecodeFn, *, max_batch: int, queue_size: int, slice_s: float = 0.1,
                  max_stall_s: float = 1.5, offload_threads: int = 1):
-        self.decode_step, self.max_batch, self.queue_size, self.slice_s = decode_step, max_batch, queue_size, slice_s
+        self.max_batch, self.queue_size, self.slice_s = max_batch, queue_size, slice_s
         self.max_stall_s = max_stall_s
-        self._last_decode_s = 0.0  # how long the last batched step took
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()   # guarded by _cond
         self._tasks: deque[_Task] = deque()   # guarded by _cond
-        self._slots: list[_Slot] = []         # the model thread's own
+        # the requests in flight: the driver's slots, the model thread's own
+        self._driver = Driver(decode_step, offload=self._offload_call, on_finish=self._finished)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ragblend-model", daemon=True)
         self._offload = concurrent.futures.ThreadPoolExecutor(offload_threads, thread_name_prefix="ragblend-prep")
@@ -127,6 +97,10 @@ class Scheduler:
     def waiting(self) -> int:
         with self._cond:
             return sum(1 for job in self._waiting if job.waiting)
+
+    @property
+    def _slots(self) -> list[_Request]:
+        return self._driver.slots
 
     @property
     def active(self) -> int:
@@ -252,7 +226,7 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for slot in list(self._slots):
                     slot.job.post(exc)
-                    self._finish(slot)
+                    self._driver.finish(slot)
 
     def _admit(self) -> None:
         # under _cond
@@ -266,12 +240,12 @@ class Scheduler:
                 job.post(exc)
                 job.post(END)
                 continue
-            self._slots.append(_Slot(job, program))
+            self._driver.add(_Request(program, job.post, job=job))
 
     def _runnable(self) -> bool:
         # under _cond
         return (bool(self._tasks) and self._task_due()) or \
-            any(s.state != "offload" or s.job.cancelled.is_set() for s in self._slots)
+            any(s.state != "offload" or s.cancelled() for s in self._slots)
 
     def _task_due(self) -> bool:
         return not self._slots or time.monotonic() >= self._next_task_at
@@ -280,8 +254,8 @@ class Scheduler:
         return max(0.001, min(1.0, self._next_task_at - time.monotonic())) if self._tasks else 1.0
 
     def _end_cancelled(self) -> None:
-        for slot in [s for s in self._slots if s.job.cancelled.is_set()]:
-            self._finish(slot)
+        for slot in [s for s in self._slots if s.cancelled()]:
+            self._driver.finish(slot)
 
     def _prefill_slice(self) -> bool:
         """Advance the oldest request that is neither decoding nor offloaded, for up to one slice.
@@ -294,10 +268,10 @@ class Scheduler:
         if slot is None:
             return False
         streaming = any(s.state == "decode" for s in self._slots)
-        budget = max(self.slice_s, self.max_stall_s - self._last_decode_s) if streaming else self.slice_s
+        budget = max(self.slice_s, self.max_stall_s - self._driver.last_step_s) if streaming else self.slice_s
         deadline = time.monotonic() + budget
         with self._working(slot.label):
-            while self._advance(slot) and time.monotonic() < deadline:
+            while self._driver.advance(slot) and time.monotonic() < deadline:
                 pass
         return True
 
@@ -316,63 +290,15 @@ class Scheduler:
         self._next_task_at = end + (end - start) * (1 / TASK_SHARE - 1)
 
     def _decode(self) -> None:
-        slots = [s for s in self._slots if s.state == "decode" and not s.job.cancelled.is_set()]
-        if not slots:
+        rows = len(self._driver.waiting())
+        if not rows:
             return
-        steps = [s.step for s in slots]
-        with self._working(f"decode step ({len(slots)} rows)"):
-            start = time.monotonic()
-            try:
-                rows = list(self.decode_step([s.sequence for s in steps], [s.token for s in steps],
-                                             [s.position for s in steps]))
-                self._last_decode_s = time.monotonic() - start
-            except Exception:  # find the row at fault: each alone, from its cache as it was (position tokens)
-                rows = []
-                for step in steps:
-                    step.sequence.truncate(step.position)
-                    try:
-                        rows.append(self.decode_step([step.sequence], [step.token], [step.position])[0])
-                    except Exception as exc:
-                        rows.append(exc)
-            self._decode_steps[len(steps)] += 1
-            self._decode_seconds[len(steps)] += time.monotonic() - start
-            for slot, row in zip(slots, rows):
-                slot.state, slot.step = "ready", None
-                if isinstance(row, BaseException):
-                    slot.error = row
-                else:
-                    slot.value = row
-                self._advance(slot)  # stream the token's text, ask for the next step (or finish)
+        with self._working(f"decode step ({rows} rows)"):
+            self._driver.decode()
+        self._decode_steps[rows] += 1
+        self._decode_seconds[rows] += self._driver.last_step_s
 
-    def _advance(self, slot: _Slot) -> bool:
-        """Resume `slot` until it yields a directive; True if it can go on at once (it yielded a slice)."""
-        while True:
-            try:
-                if slot.error is not None:
-                    error, slot.error = slot.error, None
-                    item = slot.program.throw(error)
-                else:
-                    value, slot.value = slot.value, None
-                    item = slot.program.send(value)
-            except StopIteration:
-                self._finish(slot)
-                return False
-            except Exception as exc:  # this request's error, for its client only
-                slot.job.post(exc)
-                self._finish(slot)
-                return False
-            if item is None:
-                return True
-            if isinstance(item, DecodeStep):
-                slot.state, slot.step = "decode", item
-                return False
-            if isinstance(item, Offload):
-                slot.state = "offload"
-                self._offload_call(slot, item.fn)
-                return False
-            slot.job.post(item)
-
-    def _offload_call(self, slot: _Slot, fn: Callable[[], Any]) -> None:
+    def _offload_call(self, slot: Slot, fn: Callable[[], Any]) -> None:
         def done(future: concurrent.futures.Future) -> None:
             with self._cond:
                 if future.cancelled():
@@ -388,9 +314,8 @@ class Scheduler:
         except RuntimeError:  # the executor is shut down: we are stopping
             slot.state, slot.error = "ready", WorkerStopped()
 
-    def _finish(self, slot: _Slot) -> None:
-        slot.program.close()  # runs the program's cleanup now, on this thread
-        self._slots.remove(slot)
+    def _finished(self, slot: _Request) -> None:
+        """The driver ended `slot`'s program (its cleanup ran on this thread): its client's stream ends."""
         self._request_s = 0.8 * self._request_s + 0.2 * (time.monotonic() - slot.admitted)
         slot.job.post(END)
 

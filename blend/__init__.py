@@ -1,7 +1,8 @@
 """blend: CacheBlend-style KV reuse on HF transformers.
 
 Exports the model loader, the ChunkKV unit, the prompt layout, the Blender (precompute,
-selective-recompute prefill, full prefill, decode) and sampling/streaming helpers.
+selective-recompute prefill, full prefill), the DecodeRuntime (pooled, batched decode), the driver that
+runs request programs, and sampling/streaming helpers.
 Knows nothing about HTTP, FAISS or Redis.
 
 The exports load lazily (PEP 562): importing the engine pulls in the HF modeling code (seconds),
@@ -14,8 +15,9 @@ import importlib
 _EXPORTS = {
     "BLEND_ATTENTION": "blend.attention",
     "ChunkKV": "common.chunk_kv", "KVMismatchError": "common.chunk_kv", "hash_ids": "common.chunk_kv",
-    "SamplingParams": "blend.decode", "TextStream": "blend.decode",
-    "Blender": "blend.engine", "Prefill": "blend.engine", "PrefillStats": "blend.engine",
+    "SamplingParams": "blend.decode", "TextStream": "blend.decode", "TokenStream": "blend.decode",
+    "Blender": "blend.blender", "Prefill": "blend.blender", "PrefillStats": "blend.blender",
+    "DecodeRuntime": "blend.runtime", "Driver": "blend.driver", "Offload": "blend.driver",
     "LoadedModel": "blend.model", "load_model": "blend.model",
     "PromptFormat": "blend.prompt",
     "RopeShifter": "blend.rope", "RopeUnsupportedError": "blend.rope",

@@ -19,20 +19,22 @@ on CUDA the backend plans FlexAttention instead, behind the same `attend`. Any o
 precompute, full prefill) passes no plan and gets plain sdpa with the model's own mask. An
 `attention_probe` callable, when passed, sees (module, query, key) first: selection policies read the
 question's attention through it.
-A decode step (blend.batch) passes K/V as PooledKV, views of the KV pool with each row's length
-mask, and every row attends over its own keys in one call.
+A decode step (blend.batch) passes K/V as PooledKV, views of the KV pool, and every row attends over its
+own keys in one call (`pooled_attention_forward`: the model's own attention math, its sliding window and
+logit softcapping included, for any model; `blend_attention` dispatches a model the gate refused here too).
 """
 from __future__ import annotations
 
 import bisect
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
+from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-from blend.batch import PooledKV, pooled_attention_forward
 
 BLEND_ATTENTION = "ragblend_sdpa"
 # Keys per window for scattered queries: wider windows mean fewer merges but more masked work
@@ -102,8 +104,6 @@ def planned_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if query.shape[2] != plan.positions.numel() or key.shape[2] < plan.num_keys:
         raise ValueError(f"attention plan for {plan.positions.numel()} queries over {plan.num_keys} keys got "
                          f"{query.shape[2]} queries and {key.shape[2]} keys")
-    if query.device.type != "cpu":  # the pieces use the CPU flash kernel; elsewhere the exact masked form
-        return dense_attention(query, key, value, plan.positions, scale)
     out = lse = None
     for piece in plan.pieces:
         mask = None if piece.mask is None else piece.mask.to(query.dtype)
@@ -133,6 +133,59 @@ def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
                                                            enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous()
+
+
+@dataclass
+class PooledKV:
+    """One layer's K or V for a decode step's rows (blend.batch.PoolView): a view [rows, H, columns, D] of the
+    pool, `visible` [rows, 1, 1, columns] (True where a key is at or before the row's position), the rows'
+    positions [rows, 1, 1, 1] and each key column's position [columns]."""
+
+    rows: torch.Tensor
+    seen: torch.Tensor
+    positions: torch.Tensor
+    columns: torch.Tensor
+
+    def visible(self, window: int | None = None) -> torch.Tensor:
+        """[rows, 1, 1, columns]: the keys a row's query sees; within the last `window` positions where a
+        sliding window applies (HF's: key > position - window)."""
+        return self.seen if window is None else self.seen & (self.columns > self.positions - window)
+
+
+def pooled_attention_forward(module, query: torch.Tensor, key: PooledKV, value: PooledKV, attention_mask,
+                             scaling: float | None = None, sliding_window: int | None = None,
+                             softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """query [rows, Hq, 1, D] over each row's visible keys → [rows, 1, Hq, D]. The Hq/Hkv query heads that
+    share a KV head become that head's query rows, so K/V are read once, never repeated."""
+    rows, hq, _, dim = query.shape
+    hkv = key.rows.shape[1]
+    grouped = query.view(rows, hkv, hq // hkv, dim)                                  # [rows, Hkv, G, D]
+    visible = key.visible(sliding_window)                                            # [rows, 1, 1, T]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(grouped, key.rows, value.rows, attn_mask=visible, scale=scaling)
+    else:  # sdpa cannot cap the scores: HF's eager attention, step by step
+        scale = scaling if scaling is not None else dim ** -0.5
+        scores = torch.tanh(grouped @ key.rows.transpose(2, 3) * scale / softcap) * softcap   # [rows, Hkv, G, T]
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(query.dtype)
+        out = weights @ value.rows                                                   # [rows, Hkv, G, D]
+    # (reshape, not view: on CUDA, sdpa's memory-efficient kernel returns a non-contiguous output)
+    return out.reshape(rows, 1, hq, dim), None                                      # head h·G + g, as HF's repeat_kv
+
+
+@contextmanager
+def blend_attention(model) -> Iterator[None]:
+    """The model's attention dispatched to BLEND_ATTENTION while inside: a model the blend gate refused keeps its
+    own attention for its prefills, and decodes through the pool with the pooled attention (the same math)."""
+    own = model.config._attn_implementation
+    if own == BLEND_ATTENTION:
+        yield
+        return
+    # the config's own setter (set_attn_implementation refuses a model without sdpa support: this is not sdpa)
+    model.config._attn_implementation = BLEND_ATTENTION
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = own
 
 
 def blend_attention_forward(module, query, key, value, attention_mask, attention_plan: AttentionPlan | None = None,

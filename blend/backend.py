@@ -1,56 +1,78 @@
-"""The device seam: what the blend path does differently on each device, chosen once per Blender.
+"""The device seam: everything the blend path does differently on each device, decided once, here.
 
-Everything device-specific in a blended prefill sits behind one small interface (nanochat's
-flash_attention.py and HF's AttentionInterface are the models: pick the implementation once, call
-one signature everywhere):
+Everything device-specific sits behind one small interface (nanochat's flash_attention.py and HF's
+AttentionInterface are the models: pick the implementation once, call one signature everywhere); no other
+module of blend, store, retrieval, common or app asks what device it runs on (blend/model.py resolves the
+device the model loads on; tests/test_device_seam.py checks the rule):
 
     prepare(model, head_dim)              adapt the model's modules (CPU: SkinnyLinear, the C kernels)
     plan(positions, num_keys)            which keys each query sees, built once per set of queries;
                                           plan.attend(query, key, value, scale) -> [B, Tq, Hq, D] is
                                           their causal attention (blend.attention calls it per layer)
-    stager(device)                        where the layer loader queues a layer's copies and shift,
+    stager()                              where the layer loader queues a layer's copies and shift,
                                           and how the prefill waits for it (CUDA: a side stream + events)
-    empty(shape, dtype, device)           a prompt's K/V buffer (host: recycled, blend.buffers; a GPU's
+    empty(shape, dtype)                   a prompt's K/V buffer (host: recycled, blend.buffers; a GPU's
                                           caching allocator already reuses its memory)
+    synchronize()                         wait for the device's queued work (a prefill phase's timing)
+    decode_step(model)                    the one decode step form (CPU: blend.kernel_step.KernelStep where its
+                                          probe passes, else blend.batch.LayerStep; CUDA: LayerStep)
+    key_columns(needed, limit)            the key columns a decode step reads (rounded: few masked keys on the
+                                          CPU, few shapes, so few graphs, on CUDA)
+    step_graphs(setting)                  whether the decode step is captured as CUDA graphs (blend.graphs)
+    placement                             where the KV lives, handed to the store (common.placement)
 
 Shifting keys is the same few torch ops on every device (blend.rope.RopeShifter.place: every chunk of
 a layer in one batched rotation), so it needs no backend of its own.
 
-CpuBackend: the C kernels of blend.cpu_kernels for a float32 model (a prefill's attention, a decode
+Backend (the CPU's): the C kernels of blend.cpu_kernels for a float32 model (a prefill's attention, a decode
 step's attention and linears); else blend.attention's planned pieces (the CPU flash kernel on visible key
 windows, merged by log-sum-exp) and SkinnyLinear's MKL form. CudaBackend: FlexAttention, compiled, with a
 block mask built on the device from the query positions (no host synchronisation), and sdpa's flash kernel
-for a causal square; its logic runs eagerly on the CPU too (`compile=False`), which is how the tests check it.
+for a causal square. Its plans run eagerly where the positions are on the host, which is how the tests check
+them on the CPU.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from blend import cpu_kernels
 from blend.attention import AttentionPlan
+from blend.batch import LayerStep
 from blend.buffers import BufferRecycler
+from blend.graphs import StepGraphs
+from blend.kernel_step import KernelStep
 from blend.skinny import use_skinny_linears
+from common.placement import Placement
 
+log = logging.getLogger("ragblend.blend")
 FLEX_BLOCK = 128  # FlexAttention's default block: the block mask says which key blocks each query block sees
+KEY_BLOCK = 256   # a decode step's key columns: a multiple of this (CPU) or a power of two at least this (CUDA)
+DecodeForm = KernelStep | LayerStep
 
 
 class Backend:
     """The CPU's pieces; CudaBackend overrides what a GPU does differently."""
     name = "cpu"
-    pin_host_memory = False   # pinned host pages only help copies to a GPU
     kernels = False           # decode steps' linears and attention through blend.cpu_kernels, prefills' linears
                               # through oneDNN (set by prepare)
     prefill_kernel = False    # and a prefill's attention through blend.cpu_kernels, where the head size suits it
 
-    def __init__(self, cpu_kernel: str = "auto"):
-        self.cpu_kernel = cpu_kernel
+    def __init__(self, device: torch.device, cpu_kernel: str = "auto"):
+        self.device, self.cpu_kernel = device, cpu_kernel
 
-    def prepare(self, model: torch.nn.Module, head_dim: int) -> None:
+    @property
+    def placement(self) -> Placement:
+        """The model's KV in host memory: plain host tensors, nothing pinned (that only helps copies to a GPU)."""
+        return Placement(self.device)
+
+    def prepare(self, model: nn.Module, head_dim: int) -> None:
         """The CPU kernels for a float32 model (cpu_kernel auto; built now, else the reason logged), and the
         linears in faster forms (blend.skinny: few rows through a kernel, many through oneDNN)."""
         dtype = next(model.parameters()).dtype
@@ -63,17 +85,39 @@ class Backend:
         a GPU backend uses instead of reading the positions back (the CPU reads them anyway)."""
         return KernelPlan(positions) if self.prefill_kernel else AttentionPlan.build(positions)
 
-    def stager(self, device: torch.device) -> Stager:
+    def stager(self) -> Stager:
         return Stager()
 
     @cached_property
     def _host_buffers(self) -> BufferRecycler:
         return BufferRecycler()
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type == "cpu":  # a fresh host buffer this large page-faults on first touch (blend.buffers)
-            return self._host_buffers.empty(shape, dtype)
-        return torch.empty(shape, dtype=dtype, device=device)
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # a fresh host buffer this large page-faults on first touch: recycled ones (blend.buffers)
+        return self._host_buffers.empty(shape, dtype)
+
+    def synchronize(self) -> None:
+        pass  # the host's work is done when its call returns
+
+    def decode_step(self, model: nn.Module) -> tuple[DecodeForm, str | None]:
+        """The decode step, and why it is not the kernel step (None: it is): blend.kernel_step's where the CPU
+        kernels run and its probe reproduces the model, else the model's layers (blend.batch.LayerStep)."""
+        if not self.kernels:
+            return LayerStep(model), "the CPU kernels are off, unavailable, or not for this dtype"
+        step, reason = KernelStep.for_model(model)
+        return step or LayerStep(model), reason
+
+    def key_columns(self, needed: int, limit: int) -> int:
+        """The key columns a decode step reads for rows of up to `needed` keys: a multiple of KEY_BLOCK (little
+        masked work), at most `limit`. Eager and graphed steps read the same, so they give the same tokens."""
+        return min(limit, -(-needed // KEY_BLOCK) * KEY_BLOCK)
+
+    def step_graphs(self, setting: str) -> StepGraphs:
+        """The decode step as CUDA graphs: never here (model.cuda_graphs: on is logged and runs eagerly)."""
+        if setting == "on":
+            log.warning("model.cuda_graphs: on needs CUDA; the decode step runs eagerly",
+                        extra={"device": str(self.device)})
+        return StepGraphs(enabled=False)
 
 
 class Stager:
@@ -147,20 +191,35 @@ class KernelPlan:
 
 class CudaBackend(Backend):
     name = "cuda"
-    pin_host_memory = True
 
-    def __init__(self, compile: bool = True):
-        self.compile = compile
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        # False only for the tests' twin on the host: the GPU's plans, eagerly, with host-synchronous staging
+        self.on_gpu = device.type == "cuda"
 
-    def prepare(self, model: torch.nn.Module, head_dim: int) -> None:
+    @property
+    def placement(self) -> Placement:
+        """The model's KV on the GPU; host copies bound for it pinned (copies then overlap compute); the device's
+        free memory now (the store's gpu tier sizes itself from it)."""
+        free = torch.cuda.mem_get_info(self.device)[0] if self.on_gpu else 0
+        return Placement(self.device, on_host=not self.on_gpu, pin=self.on_gpu, device_free_bytes=free)
+
+    def prepare(self, model: nn.Module, head_dim: int) -> None:
         pass  # F.linear is what a GPU wants for any row count
 
     @cached_property
-    def _flex(self):
+    def _compiled_flex(self):
         from torch.nn.attention.flex_attention import flex_attention
-        # Compiled on the GPU (the first call of a shape compiles, seconds; later shapes go dynamic);
-        # eager elsewhere, where it computes the same thing slowly (the tests' twin).
-        return torch.compile(flex_attention) if self.compile else flex_attention
+        # the first call of a shape compiles (seconds); later shapes go dynamic
+        return torch.compile(flex_attention)
+
+    @property
+    def _flex(self):
+        """FlexAttention compiled on the GPU; eager on the host, where it computes the same thing slowly."""
+        if self.on_gpu:
+            return self._compiled_flex
+        from torch.nn.attention.flex_attention import flex_attention
+        return flex_attention
 
     def plan(self, positions: torch.Tensor, num_keys: int | None = None) -> FlexPlan:
         tq = positions.numel()
@@ -172,8 +231,26 @@ class CudaBackend(Backend):
             return FlexPlan(positions, num_keys, None, self._flex)
         return FlexPlan(positions, num_keys, flex_block_mask(positions, num_keys), self._flex)
 
-    def stager(self, device: torch.device) -> Stager:
-        return StreamStager(device) if device.type == "cuda" else Stager()
+    def stager(self) -> Stager:
+        return StreamStager(self.device) if self.on_gpu else Stager()
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def synchronize(self) -> None:
+        if self.on_gpu:  # the compute stream: a phase's own work, not the loader's copies
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def decode_step(self, model: nn.Module) -> tuple[DecodeForm, str | None]:
+        return LayerStep(model), "the kernel step is the CPU's"
+
+    def key_columns(self, needed: int, limit: int) -> int:
+        """A power of two, at least KEY_BLOCK: few shapes, so few graphs; at most `limit`."""
+        return min(limit, max(KEY_BLOCK, 1 << (needed - 1).bit_length()))
+
+    def step_graphs(self, setting: str) -> StepGraphs:
+        """The decode step as CUDA graphs unless model.cuda_graphs is off (a failed capture runs it eagerly)."""
+        return StepGraphs(enabled=setting != "off" and self.on_gpu)
 
 
 def flex_block_mask(positions: torch.Tensor, num_keys: int, block: int = FLEX_BLOCK):
@@ -207,4 +284,4 @@ def backend_for(device: torch.device, cpu_kernel: str = "auto") -> Backend:
     CPU kernels of blend.cpu_kernels, and oneDNN for a prefill's linears)."""
     if cpu_kernel not in ("auto", "off"):
         raise ValueError(f"cpu_kernel must be auto or off, got {cpu_kernel!r}")
-    return CudaBackend() if device.type == "cuda" else Backend(cpu_kernel)
+    return CudaBackend(device) if device.type == "cuda" else Backend(device, cpu_kernel)

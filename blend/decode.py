@@ -1,12 +1,14 @@
-"""Sampling and streaming: next-token choice (on the model's device, a batch at a time), the decode loop, and token
-ids → text deltas with stop strings."""
+"""Sampling and streaming: next-token choice (on the model's device, a batch at a time), the decode loop, and an
+answer's tokens as they arrive (TokenStream: the end of a sequence; TextStream: text deltas with stop strings)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterable, Iterator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
+
+from blend.pool import KVPool
 
 
 # Below this, logits / temperature overflows float32 (and sampling is greedy in all but name).
@@ -71,95 +73,124 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     return torch.where(temperature > 0, sampled, greedy)
 
 
+@dataclass(eq=False)
+class Decoding:
+    """One request decoding in a pool slot. `length` is its cache_seqlens: the next token's position; a decode
+    step moves it on only once the step's forward has succeeded. `first_token`: the answer's first token,
+    chosen from the prefill's logits when the request took its slot (DecodeRuntime.start)."""
+
+    pool: KVPool
+    slot: int
+    length: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    generator: torch.Generator | None = None
+    first_token: int = 0
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.pool.release(self.slot)
+
+
 @dataclass
 class DecodeStep:
     """A directive of the decode loop: the next token of `sequence`, after feeding it `token` at `position`.
-    Whoever drives the loop (blend.decode.drive, the app's scheduler) answers with the next token id."""
-    sequence: Any  # blend.pool.Sequence (the scheduler treats it as opaque)
+    The driver (blend.driver) answers it with the next token id, from one batched step with the other rows."""
+    sequence: Decoding
     token: int
     position: int
 
 
-def decode_loop(sequence, first_logits: torch.Tensor) -> Generator[int | DecodeStep, int | None, None]:
-    """The one decode loop (the engine's requests and Blender.decode share it): the first token sampled
-    from the prefill's logits [V], then one DecodeStep per token, whose answer is the next token. Yields
-    each token; ends after `max_new_tokens`. The consumer stops early (eos, a stop string, a cancel) by
-    closing it."""
-    params = sequence.sampling
-    token = sample_next(first_logits, params, sequence.generator)
-    for step in range(params.max_new_tokens):
-        yield token
-        if step + 1 == params.max_new_tokens:
-            return
-        token = yield DecodeStep(sequence, token, sequence.length)
+@dataclass(kw_only=True)
+class TokenStream:
+    """An answer as its tokens arrive: the one place the end of a sequence (an eos token) is recognised.
 
+    `push(token)` returns what the client sees of that token: here the id itself, eos included (scorers read
+    it); TextStream's text deltas. `finish_reason` is "stop" once an eos token was pushed (TextStream: or a
+    stop string), which ends the decode loop; `finish()` at the end returns what is left to see."""
 
-def drive(loop: Generator[Any, Any, None], decode_step: Callable) -> Iterator[Any]:
-    """Run a decode loop alone: answer each DecodeStep with a one-row `decode_step`; yield the rest."""
-    reply = None
-    while True:
-        try:
-            item = loop.send(reply)
-        except StopIteration:
-            return
-        reply = None
-        if isinstance(item, DecodeStep):
-            reply = decode_step([item.sequence], [item.token], [item.position])[0]
+    eos_ids: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)   # the answer's tokens (an ending eos not included)
+    eos: int | None = None                            # the eos token that ended it
+    finish_reason: str | None = None
+
+    @property
+    def ids(self) -> list[int]:
+        """Every token generated: the answer's, then the eos that ended it."""
+        return self.tokens + ([] if self.eos is None else [self.eos])
+
+    def push(self, token: int) -> tuple[Any, ...]:
+        if token in self.eos_ids:
+            self.eos, self.finish_reason = token, "stop"
         else:
-            yield item
+            self.tokens.append(token)
+        return self._release(token)
+
+    def _release(self, token: int) -> tuple[Any, ...]:
+        return (token,)
+
+    def finish(self) -> tuple[Any, ...]:
+        self.finish_reason = self.finish_reason or "length"
+        return ()
+
+
+def decode_loop(sequence: Decoding, answer: TokenStream, cancelled: Callable[[], bool] = lambda: False
+                ) -> Generator[Any, int | None, None]:
+    """The one decode loop (every request's, and DecodeRuntime.generate's): the first token (chosen when the
+    sequence started), then one DecodeStep per token, whose answer is the next token. Each token goes to
+    `answer`, and what it releases is yielded; the loop ends when the answer has finished (eos, a stop string),
+    after `max_new_tokens`, or when `cancelled()` (finish reason "cancelled"), and then yields what the answer
+    still held back."""
+    token, limit = sequence.first_token, sequence.sampling.max_new_tokens
+    for step in range(limit):
+        yield from answer.push(token)
+        if answer.finish_reason is not None or step + 1 == limit:
+            break
+        if cancelled():
+            answer.finish_reason = "cancelled"
+            break
+        token = yield DecodeStep(sequence, token, sequence.length)
+    yield from answer.finish()
 
 
 @dataclass
-class TextStream:
-    """Turns generated token ids into text deltas, stopping at a stop string or eos.
+class TextStream(TokenStream):
+    """An answer as text: token ids -> text deltas, ending at eos or a stop string.
 
     Text that could still become a stop string is held back until it cannot.
     """
 
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None = None
     stop: tuple[str, ...] = ()
-    eos_ids: frozenset[int] = frozenset()
-    tokens: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
     _emitted: int = 0
 
-    def feed(self, token_ids: Iterable[int]) -> Iterator[str]:
-        """All of `token_ids` (an answer's tokens, or `Blender.decode` as it runs) → text deltas, then what is
-        held back; `finish_reason` "length" unless eos or a stop string ended it (app.compare's answers)."""
-        for token in token_ids:
-            if delta := self.push(token):
-                yield delta
-            if self.finish_reason is not None:
-                break
-        else:
-            self.finish_reason = self.finish_reason or "length"
-        if delta := self.flush():
-            yield delta
-
-    def push(self, token: int) -> str:
-        """One generated token → the text it releases ("" while held back); sets `finish_reason` at
-        eos or a stop string, after which nothing more may be pushed."""
-        if token in self.eos_ids:
-            self.finish_reason = "stop"
-            return ""
-        self.tokens.append(token)
+    def _release(self, token: int) -> tuple[str, ...]:
+        """The text `token` releases (none while held back); at a stop string, the text before it, and the
+        answer has finished."""
+        if self.eos is not None:
+            return ()
         self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         if self.text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
-            return ""
+            return ()
         cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.text = self.text[:cut]
             self.finish_reason = "stop"
-            return self.flush()
+            return self._flush()
         safe = len(self.text) - self._held_back()
         delta, self._emitted = self.text[self._emitted:safe], max(self._emitted, safe)
-        return delta
+        return (delta,) if delta else ()
 
-    def flush(self) -> str:
+    def finish(self) -> tuple[str, ...]:
         """The text still held back (at the end of generation)."""
+        super().finish()
+        return self._flush()
+
+    def _flush(self) -> tuple[str, ...]:
         delta, self._emitted = self.text[self._emitted:], max(self._emitted, len(self.text))
-        return delta
+        return (delta,) if delta else ()
 
     def _held_back(self) -> int:
         """Length of the longest text tail that is a proper prefix of a stop string."""

@@ -91,14 +91,14 @@ class LayerLoader:
     The chunks lie back to back from position 0 (bounds[0] starts at 0). Per layer: each source's layer
     is fetched, then every chunk is placed and RoPE-shifted by one batched operation (`rope.place` with
     per-token cos/sin computed once here: RopeShifter), with no host synchronisation. `stager`
-    (blend.backend) says where the copies are queued and how the prefill waits for a layer.
-    `events` (when a list) receives ("load", layer, start_s, end_s) per layer loaded, for tests and benchmarks.
+    (blend.backend) says where the copies are queued and how the prefill waits for a layer. Each layer loaded is
+    logged at debug level ("kv layer loaded": its layer, start_s and end_s on time.perf_counter's clock).
     """
 
     def __init__(self, sources: Sequence[LayerSource], bounds: Sequence[tuple[int, int]], keys: torch.Tensor,
-                 values: torch.Tensor, rope, stager, *, pipelined: bool, ahead: int = 2, events: list | None = None):
+                 values: torch.Tensor, rope, stager, *, pipelined: bool, ahead: int = 2):
         self.sources, self.bounds, self.keys, self.values, self.rope = sources, bounds, keys, values, rope
-        self.num_layers, self.ahead, self.events, self.stager = keys.shape[0], max(1, ahead), events, stager
+        self.num_layers, self.ahead, self.stager = keys.shape[0], max(1, ahead), stager
         self.cached = bounds[-1][1] if bounds else 0
         if any(lo != prev for (lo, _), prev in zip(bounds, [0] + [hi for _, hi in bounds])):
             raise ValueError("chunk slots must lie back to back from position 0")
@@ -188,5 +188,5 @@ class LayerLoader:
             self.rope.place(self.keys[i, :, :n], gathered, self.cos, self.sin)    # rotated to 0..N-1
             torch.cat(values, dim=1, out=self.values[i, :, :n])
         self.stager.mark(i)
-        if self.events is not None:
-            self.events.append(("load", i, start, time.perf_counter()))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("kv layer loaded", extra={"layer": i, "start_s": start, "end_s": time.perf_counter()})

@@ -1,7 +1,7 @@
 """The decode KV pool: every decoding request's K/V in one preallocated tensor, at a static address.
 
     keys, values  [L, slots, H, columns, D]   columns ≥ max_len + 1, a multiple of 64
-    Decoding      one request in a slot: its length (cache_seqlens), sampling params and generator
+(a request in a slot is a blend.decode.Decoding: its slot, its length (cache_seqlens), its sampling)
 
 A request's prompt cache is copied into a free slot once, after its prefill (the prefill works on its
 own tensors); each decoded token is then one in-place write at the slot's length. Nothing grows, nothing
@@ -21,11 +21,8 @@ first use took ~0.4 s of a request's first token on the CPU), and memory is touc
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
 
 import torch
-
-from blend.decode import SamplingParams
 
 
 DEFAULT_POOL_TOKENS = 8192  # positions per slot unless configured (and at most the model's context)
@@ -101,24 +98,3 @@ class KVPool:
     def slot_kv(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one slot's K/V [L, H, max_len, D] (without the scratch column)."""
         return self.keys[:, slot, :, :self.max_len], self.values[:, slot, :, :self.max_len]
-
-
-@dataclass(eq=False)
-class Decoding:
-    """One request decoding in a pool slot. `length` is its cache_seqlens: the next token's position."""
-
-    pool: KVPool
-    slot: int
-    length: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    generator: torch.Generator | None = None
-    released: bool = False
-
-    def truncate(self, length: int) -> None:
-        """Forget positions from `length` on (a step that failed is run again from there)."""
-        self.length = min(self.length, length)
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.pool.release(self.slot)

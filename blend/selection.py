@@ -17,13 +17,9 @@ A policy that asks for neither runs no full-width layer at all: the selected tok
 question start at layer 0 (layer 0's K/V are exact for every token anyway), which lowers the
 compute to about ratio + the question's share of a full prefill.
 
-Two options apply to any policy (Blender arguments):
-    boundary_tokens=k    the first k tokens of each candidate chunk are always recomputed (EPIC's
-                         per-chunk attention sinks); they count in the budget, their score is +inf
-    gradual=Gradual(widen, layers)
-                         select widen·count, run them `layers` more layers, then keep the top count
-                         by the rank sum of the policy's score and their deviation at that layer
-                         (CacheBlend's gradual filtering)
+(Two options on any policy were measured and removed: recomputing the first tokens of every chunk, EPIC's
+per-chunk attention sinks, and CacheBlend's gradual filtering; neither lowered the KL of `query`:
+BENCHMARKS.md, "Selection policies".)
 """
 from __future__ import annotations
 
@@ -38,7 +34,6 @@ class SelectionContext:
     count: int                                 # how many candidates to recompute
     exact: int                                 # exact-prefix length: candidates are positions exact..cached-1
     cached: int                                # cached tokens in the prompt
-    chunks: list[tuple[int, int]]              # candidate chunks, absolute [start, end)
     num_layers: int
     layer: int = -1                            # the check layer when `deviation` was measured
     deviation: torch.Tensor | None = None      # [n]
@@ -68,12 +63,6 @@ class Policy:
         return range(min(round(lo * num_layers), stop - 1), stop)
 
 
-@dataclass(frozen=True)
-class Gradual:
-    widen: float = 2.0   # select widen·count at first ...
-    layers: int = 2      # ... and narrow to count after this many more layers
-
-
 POLICIES: dict[str, Policy] = {}
 
 
@@ -94,15 +83,11 @@ def get_policy(name: str | Policy) -> Policy:
         raise ValueError(f"unknown selection policy {name!r}; choose from {', '.join(sorted(POLICIES))}") from None
 
 
-def select(policy: Policy, ctx: SelectionContext, boundary_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def select(policy: Policy, ctx: SelectionContext) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted candidate indices of the top `count` scores, the scores [n])."""
     scores = policy.score(ctx).float()
     if scores.shape != (ctx.n,):
         raise ValueError(f"policy {policy.name!r} returned scores of shape {tuple(scores.shape)}, expected ({ctx.n},)")
-    if boundary_tokens:
-        scores = scores.clone()
-        for start, end in ctx.chunks:
-            scores[start - ctx.exact:min(end, start + boundary_tokens) - ctx.exact] = float("inf")
     picked = scores.topk(ctx.count).indices if ctx.count else torch.empty(0, dtype=torch.long, device=scores.device)
     return picked.sort().values, scores
 

@@ -167,7 +167,8 @@ class StubEngine:
         self.batches: list[int] = []
         self.parts = SimpleNamespace(llm=SimpleNamespace(name="stub"), tokenizer=split_words, kv_cache=None,
                                      ingestor=None, retriever=None, store=SimpleNamespace(stats=lambda: {"tiers": {}}),
-                                     blender=SimpleNamespace(decode_step=self.decode_step, unsupported=None),
+                                     blender=SimpleNamespace(unsupported=None),
+                                     runtime=SimpleNamespace(step=self.decode_step),
                                      close=lambda: None)
 
     def decode_step(self, caches, tokens, positions) -> list[None]:

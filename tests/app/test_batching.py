@@ -98,7 +98,7 @@ def test_a_request_cancelled_mid_stream_changes_nothing_for_the_others(live_serv
         assert results[i][0] == alone[i][0], f"request {i}"
     health = httpx.get(f"{live_server.url}/health").json()
     assert health["model_thread"]["active_slots"] == 0  # the cancelled one's slot is free
-    pool = server_engine.parts.blender.pool
+    pool = server_engine.parts.runtime.pool
     assert pool.free == pool.slots  # and so is its decode KV pool slot
 
 
@@ -113,4 +113,4 @@ def test_a_request_longer_than_the_decode_pool_gets_a_400_with_the_reason(engine
         response = client.post("/v1/query", json={"question": corpus.questions[0][0], "top_k": 2, "max_tokens": 8})
         assert response.status_code == 400, response.text
         assert "100-token context" in response.text and "decode KV pool" in response.text
-    assert engine.parts.blender.pool.free == engine.parts.blender.pool.slots
+    assert engine.parts.runtime.pool.free == engine.parts.runtime.pool.slots

@@ -193,3 +193,9 @@ def test_config_validates_device_and_dtype(tmp_path):
     assert (settings.model.device, settings.model.dtype) == ("cuda:1", "auto")
     with pytest.raises(ValueError, match="model.device must be"):
         load_settings(data_dir=tmp_path, model={"device": "gpu"})
+
+
+def test_the_settings_defaults_are_the_documented_ones():
+    """configs/default.yaml documents every default; the settings classes hold the same ones (one default each)."""
+    documented, built_in = load_settings().model_dump(), Settings().model_dump()
+    assert built_in == documented

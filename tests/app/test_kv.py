@@ -30,9 +30,10 @@ def test_same_question_twice_miss_then_hit_gives_identical_logits_and_answer(tmp
         segments = [kv_cache.head()] + [kv for kv, _ in loaded]
         prefill = kv_cache.blender.prefill(segments, kv_cache.prompt.suffix_ids(item["question"]), 0.15)
         logits = prefill.logits.clone()
-        return [tier for _, tier in loaded], logits, list(kv_cache.blender.decode(prefill, SamplingParams(8)))
+        return [tier for _, tier in loaded], logits, list(decoder.generate(prefill, SamplingParams(8)))
 
     parts = components()
+    decoder = parts.runtime
     first_tiers, first_logits, first_answer = ask(parts.kv_cache)   # every chunk computed (a miss)
     tiers, logits, answer = ask(parts.kv_cache)                       # every chunk from memory (a hit)
     assert first_tiers == ["computed"] * 3 and tiers == ["memory"] * 3

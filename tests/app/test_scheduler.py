@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from app.scheduler import DecodeStep, Offload, Scheduler, run_alone
+from app.scheduler import DecodeStep, Offload, Scheduler
 from app.worker import QueueFull, WorkerStopped
+from blend.driver import Driver
 
 
 class Row:
@@ -19,12 +20,10 @@ class Row:
     def __init__(self, name: str, poison: bool = False):
         self.name, self.poison, self.tokens = name, poison, []
 
-    def truncate(self, length: int) -> None:
-        del self.tokens[length:]
-
 
 class Decoder:
-    """decode_step for Rows: logits = the row's token + 1 (so each row counts up on its own)."""
+    """decode_step for Rows: logits = the row's token + 1 (so each row counts up on its own). As the real step, a
+    step that fails moves no row on."""
 
     def __init__(self, step_s: float = 0.01):
         self.batches: list[list[str]] = []
@@ -36,10 +35,10 @@ class Decoder:
         start = time.monotonic()
         time.sleep(self.step_s)  # a forward takes time: requests arriving meanwhile join the next step
         self.spans.append((start, time.monotonic()))
-        for cache, token in zip(caches, tokens):
-            cache.tokens.append(token)
         if any(c.poison for c in caches):
             raise RuntimeError("corrupt row")
+        for cache, token in zip(caches, tokens):
+            cache.tokens.append(token)
         return [token + 1 for token in tokens]
 
 
@@ -275,8 +274,10 @@ def test_offload_runs_off_the_model_thread(decoder):
     assert run(main()) == [42]
     assert scheduler.stop()
     assert threads[0].startswith("ragblend-prep") and threads[1] == "ragblend-model"
-    # The same program alone, without a scheduler:
-    assert list(run_alone(program(lambda: False), decoder)) == [42]
+    # The same program alone, through the same driver, without a scheduler: its offload runs inline
+    threads.clear()
+    assert list(Driver(decoder).run(program(lambda: False))) == [42]
+    assert threads == [threading.current_thread().name] * 2
 
 
 def test_stop_fails_waiting_work_and_is_bounded(decoder):

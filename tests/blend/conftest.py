@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from blend import BLEND_ATTENTION, Blender
+from blend import BLEND_ATTENTION, Blender, DecodeRuntime, SamplingParams
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=1024)
@@ -41,3 +42,18 @@ def tiny_blender(request) -> Blender:
 
 def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+_runtimes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def runtime(blender: Blender) -> DecodeRuntime:
+    """The blender's decode runtime for tests that just decode (4 slots of 512 positions), built once."""
+    if blender not in _runtimes:
+        _runtimes[blender] = DecodeRuntime(blender, slots=4, max_len=512)
+    return _runtimes[blender]
+
+
+def generate(blender: Blender, prefill, sampling: SamplingParams = SamplingParams()) -> list[int]:
+    """An answer's tokens (an ending eos included), decoded alone through the blender's runtime."""
+    return list(runtime(blender).generate(prefill, sampling))

@@ -28,7 +28,7 @@ def test_flex_plan_equals_dense_masked_reference(case, heads):
     positions, num_keys = CASES[case]
     q, k, v = (t.to(TEST_DEVICE) for t in qkv(positions.numel(), num_keys + 5, heads))  # room past the prompt
     positions = positions.to(TEST_DEVICE)
-    backend = CudaBackend(compile=TEST_DEVICE.type == "cuda")
+    backend = CudaBackend(TEST_DEVICE)  # on the host: its plans, eagerly
     out = backend.plan(positions, num_keys=int(positions[-1]) + 1).attend(q, k, v, scale=0.1)
     reference = dense_attention(q, k, v, positions, scale=0.1)
     assert out.shape == (1, positions.numel(), heads[0], q.shape[-1])
@@ -51,7 +51,7 @@ def test_a_blender_on_the_flex_backend_blends_as_on_the_cpu(selection):
     blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama")
     segs = segments(blender)
     expected = blender.prefill(segs, SUFFIX, 0.3, selection=selection)
-    blender.backend = CudaBackend(compile=TEST_DEVICE.type == "cuda")
+    blender.backend = CudaBackend(TEST_DEVICE)
     got = blender.prefill(segs, SUFFIX, 0.3, selection=selection)
     assert torch.equal(got.selected, expected.selected)
     assert (got.logits - expected.logits).abs().max() < 1e-4
@@ -79,3 +79,31 @@ def test_rotation_for_many_deltas_equals_one_shift_each():
     blender.shifter.place(out, keys, cos.to(keys.device), sin.to(keys.device))
     for t, delta in enumerate(deltas.tolist()):
         assert torch.equal(out[:, t], blender.shifter.shift(keys[:, t:t + 1], delta)[:, 0])
+
+
+def test_the_backend_decides_what_the_device_changes():
+    """Placement, key columns, graphs, the decode step's form: each decided by the backend, nowhere else."""
+    from blend.batch import LayerStep
+    from blend.kernel_step import KernelStep
+
+    model = tiny_model("llama")
+    cpu = backend_for(torch.device("cpu"))
+    cpu.prepare(model, 16)
+    placement = cpu.placement
+    assert (placement.device.type, placement.on_host, placement.pin, placement.device_free_bytes) == ("cpu", True,
+                                                                                                    False, 0)
+    assert [cpu.key_columns(n, 2000) for n in (1, 256, 257, 1990)] == [256, 256, 512, 2000]
+    assert not cpu.step_graphs("on").enabled and not cpu.step_graphs("auto").enabled
+    form, reason = cpu.decode_step(model)
+    assert isinstance(form, KernelStep if cpu.kernels else LayerStep) and (reason is None) == cpu.kernels
+    cuda = CudaBackend(torch.device("cuda"))  # nothing is asked of a GPU until it is used
+    assert [cuda.key_columns(n, 2000) for n in (1, 256, 257, 700, 1990)] == [256, 256, 512, 1024, 2000]
+    assert isinstance(cuda.decode_step(model)[0], LayerStep)
+    assert cuda.step_graphs("auto").enabled and not cuda.step_graphs("off").enabled
+
+
+@pytest.mark.skipif(TEST_DEVICE.type != "cuda", reason="a GPU's placement")
+def test_on_a_gpu_host_buffers_are_pinned_and_the_free_memory_is_known():
+    placement = backend_for(TEST_DEVICE).placement
+    assert placement.device == TEST_DEVICE and not placement.on_host and placement.pin
+    assert placement.device_free_bytes > 0

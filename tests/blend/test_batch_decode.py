@@ -1,18 +1,20 @@
 """Decoding in the KV pool on tiny Llama / Mistral / Qwen2: each row gets exactly what it gets alone, rows join
 and leave at any step (their slots reused), sampling on the device gives torch.multinomial's tokens for a
-seed, and the graph wrapper's static-buffer logic replays the eager step exactly."""
+seed, the graph wrapper's static-buffer logic replays the eager step exactly, and the step through the model's
+layers (blend.batch.LayerStep, the pooled attention) is the model's own forward: its sliding window and its
+logit softcapping included, for a model the blend gate refused too."""
 from __future__ import annotations
 
 import pytest
 import torch
 from transformers import DynamicCache
 
-from blend import Blender, SamplingParams
-from blend.batch import DecodeStepper, bucket, buckets
-from blend.decode import decode_loop, draw_noise, sample_next, sample_rows, sampling_rows
+from blend import Blender, DecodeRuntime, SamplingParams
+from blend.batch import LayerStep, bucket, buckets
+from blend.decode import TokenStream, decode_loop, draw_noise, sample_next, sample_rows, sampling_rows
 from blend.graphs import StepGraphs
 from blend.pool import KVPool, PoolFull, PoolTooShort
-from tests.blend.conftest import TEST_DEVICE, random_ids, tiny_model
+from tests.blend.conftest import TEST_DEVICE, generate, random_ids, runtime, tiny_model
 
 PROMPTS = [random_ids(11, 21), random_ids(37, 22), random_ids(5, 23), random_ids(64, 24), random_ids(20, 25)]
 STEPS = 12
@@ -48,21 +50,22 @@ def reference_sample(logits: torch.Tensor, params: SamplingParams, generator: to
 
 
 def test_alone_matches_hf_forward(tiny_blender):
+    decoder = runtime(tiny_blender)
     for ids in PROMPTS[:2]:
         want, want_logits = hf_greedy(tiny_blender, ids, STEPS)
         prefill = tiny_blender.full_prefill(ids)
-        assert list(tiny_blender.decode(prefill, SamplingParams(STEPS))) == want
-        # the step's logits themselves, over the pool's masked keys
-        seq = tiny_blender.start_decode(prefill, SamplingParams(STEPS))
-        stepper = DecodeStepper(tiny_blender.model, tiny_blender.pool, tiny_blender.num_layers)
-        token = want[0]
+        assert generate(tiny_blender, prefill, SamplingParams(STEPS)) == want
+        # the step through the model's layers, its logits themselves, over the pool's masked keys
+        seq = decoder.start(prefill, SamplingParams(STEPS))
+        step_form, token = LayerStep(tiny_blender.model), want[0]
         for step in range(1, 4):
             position = len(ids) + step - 1
             rows = torch.tensor([token], device=TEST_DEVICE)
             positions = torch.full((1,), position, device=TEST_DEVICE)
-            columns = stepper.key_columns([position])
-            tiny_blender.pool.readable(1, columns)  # as Blender.decode_step does before each step
-            logits = stepper.logits(rows, positions, columns)[0].float().cpu()
+            columns = decoder.backend.key_columns(position + 1, decoder.pool.columns)
+            decoder.pool.readable(1, columns)  # as DecodeRuntime.step does before each step
+            with torch.inference_mode():
+                logits = step_form.logits(decoder.pool, rows, positions, columns)[0].float().cpu()
             assert (logits - want_logits[step]).abs().max() < 1e-4
             token = want[step]
         seq.release()
@@ -72,16 +75,15 @@ def test_batched_rows_equal_each_request_alone_joining_and_leaving(tiny_blender)
     """Five requests of different lengths in a 4-slot pool; they start at steps 0, 0, 3, 7 and 9 (request 3
     in the slot request 1 left) and stop after different counts. Every row must produce exactly its greedy
     tokens alone, at every batch composition and slot."""
-    tiny_blender.configure_decode(slots=4, max_len=128)
+    decoder = DecodeRuntime(tiny_blender, slots=4, max_len=128)
     alone = [hf_greedy(tiny_blender, ids, STEPS)[0] for ids in PROMPTS]
     starts, lengths = [0, 0, 3, 7, 9], [STEPS, 5, STEPS, 4, STEPS]
     active, done, slots_seen = [], {}, {}
     for step in range(STEPS + 12):
         for i, s in enumerate(starts):
             if s == step:
-                prefill = tiny_blender.full_prefill(PROMPTS[i])
-                seq = tiny_blender.start_decode(prefill, SamplingParams(lengths[i]))
-                loop = decode_loop(seq, prefill.logits)
+                seq = decoder.start(tiny_blender.full_prefill(PROMPTS[i]), SamplingParams(lengths[i]))
+                loop = decode_loop(seq, TokenStream())
                 active.append((i, seq, loop, [next(loop)]))
                 slots_seen[i] = seq.slot
         for row in [r for r in active if len(r[3]) == lengths[r[0]]]:
@@ -91,15 +93,15 @@ def test_batched_rows_equal_each_request_alone_joining_and_leaving(tiny_blender)
         if not active:
             continue
         requests = [next(loop) for _, _, loop, _ in active]  # each loop asks for its next token
-        following = tiny_blender.decode_step([r.sequence for r in requests], [r.token for r in requests],
-                                             [r.position for r in requests])
+        following = decoder.step([r.sequence for r in requests], [r.token for r in requests],
+                                 [r.position for r in requests])
         for (_, _, loop, tokens), token in zip(active, following):
             tokens.append(loop.send(token))
     assert sorted(done) == [0, 1, 2, 3, 4]
     for i, tokens in done.items():
         assert tokens == alone[i][: lengths[i]], f"request {i}"
     assert slots_seen[3] == slots_seen[1] == 1  # request 3 took the slot request 1 had left
-    assert tiny_blender.pool.free == 4
+    assert decoder.pool.free == 4
 
 
 def test_sampled_rows_in_a_batch_equal_each_alone_and_torch_multinomial(tiny_blender):
@@ -107,15 +109,16 @@ def test_sampled_rows_in_a_batch_equal_each_alone_and_torch_multinomial(tiny_ble
     host-side torch.multinomial sampler gave them before (replayed over the same logits)."""
     params = [SamplingParams(8, temperature=1.3, seed=5), SamplingParams(8, temperature=0.9, top_p=0.8, seed=6),
               SamplingParams(8)]
-    alone = [list(tiny_blender.decode(tiny_blender.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
+    alone = [generate(tiny_blender, tiny_blender.full_prefill(ids), p) for ids, p in zip(PROMPTS, params)]
     assert alone[0] != alone[1]
-    seqs = [tiny_blender.start_decode(tiny_blender.full_prefill(ids), p) for ids, p in zip(PROMPTS, params)]
-    loops = [decode_loop(s, tiny_blender.full_prefill(ids).logits) for s, ids in zip(seqs, PROMPTS)]
+    decoder = runtime(tiny_blender)
+    seqs = [decoder.start(tiny_blender.full_prefill(ids), p) for ids, p in zip(PROMPTS, params)]
+    loops = [decode_loop(s, TokenStream()) for s in seqs]
     tokens = [[next(loop)] for loop in loops]
     for _ in range(7):
         requests = [next(loop) for loop in loops]
-        following = tiny_blender.decode_step([r.sequence for r in requests], [r.token for r in requests],
-                                             [r.position for r in requests])
+        following = decoder.step([r.sequence for r in requests], [r.token for r in requests],
+                                 [r.position for r in requests])
         for loop, got, token in zip(loops, tokens, following):
             got.append(loop.send(token))
     assert tokens == alone
@@ -183,26 +186,26 @@ def test_decoding_over_a_pool_of_garbage_gives_the_tokens_alone(tiny_blender, cp
     """Whatever the pool's untouched memory holds (NaN here): sdpa's masked keys are made finite first, the
     CPU kernel reads no key past a row's length."""
     blender = Blender(tiny_blender.model, tokenizer=None, fingerprint=tiny_blender.fingerprint, cpu_kernel=cpu_kernel)
-    blender.configure_decode(slots=2, max_len=300)
-    blender.pool.keys.fill_(float("nan"))
-    blender.pool.values.fill_(float("nan"))
+    decoder = DecodeRuntime(blender, slots=2, max_len=300)
+    decoder.pool.keys.fill_(float("nan"))
+    decoder.pool.values.fill_(float("nan"))
     want = hf_greedy(blender, PROMPTS[3], STEPS)[0]
-    assert list(blender.decode(blender.full_prefill(PROMPTS[3]), SamplingParams(STEPS))) == want
+    assert list(decoder.generate(blender.full_prefill(PROMPTS[3]), SamplingParams(STEPS))) == want
 
 
 def test_a_cancelled_decode_frees_its_slot_and_the_prefill_cache_is_untouched(tiny_blender):
-    tiny_blender.configure_decode(slots=2, max_len=96)
+    decoder = DecodeRuntime(tiny_blender, slots=2, max_len=96)
     prefill = tiny_blender.full_prefill(PROMPTS[1])
     before = prefill.cache.layers[0].keys.clone()
-    stream = tiny_blender.decode(prefill, SamplingParams(10))
-    pointer = tiny_blender.pool.keys.data_ptr()
-    assert [next(stream) for _ in range(4)] and tiny_blender.pool.free == 1
+    stream = decoder.generate(prefill, SamplingParams(10))
+    pointer = decoder.pool.keys.data_ptr()
+    assert [next(stream) for _ in range(4)] and decoder.pool.free == 1
     stream.close()  # the consumer stopped (a stop string, a cancelled request)
-    assert tiny_blender.pool.free == 2
+    assert decoder.pool.free == 2
     assert torch.equal(prefill.cache.layers[0].keys, before)
-    assert tiny_blender.pool.keys.data_ptr() == pointer  # nothing reallocated: decoding wrote in place
+    assert decoder.pool.keys.data_ptr() == pointer  # nothing reallocated: decoding wrote in place
     with pytest.raises(PoolTooShort, match="96-token decode pool"):
-        tiny_blender.start_decode(prefill, SamplingParams(96 - len(PROMPTS[1]) + 2))
+        decoder.start(prefill, SamplingParams(96 - len(PROMPTS[1]) + 2))
 
 
 def test_buckets_cover_every_batch_size():
@@ -226,27 +229,64 @@ class FakeCapture:
 
 
 def test_graphed_step_replays_the_eager_tokens_with_one_capture_per_shape():
-    eager = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny")
-    graphed = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny")
-    for blender in (eager, graphed):
-        blender.configure_decode(slots=4, max_len=200)
+    blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny")
+    eager, graphed = (DecodeRuntime(blender, slots=4, max_len=200) for _ in range(2))
     capture = FakeCapture()
-    graphed.pool  # noqa: B018 - built, then its graphs swapped for the CPU stand-in
-    graphed._graphs = StepGraphs(enabled=True, capture=capture)
+    graphed.graphs = StepGraphs(enabled=True, capture=capture)  # the CPU stand-in for CUDA's capture
     params = [SamplingParams(10), SamplingParams(10, temperature=1.1, seed=3), SamplingParams(10)]
-    want = [list(eager.decode(eager.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
-    got = [list(graphed.decode(graphed.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
+    want = [list(eager.generate(blender.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
+    got = [list(graphed.generate(blender.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
     assert got == want
     # one request at a time, all in slot 0, under 256 keys: one graph for greedy rows, one for sampled rows
-    assert sorted(graphed._graphs.captured) == [(1, 256, False), (1, 256, True)]
+    assert sorted(graphed.graphs.captured) == [(1, 256, False), (1, 256, True)]
     assert capture.captures == 2
 
 
 def test_a_failed_capture_falls_back_to_eager_with_the_reason():
     blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny")
-    want = list(blender.decode(blender.full_prefill(PROMPTS[0]), SamplingParams(6)))
-    blender.pool  # noqa: B018
-    blender._graphs = StepGraphs(enabled=True, capture=FakeCapture(fail=True))
-    assert list(blender.decode(blender.full_prefill(PROMPTS[0]), SamplingParams(6))) == want
-    assert "capture failed" in blender.cuda_graphs and "stream is capturing" in blender.cuda_graphs
-    assert not blender._graphs.enabled
+    decoder = DecodeRuntime(blender, slots=2, max_len=64)
+    want = list(decoder.generate(blender.full_prefill(PROMPTS[0]), SamplingParams(6)))
+    decoder.graphs = StepGraphs(enabled=True, capture=FakeCapture(fail=True))
+    assert list(decoder.generate(blender.full_prefill(PROMPTS[0]), SamplingParams(6))) == want
+    assert "capture failed" in decoder.cuda_graphs and "stream is capturing" in decoder.cuda_graphs
+    assert not decoder.graphs.enabled
+
+
+def own_model(arch: str):
+    """A Mistral with an 8-token sliding window, and a Gemma2 (sliding layers, logit softcapping, scaled
+    embeddings: the blend gate refuses it, and it keeps its own eager attention for prefills)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from tests.blend.conftest import TINY
+    if arch == "mistral, window 8":
+        return tiny_model("mistral", sliding_window=8)
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(**TINY, head_dim=16, sliding_window=8)).to(TEST_DEVICE).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["mistral, window 8", "gemma2, refused"])
+def test_rows_decode_through_the_pool_as_the_models_own_forward(arch):
+    """Rows of different lengths, past the window, in one batched step: each gets the greedy tokens of the model's
+    own forward over its own cache (its window, its softcap, its embedding scale), through the pooled attention."""
+    blender = Blender(own_model(arch), tokenizer=None, fingerprint="tiny")
+    assert (blender.unsupported is not None) == (arch == "gemma2, refused")
+    decoder = DecodeRuntime(blender, slots=4, max_len=128)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]  # 11, 5 and 64 tokens
+    alone = [hf_greedy(blender, ids, 8)[0] for ids in prompts]
+    seqs = [decoder.start(blender.full_prefill(ids), SamplingParams(8)) for ids in prompts]
+    loops = [decode_loop(s, TokenStream()) for s in seqs]
+    tokens = [[next(loop)] for loop in loops]
+    for _ in range(7):
+        requests = [next(loop) for loop in loops]
+        following = decoder.step([r.sequence for r in requests], [r.token for r in requests],
+                                 [r.position for r in requests])
+        for loop, got, token in zip(loops, tokens, following):
+            got.append(loop.send(token))
+    assert tokens == alone
+    if blender.unsupported:  # the step's dispatch to the pooled attention was given back
+        assert blender.model.config._attn_implementation == "eager"

@@ -11,21 +11,44 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+CASES = ["hf sdpa full", "full_prefill", "full through the blend attention", "resident reuse",
+         *(f"resident blend@{r} {p}" for r in (0.15, 0.3) for p in ("query", "hkvd"))]
+TIER_CASES = [f"{tier} {mode} {way}" for tier in ("memory", "disk") for mode in ("reuse", "blend@0.15 query")
+              for way in ("pipelined", "whole")]
+EXACTNESS = ["hf two pieces vs hf", "hf eager vs hf sdpa", "full_prefill vs hf", "blend@1 vs hf"]
+
+
 def test_device_check_smoke_mode_runs_on_the_cpu(tmp_path):
+    """Everything the GPU check reports, in the form it reports it: the gate in each dtype, the exactness table,
+    every prefill case (baselines, resident blends, tier loads pipelined and whole) with synchronised phases,
+    and the decode step's form and rows."""
     done = subprocess.run([sys.executable, str(REPO / "bench/device_check.py"), "--tiny", "--device", "cpu",
                            "--dtype", "float32", "--tokens", "200", "--chunk", "56", "--repeats", "1",
                            "--exact-tokens", "150", "--decode-context", "40", "--decode-batches", "1,2",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((tmp_path / "device_check.json").read_text())
-    assert report["gate"] == "accepted" and report["gates"]["torch.float32"]["backend"] == "cpu"
+    assert {"commit", "torch", "transformers", "device", "model", "total_s"} <= set(report)
+    assert report["gate"] == "accepted"
+    assert report["gates"]["torch.float32"]["backend"] == "cpu" and report["gates"]["torch.float32"]["unsupported"] is None
+    exactness = report["exactness"]["torch.float32"]
+    assert exactness["prompt_tokens"] > 100 and exactness["max_abs_logit"] > 0
+    for name in EXACTNESS:
+        assert set(exactness[name]) >= {"max_abs", "kl", "top1"}, name
+    assert exactness["blend@1 vs hf"]["top1"] and exactness["blend@1 vs hf"]["fallback"] is None
     (run,) = report["runs"].values()
-    for case in ("hf sdpa full", "resident reuse", "resident blend@0.15 query", "resident blend@0.3 hkvd"):
+    for case in CASES + TIER_CASES:  # (the store imports here: its tier cases run)
         assert run[case]["s"] > 0, run[case]
-    assert "assemble" in run["resident reuse"]["phases_ms"]
-    assert report["exactness"]["torch.float32"]["blend@1 vs hf"]["top1"]
-    assert report["decode"]["batch 2"]["step_ms"] > 0 and report["decode"]["own forward batch 1"]["step_ms"] > 0
-    assert "hf sdpa full" in done.stdout and "JSON:" in done.stdout.splitlines()[-1]
+        if case != "hf sdpa full":  # ragblend's own prefills, with their stats
+            assert {"phases_ms", "load_wait_ms", "recomputed", "fallback"} <= set(run[case]), case
+    assert "assemble" in run["resident reuse"]["phases_ms"] and run["resident blend@0.15 query"]["recomputed"] > 0
+    assert run["full through the blend attention"]["fallback"] is None
+    decode = report["decode"]
+    assert decode["step"]["form"] in ("KernelStep", "LayerStep")
+    for rows in ("batch 1", "batch 2"):
+        assert decode[rows]["step_ms"] > 0 and decode[rows]["tokens_per_s"] > 0 and decode[rows]["graphs"] == "off"
+    assert decode["own forward batch 1"]["step_ms"] > 0
+    assert "hf sdpa full" in done.stdout and "decode step:" in done.stdout and "JSON:" in done.stdout.splitlines()[-1]
 
 
 def test_decode_bench_cuda_form_records_each_part_and_the_graphs_fallback():
@@ -39,6 +62,7 @@ def test_decode_bench_cuda_form_records_each_part_and_the_graphs_fallback():
                                       progress=lambda r: reports.append(json.dumps(r)))
     assert len(reports) == 3  # after the model's own forward, then after each batch size
     assert result["blend_refused"] is None and result["own_forward_b1_ms"] > 0
+    assert result["step_form"] in ("KernelStep", "LayerStep") and result["dtype"] == "float32"
     for row in result["batches"].values():
         assert row["eager"]["step_ms"] > 0 and row["graphs"]["step_ms"] > 0
         assert row["graphs_captured"] == 0 and row["graphs_fallback"].startswith("CUDA graph capture failed")

@@ -9,7 +9,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from blend import BLEND_ATTENTION, Blender, SamplingParams
 from blend.gate import static_refusal
-from tests.blend.conftest import TINY, tiny_model
+from tests.blend.conftest import TINY, generate, runtime, tiny_model
 from tests.blend.test_prefill import CHUNKS, SUFFIX, prompt_ids, segments
 
 
@@ -44,8 +44,8 @@ def own_greedy(model, ids: list[int], eos: frozenset[int], n: int = 8) -> list[i
 def assert_runs_like_the_model(blender: Blender, result) -> None:
     ids = prompt_ids()
     assert (result.logits - own_logits(blender.model, ids)).abs().max() < 1e-4
-    blended = list(blender.decode(result, SamplingParams(max_new_tokens=8)))
-    assert blended == own_greedy(blender.model, ids, blender.eos_ids)
+    blended = generate(blender, result, SamplingParams(max_new_tokens=8))
+    assert blended == own_greedy(blender.model, ids, runtime(blender).eos_ids)
 
 
 WINDOWED = {

@@ -1,7 +1,8 @@
-"""The kernel step (blend.kernel_step): Llama-shaped layers decode on the CPU kernels with the same bits as through
-the HF layers (logits and the K/V written into the pool, rows of different lengths, a padding row); a model
-whose layers are not Llama's shape, or whose math the step would not reproduce, decodes through the HF layers,
-with the reason, and still gives the model's own tokens."""
+"""The kernel step (blend.kernel_step): Llama-shaped layers decode on the CPU kernels as the model's own layers do
+(logits and the K/V written into the pool, rows of different lengths, a padding row), held to the model's own
+forward by its probe (blend.gate.judge's tolerance, the same top token); a model whose layers are not Llama's
+shape, that has a sliding window, or whose math the step would not reproduce, decodes through its layers
+(blend.batch.LayerStep), with the reason, and still gives the model's own tokens."""
 from __future__ import annotations
 
 import os
@@ -11,11 +12,11 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from blend import BLEND_ATTENTION, Blender, SamplingParams
-from blend.batch import DecodeStepper
+from blend import BLEND_ATTENTION, Blender, DecodeRuntime, SamplingParams
+from blend.batch import LayerStep
 from blend.kernel_step import KernelStep, Projections
 from blend.pool import KVPool
-from tests.blend.conftest import TEST_DEVICE, TINY, random_ids, tiny_model
+from tests.blend.conftest import TEST_DEVICE, TINY, random_ids, runtime, tiny_model
 from tests.blend.test_batch_decode import hf_greedy
 
 pytestmark = [pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="the CPU kernels"),
@@ -41,22 +42,35 @@ def filled_pools(blender: Blender, count: int) -> list[KVPool]:
 
 
 @torch.inference_mode()
-def test_the_kernel_step_gives_the_hf_layers_bits(tiny_blender):
-    """Logits and pool writes equal bit for bit, step after step, for Llama, Mistral and Qwen2 (q/k/v biases)."""
-    stepper = tiny_blender.stepper  # the Blender's own decode steps run it
-    assert stepper.kernel_step is not None, stepper.kernel_step_refusal
-    hf_pool, kernel_pool = filled_pools(tiny_blender, 2)
-    hf = DecodeStepper(tiny_blender.model, hf_pool, tiny_blender.num_layers, attention_kernel=True,
-                       use_kernel_step=False)
-    kernel = KernelStep(tiny_blender.model, tiny_blender.num_layers)
-    tokens, positions = torch.tensor([5, 9, 3, 0]), torch.tensor(LENGTHS + [hf_pool.scratch])
+def test_the_kernel_step_computes_what_the_models_layers_compute(tiny_blender):
+    """Logits and pool writes as the model's layers give them, step after step, for Llama, Mistral and Qwen2
+    (q/k/v biases): the same top tokens, logits within float32 rounding."""
+    decoder = runtime(tiny_blender)
+    assert isinstance(decoder.form, KernelStep), decoder.kernel_step_refusal  # the runtime's decode steps run it
+    layer_pool, kernel_pool = filled_pools(tiny_blender, 2)
+    layers, kernel = LayerStep(tiny_blender.model), KernelStep(tiny_blender.model)
+    tokens, positions = torch.tensor([5, 9, 3, 0]), torch.tensor(LENGTHS + [layer_pool.scratch])
     for _ in range(4):
-        columns = hf.key_columns(positions.tolist())
-        want = hf.logits(tokens, positions, columns)
-        assert torch.equal(kernel.logits(kernel_pool, tokens, positions, columns), want)
-        assert torch.equal(kernel_pool.keys, hf_pool.keys) and torch.equal(kernel_pool.values, hf_pool.values)
+        columns = decoder.backend.key_columns(int(positions[:-1].max()) + 1, layer_pool.columns)
+        want = layers.logits(layer_pool, tokens, positions, columns)
+        got = kernel.logits(kernel_pool, tokens, positions, columns)
+        assert torch.equal(got[:3].argmax(-1), want[:3].argmax(-1))
+        assert torch.allclose(got[:3], want[:3], atol=1e-5, rtol=1e-5)
+        for written, reference in ((kernel_pool.keys, layer_pool.keys), (kernel_pool.values, layer_pool.values)):
+            assert torch.allclose(written[:, :3], reference[:, :3], atol=1e-5, rtol=1e-5)
         tokens = want.argmax(-1)
-        positions = torch.where(positions == hf_pool.scratch, positions, positions + 1)
+        positions = torch.where(positions == layer_pool.scratch, positions, positions + 1)
+
+
+def test_the_probe_refuses_a_step_off_by_more_than_the_models_rounding(monkeypatch):
+    """The probe's verdict is the gate's: the real step passes; logits off by 1e-4 (a few ulps of float32 would
+    pass) do not, and the reason says by how much."""
+    step = KernelStep(Blender(tiny_model("llama"), None, "tiny").model)
+    assert step.probe() is None
+    logits = KernelStep.logits
+    monkeypatch.setattr(KernelStep, "logits", lambda self, *args: logits(self, *args) + 1e-4)
+    reason = step.probe()
+    assert reason is not None and "does not reproduce the model's own forward" in reason and "0.0001" in reason
 
 
 @torch.inference_mode()
@@ -90,18 +104,18 @@ def qwen3():
 
 @pytest.mark.parametrize("case, reason", [
     ("qwen3 q/k norms", "not a Llama-shaped layer"),
-    ("attention the step would not reproduce", "must be the same bits"),
-    ("no CPU kernels", "not the CPU kernel"),
+    ("attention the step would not reproduce", "does not reproduce the model's own forward"),
+    ("no CPU kernels", "the CPU kernels are off"),
+    ("a sliding window", "sliding window"),
 ])
-def test_what_the_kernel_step_would_not_reproduce_decodes_through_the_hf_layers(case, reason):
+def test_what_the_kernel_step_would_not_reproduce_decodes_through_the_models_layers(case, reason):
     model = {"qwen3 q/k norms": qwen3, "no CPU kernels": lambda: tiny_model("llama"),
-             "attention the step would not reproduce": lambda: scaled_attention(tiny_model("llama"), 1.5)}[case]()
+             "attention the step would not reproduce": lambda: scaled_attention(tiny_model("llama"), 1.5),
+             "a sliding window": lambda: tiny_model("mistral", sliding_window=8)}[case]()
     kernels = "off" if case == "no CPU kernels" else "auto"
     blender = Blender(model, tokenizer=None, fingerprint="tiny", cpu_kernel=kernels)
-    blender.configure_decode(slots=2, max_len=64)
-    assert blender.unsupported is None  # it blends, and decodes in the pool
-    assert blender.stepper.kernel_step is None
-    assert reason in blender.stepper.kernel_step_refusal
-    ids = random_ids(11, 50)
+    decoder = DecodeRuntime(blender, slots=2, max_len=64)
+    assert isinstance(decoder.form, LayerStep) and reason in decoder.kernel_step_refusal
+    ids = random_ids(11, 50)  # past the window, where there is one
     want, _ = hf_greedy(blender, ids, 8)
-    assert list(blender.decode(blender.full_prefill(ids), SamplingParams(8))) == want
+    assert list(decoder.generate(blender.full_prefill(ids), SamplingParams(8))) == want

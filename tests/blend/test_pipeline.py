@@ -1,6 +1,8 @@
 """Pipelined KV loading (blend.pipeline): same logits as loading first, loads overlap compute, a bad layer is a miss."""
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 
@@ -117,6 +119,25 @@ def timed_layers(blender: Blender, delay_s: float, events: list) -> list:
     return handles
 
 
+@contextlib.contextmanager
+def loads_logged(events: list):
+    """The loader's "kv layer loaded" debug records, as ("load", layer, start_s, end_s) in `events`."""
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if record.getMessage() == "kv layer loaded":
+                events.append(("load", record.layer, record.start_s, record.end_s))
+
+    logger, handler = logging.getLogger("ragblend.blend"), Collect(logging.DEBUG)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_a_slow_tier_is_overlapped_with_compute(pipeline):
     layers, delay = 8, 0.025
@@ -127,7 +148,8 @@ def test_a_slow_tier_is_overlapped_with_compute(pipeline):
     events: list = []
     handles = timed_layers(blender, 2 * delay, events)
     try:
-        run(blender, store, head, keys, 0.0, "query", pipeline=pipeline, load_events=events)
+        with loads_logged(events):
+            run(blender, store, head, keys, 0.0, "query", pipeline=pipeline)
     finally:
         for h in handles:
             h.remove()

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from blend import Blender, ChunkKV, KVMismatchError, SamplingParams, hash_ids
-from tests.blend.conftest import random_ids, tiny_model
+from tests.blend.conftest import generate, random_ids, tiny_model
 
 HEAD, CHUNKS, SUFFIX = random_ids(7, 1), [random_ids(23, 2), random_ids(31, 3), random_ids(17, 4)], random_ids(9, 5)
 
@@ -23,7 +23,7 @@ def prompt_ids() -> list[int]:
 
 
 def greedy(blender: Blender, prefill, n: int = 8) -> list[int]:
-    return list(blender.decode(prefill, SamplingParams(max_new_tokens=n)))
+    return generate(blender, prefill, SamplingParams(max_new_tokens=n))
 
 
 def test_ratio_one_reproduces_full_prefill(tiny_blender):

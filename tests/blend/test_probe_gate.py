@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import blend.engine
 from blend import BLEND_ATTENTION, Blender
 from blend.backend import Backend, CudaBackend
 from blend.gate import judge

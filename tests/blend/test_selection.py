@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from blend import Blender
-from blend.selection import POLICIES, Gradual, Policy, SelectionContext, get_policy, ranks, select
+from blend.selection import POLICIES, Policy, SelectionContext, get_policy, ranks, select
 from tests.blend.conftest import tiny_model
 from tests.blend.test_prefill import CHUNKS, HEAD, SUFFIX, greedy, prompt_ids, segments
 
@@ -67,26 +67,6 @@ def test_policies_rank_by_what_they_read(tiny_blender):
         assert (attention.sum(-1) > 0).all()
     assert ctx.deviation is None  # query reads no deviation, so no layer ran full width
     assert torch.equal(query.selected, select(get_policy("query"), ctx)[0] + ctx.exact)
-
-
-@pytest.mark.parametrize("policy", ["hkvd", "query"])
-def test_boundary_and_gradual_options_keep_the_count(policy):
-    segs = segments(Blender(tiny_model("llama"), None, "tiny-llama"))
-    exact, cached = len(HEAD) + len(CHUNKS[0]), sum(s.num_tokens for s in segs)
-    expected = round(0.3 * (cached - exact))
-    boundary = Blender(tiny_model("llama"), None, "tiny-llama", boundary_tokens=3)
-    result = boundary.prefill(segs, SUFFIX, 0.3, selection=policy)
-    starts = [exact, exact + len(CHUNKS[1])]
-    forced = torch.tensor([s + i for s in starts for i in range(3)])
-    assert len(result.selected) == expected and torch.isin(forced, result.selected).all()
-    assert result.scores[forced].isinf().all()
-    gradual = Blender(tiny_model("llama"), None, "tiny-llama", gradual=Gradual(widen=2.0, layers=1))
-    result = gradual.prefill(segs, SUFFIX, 0.3, selection=policy)
-    assert len(result.selected) == result.stats.recomputed_tokens == expected
-    assert "layers_gradual" in result.stats.timings_ms
-    # The narrowed set comes from the wider one: the top 2x by the policy's score.
-    wide = result.scores[exact:cached].topk(min(2 * expected, cached - exact)).indices + exact
-    assert torch.isin(result.selected, wide).all()
 
 
 def test_random_policy_is_seeded():

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from blend import Blender
+from blend import Blender, DecodeRuntime
 from blend.skinny import SKINNY_ROWS, SkinnyLinear, use_skinny_linears
 from tests.blend.conftest import tiny_model
 
@@ -44,9 +44,10 @@ def test_a_cpu_blender_uses_them_and_still_matches_the_model():
         pytest.skip("SkinnyLinear is for the CPU")
     assert any(type(m) is SkinnyLinear for m in model.modules())
     ids = list(range(3, 40))
-    sequence = blender.start_decode(blender.full_prefill(ids[:-1]))  # a decode pool slot (blend.pool)
+    decoder = DecodeRuntime(blender, slots=1, max_len=256)
+    sequence = decoder.start(blender.full_prefill(ids[:-1]))  # a decode pool slot (blend.pool)
     try:
-        token = blender.decode_step([sequence], [ids[-1]], [len(ids) - 1])[0]  # greedy: a token, not logits
+        token = decoder.step([sequence], [ids[-1]], [len(ids) - 1])[0]  # greedy: a token, not logits
     finally:
         sequence.release()
     assert token == int(blender.full_prefill(ids).logits.argmax())

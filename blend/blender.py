@@ -11,11 +11,8 @@ Contract:
         the same prefill, resumable: it yields after each layer, so a scheduler can run other
         requests' decode steps between the layers of a long prefill
     full_prefill(ids) -> Prefill                   the model's own forward over every token (the reference)
-    start_decode(prefill, sampling) -> Decoding    the prefill's cache copied into a decode KV pool slot (blend.pool)
-    decode_step(sequences, tokens, positions) -> [B] next token ids
-        one fixed-shape forward over the pool: row b feeds tokens[b] at positions[b] into its slot and
-        samples on the device (blend.batch; CUDA graphs where there is a GPU: blend.graphs)
-    decode(prefill, sampling) -> Iterator[int]     greedy / sampled tokens: blend.decode.decode_loop, alone
+    teacher_force(prefill, target_ids) -> logits   the model's own forward over an answer (scoring)
+Decoding from a Prefill is blend.runtime.DecodeRuntime's (its KV pool, its step, its graphs).
 
 The blended prefill, step by step:
     1. lay the segments and suffix out at absolute positions; RoPE-shift each segment's keys
@@ -37,23 +34,19 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Iterator, Literal, Sequence
+from typing import Callable, Generator, Literal, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from blend.attention import BLEND_ATTENTION
-from blend.backend import backend_for
-from blend.batch import DecodeStepper, bucket
+from blend.backend import Backend, backend_for
 from blend.cache import BlendCache
-from common.chunk_kv import ChunkKV, KVMismatchError, hash_ids
-from blend.decode import SamplingParams, decode_loop, draw_noise, drive, sample_next, sampling_rows
 from blend.gate import judge, sliding_window, static_refusal, tolerance
-from blend.graphs import StepGraphs
-from blend.pool import DEFAULT_POOL_TOKENS, Decoding, KVPool, PoolTooShort
 from blend.pipeline import ChunkMiss, KVLayers, LayerLoader, LayerSource, as_source
 from blend.rope import RopeShifter, RopeUnsupportedError
-from blend.selection import Gradual, Policy, SelectionContext, get_policy, ranks, select
+from blend.selection import Policy, SelectionContext, get_policy, select
+from common.chunk_kv import ChunkKV, KVMismatchError, hash_ids
 
 log = logging.getLogger("ragblend.blend")
 # The start-up probe's length: past a 128-key block (FlexAttention's) with chunk boundaries inside, still quick.
@@ -93,17 +86,17 @@ class Prefill:
 
 
 class _Clock:
-    """Phase laps; with `sync` (a CUDA device) each lap waits for the device first, so a phase is its own
-    work and not what was queued (benchmarks set Blender.sync_phases; serving never waits)."""
+    """Phase laps. Each lap waits for the device's queued work first (Backend.synchronize: on a GPU, a few
+    waits per prefill, at phase ends; nothing on the CPU), so a phase's time is its own work, not what was
+    queued before it."""
 
-    def __init__(self, sync: torch.device | None = None) -> None:
+    def __init__(self, backend: Backend) -> None:
         self.timings: dict[str, float] = {}
-        self.sync = sync if sync is not None and sync.type == "cuda" else None
+        self.backend = backend
         self._last = time.perf_counter()
 
     def lap(self, name: str) -> None:
-        if self.sync is not None:
-            torch.cuda.synchronize(self.sync)
+        self.backend.synchronize()
         now = time.perf_counter()
         self.timings[name] = round((now - self._last) * 1000, 3)
         self._last = now
@@ -133,7 +126,7 @@ class _QuestionAttention:
 class Blender:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str, *,
                  check_layer: int = 1, deviation: Literal["value", "key"] = "value", selection: str = "query",
-                 boundary_tokens: int = 0, gradual: Gradual | None = None, cpu_kernel: str = "auto"):
+                 cpu_kernel: str = "auto"):
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
         self.decoder = model.model
         config = model.config.get_text_config(decoder=True)
@@ -145,12 +138,10 @@ class Blender:
                              f"model (the layers after it run the selected tokens), got {check_layer}")
         self.check_layer, self.deviation = check_layer, deviation
         self.selection = get_policy(selection).name
-        self.boundary_tokens, self.gradual = boundary_tokens, gradual  # options on any policy (blend.selection)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device  # every tensor the blend path makes lives here
         self.backend = backend_for(self.device, cpu_kernel)  # the device's attention, staging, layer forms
         self.backend.prepare(model, self.head_dim)
-        self.sync_phases = False   # phase timings wait for the device (benchmarks; see _Clock)
         self.sliding_window = sliding_window(model)  # prompts longer than this run in full
         self.shifter: RopeShifter | None = None
         self.unsupported: str | None = None   # why this model never blends (None: it does); shown in /health
@@ -254,7 +245,7 @@ class Blender:
     def full_prefill(self, ids: Sequence[int], *, reserve: int = 0) -> Prefill:
         """Every token through the model's own forward (its own attention, masks and head): the reference.
         `reserve` leaves room in the cache for that many decoded tokens."""
-        clock = _Clock(self.device if self.sync_phases else None)
+        clock = _Clock(self.backend)
         ids = list(ids)
         cache = BlendCache(*self._empty_kv(0, reserve=len(ids) + reserve), length=0)
         out = self.model(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True,
@@ -275,8 +266,8 @@ class Blender:
 
     def prefill_steps(self, segments: Sequence[ChunkKV | LayerSource], suffix_ids: Sequence[int], ratio: float, *,
                       selection: str | Policy | None = None, seed: int = 0, reserve: int = 0,
-                      pipeline: bool = False, recompute: Callable[[int], ChunkKV] | None = None,
-                      load_events: list | None = None) -> Generator[None, None, Prefill]:
+                      pipeline: bool = False, recompute: Callable[[int], ChunkKV] | None = None
+                      ) -> Generator[None, None, Prefill]:
         """Blend `segments` + the suffix, yielding after each layer; returns the Prefill. `selection` names a
         policy in blend.selection (default: the Blender's); `reserve` leaves room in the cache for that many
         decoded tokens (the buffer would grow anyway, by a copy).
@@ -292,7 +283,7 @@ class Blender:
             while True:
                 try:
                     result = yield from self._blend_steps(sources, suffix_ids, ratio, selection, seed, reserve,
-                                                          pipeline, load_events)
+                                                          pipeline)
                     result.stats.reloaded_chunks = reloaded
                     return result
                 except ChunkMiss as miss:
@@ -309,14 +300,14 @@ class Blender:
 
     @torch.inference_mode()
     def _blend_steps(self, sources: list[LayerSource], suffix_ids: Sequence[int], ratio: float,
-                     selection: str | Policy | None, seed: int, reserve: int, pipeline: bool,
-                     load_events: list | None) -> Generator[None, None, Prefill]:
+                     selection: str | Policy | None, seed: int, reserve: int, pipeline: bool
+                     ) -> Generator[None, None, Prefill]:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         if not suffix_ids:
             raise ValueError("the suffix must hold at least one token (the question)")
         policy = get_policy(selection or self.selection)
-        clock = _Clock(self.device if self.sync_phases else None)
+        clock = _Clock(self.backend)
         for seg in sources:
             self._check_segment(seg)
         ids = torch.cat([s.token_ids for s in sources] + [torch.tensor(list(suffix_ids), dtype=torch.int64)])
@@ -337,8 +328,7 @@ class Blender:
         cached = start
         keys, values = self._empty_kv(total, reserve, fill=False)                 # [L, H, N + reserve, D]
         keys[:, :, cached:total], values[:, :, cached:total] = 0, 0   # the suffix's slots, written layer by layer
-        loader = LayerLoader(sources, bounds, keys, values, self.shifter, self.backend.stager(self.device),
-                             pipelined=pipeline, events=load_events)
+        loader = LayerLoader(sources, bounds, keys, values, self.shifter, self.backend.stager(), pipelined=pipeline)
         try:
             cache = BlendCache(keys, values, length=total)   # the reserve: decode room, never read before written
             cache.deviation_on = self.deviation
@@ -371,8 +361,7 @@ class Blender:
             return self._finish(cache, hidden, clock, run[:n_select], scores, stats)
 
         # 3. Score the candidates with what the policy reads.
-        ctx = SelectionContext(n_select, exact, cached, [b for b in bounds if b[0] >= exact], self.num_layers,
-                               seed=seed)
+        ctx = SelectionContext(n_select, exact, cached, self.num_layers, seed=seed)
         stats.selection = policy.name
         if policy.question_layers:  # the question alone over the cached keys (cost ≈ its own length)
             layers = policy.layer_range(self.num_layers)
@@ -387,22 +376,11 @@ class Blender:
             ctx.layer, ctx.deviation = self.check_layer, cache.deviations[self.check_layer][:cached - exact]
             first = self.check_layer + 1
             clock.lap("layers_full")
-        widen = self.gradual.widen if self.gradual and first + self.gradual.layers < self.num_layers else 1.0
-        ctx.count = min(round(n_select * widen), cached - exact)
-        picked, candidate_scores = select(policy, ctx, self.boundary_tokens)  # scores read back once, here
+        picked, candidate_scores = select(policy, ctx)  # scores read back once, here
         scores[exact:cached] = candidate_scores.cpu()
 
         # 4. The selected candidates plus the suffix run the remaining layers.
         hidden, run, first = self._keep(ids, picked + exact, suffix, hidden, run, first)
-        if ctx.count > n_select:  # gradual filtering: narrow by the deviation a few layers on
-            narrow = first + self.gradual.layers - 1
-            cache.deviation_layers = frozenset({narrow})
-            hidden = yield from self._layers(hidden, run, cache, first, narrow + 1)
-            deviation = cache.deviations[narrow][:ctx.count]
-            rank_sum = ranks(candidate_scores[picked]).to(deviation.device) + ranks(deviation)
-            keep = rank_sum.topk(n_select).indices.sort().values.to(picked.device)
-            hidden, run, first = self._keep(ids, picked[keep] + exact, suffix, hidden, run, narrow + 1)
-            clock.lap("layers_gradual")
         hidden = yield from self._layers(hidden, run, cache, first, self.num_layers)
         return self._finish(cache, hidden, clock, run[:n_select], scores, stats)
 
@@ -468,158 +446,16 @@ class Blender:
     def _empty_kv(self, length: int, reserve: int = 0, fill: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V [L, H, length + reserve, D], zeroed unless `fill` is False (the reserve is decode room)."""
         shape = (self.num_layers, self.kv_heads, length + reserve, self.head_dim)
-        keys, values = (self.backend.empty(shape, self.dtype, self.device) for _ in range(2))
+        keys, values = (self.backend.empty(shape, self.dtype) for _ in range(2))
         if fill:
             keys.zero_()
             values.zero_()
         return keys, values
 
-    # ---- decode ---------------------------------------------------------------------------
-    # Decoding runs in a preallocated KV pool (blend.pool), one fixed-shape step over its slots (blend.batch),
-    # captured as CUDA graphs on a GPU (blend.graphs). Built on first use, sized by configure_decode.
-
-    _decode_config: tuple[int, int | None, str] = (8, None, "auto")   # slots, max_len (None: the context), graphs
-    _pool: KVPool | None = None
-    _stepper: DecodeStepper | None = None
-    _graphs: StepGraphs | None = None
-
-    def configure_decode(self, *, slots: int = 8, max_len: int | None = None, cuda_graphs: str = "auto") -> None:
-        """The decode pool: `slots` requests at once, `max_len` positions each (prompt + answer; at most the
-        model's context; default DEFAULT_POOL_TOKENS); cuda_graphs: auto (on CUDA) | on | off.
-        Before the first decode only."""
-        if self._pool is not None:
-            raise RuntimeError("the decode pool is already built")
-        if cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
-        self._decode_config = (slots, max_len, cuda_graphs)
-
-    @property
-    def decode_max_len(self) -> int:
-        """Positions a decoding request may fill (prompt + answer): a pool slot's length."""
-        max_len = self._decode_config[1] or DEFAULT_POOL_TOKENS
-        context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        return min(max_len, context or max_len)
-
-    @property
-    def pool(self) -> KVPool:
-        if self._pool is None:
-            slots, _, graphs = self._decode_config
-            self._pool = KVPool(self.num_layers, self.kv_heads, self.head_dim, slots=slots,
-                                max_len=self.decode_max_len, dtype=self.dtype, device=self.device)
-            self._stepper = DecodeStepper(self.model, self._pool, self.num_layers,
-                                          attention_kernel=self.backend.kernels)
-            on_cuda = self.device.type == "cuda"
-            if graphs == "on" and not on_cuda:
-                log.warning("model.cuda_graphs: on needs CUDA; the decode step runs eagerly",
-                            extra={"device": str(self.device)})
-            self._graphs = StepGraphs(enabled=on_cuda and graphs != "off")
-        return self._pool
-
-    @property
-    def stepper(self) -> DecodeStepper:
-        """The decode step over the pool (built with it): its `kernel_step`, or `kernel_step_refusal`."""
-        _ = self.pool
-        return self._stepper
-
-    @property
-    def cuda_graphs(self) -> str | None:
-        """Why the decode step is not a CUDA graph (None: it is, or will be at its first step)."""
-        _ = self.pool
-        return self._graphs.disabled
-
     @property
     def cpu_kernels(self) -> bool:
-        """Whether decode steps run their linears and attention through the CPU kernels (blend.cpu_kernels)."""
+        """Whether the CPU kernels run this model's steps (blend.cpu_kernels; the backend decided)."""
         return self.backend.kernels
-
-    @property
-    def eos_ids(self) -> frozenset[int]:
-        ids = self.model.generation_config.eos_token_id
-        ids = ids if isinstance(ids, list) else [ids]
-        return frozenset(i for i in [*ids, getattr(self.tokenizer, "eos_token_id", None)] if i is not None)
-
-    def start_decode(self, prefill: Prefill, sampling: SamplingParams = SamplingParams()) -> Decoding:
-        """A pool slot holding the prefill's cache (one copy; the prefill's own cache is left as it was),
-        ready for decode_loop. The caller releases it (`Decoding.release`) when the request ends."""
-        pool = self.pool
-        needed = prefill.num_tokens + sampling.max_new_tokens - 1
-        if needed > pool.max_len:
-            raise PoolTooShort(f"a prompt of {prefill.num_tokens} tokens plus {sampling.max_new_tokens} new "
-                               f"tokens does not fit the {pool.max_len}-token decode pool")
-        slot = pool.acquire()
-        try:
-            pool.load(slot, [(layer.keys, layer.values) for layer in prefill.cache.layers])
-        except BaseException:
-            pool.release(slot)
-            raise
-        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        return Decoding(pool, slot, prefill.num_tokens, sampling, generator)
-
-    def decode(self, prefill: Prefill, sampling: SamplingParams = SamplingParams()) -> Iterator[int]:
-        """Yield generated token ids (eos included, then stop) from the prefill's cache."""
-        sequence = self.start_decode(prefill, sampling)
-        try:
-            for token in drive(decode_loop(sequence, prefill.logits), self.decode_step):
-                yield token
-                if token in self.eos_ids:
-                    return
-        finally:
-            sequence.release()
-
-    @torch.inference_mode()
-    def decode_step(self, sequences: Sequence[Decoding], tokens: Sequence[int], positions: Sequence[int]
-                    ) -> list[int]:
-        """One token for each of B requests in one forward: row b feeds tokens[b] at positions[b] into
-        sequences[b]'s slot. Returns each row's next token, sampled on the device by its own params."""
-        positions, pool = list(positions), self.pool
-        if max(positions) >= pool.max_len:
-            raise PoolTooShort(f"position {max(positions)} is past the {pool.max_len}-token decode pool")
-        # A gated model, or a row past a sliding window (the pooled attention sees every key): the model's
-        # own forward and mask, row by row.
-        if self.model.config._attn_implementation != BLEND_ATTENTION or self._window_refusal(max(positions) + 1):
-            following = [self._decode_alone(*row) for row in zip(sequences, tokens, positions)]
-        else:
-            following = self._decode_pooled(sequences, tokens, positions)
-        for sequence, position in zip(sequences, positions):
-            sequence.length = position + 1
-        return following
-
-    def _decode_pooled(self, sequences: Sequence[Decoding], tokens: Sequence[int], positions: list[int]
-                       ) -> list[int]:
-        pool, stepper = self.pool, self._stepper
-        slots = [s.slot for s in sequences]
-        # row b is slot b; rows of other slots pad (blend.batch). A graph needs one of a few batch sizes;
-        # eagerly, padding to one would only add work.
-        rows = bucket(max(slots) + 1, pool.slots) if self._graphs.enabled else max(slots) + 1
-        token_row = torch.zeros(rows, dtype=torch.long)
-        position_row = torch.full((rows,), pool.scratch, dtype=torch.long)
-        token_row[slots], position_row[slots] = torch.tensor(list(tokens)), torch.tensor(positions)
-        params: list[SamplingParams | None] = [None] * rows
-        generators: list[torch.Generator | None] = [None] * rows
-        for s in sequences:
-            params[s.slot], generators[s.slot] = s.sampling, s.generator
-        temperature, top_p = sampling_rows(params, self.device)
-        noise = draw_noise(params, generators, self.model.get_output_embeddings().weight.shape[0], self.device)
-        key_columns = stepper.key_columns(positions)
-        if not stepper.attention_kernel:  # sdpa reads masked keys too: outside any graph, make them finite
-            pool.readable(rows, key_columns)
-        inputs = {"tokens": token_row.to(self.device), "positions": position_row.to(self.device),
-                  "temperature": temperature, "top_p": top_p}
-        if noise is not None:
-            inputs["noise"] = noise
-
-        def step(noise: torch.Tensor | None = None, **rest: torch.Tensor) -> torch.Tensor:
-            return stepper(noise=noise, key_columns=key_columns, **rest)
-
-        following = self._graphs.run((rows, key_columns, noise is not None), step, inputs).tolist()
-        return [following[slot] for slot in slots]
-
-    def _decode_alone(self, sequence: Decoding, token: int, position: int) -> int:
-        keys, values = self.pool.slot_kv(sequence.slot)
-        out = self.model(input_ids=torch.tensor([[token]], device=self.device),
-                         position_ids=torch.tensor([[position]], device=self.device),
-                         cache=BlendCache(keys, values, length=position), use_cache=True)
-        return sample_next(out.logits[0, -1].float(), sequence.sampling, sequence.generator)
 
     @torch.inference_mode()
     def teacher_force(self, prefill: Prefill, target_ids: Sequence[int]) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""DecodeRuntime: decoding from a Blender's prefills, built whole: its KV pool, its decode step, its graphs.
+
+    start(prefill, sampling) -> Decoding        the prefill's cache copied into a free pool slot (blend.pool),
+                                                its first token chosen from the prefill's logits
+    step(sequences, tokens, positions) -> [B]   one token for each row in one forward: row b feeds tokens[b] at
+                                                positions[b] into its slot, samples on the device
+    generate(prefill, sampling, answer) -> ...  one answer alone: blend.decode.decode_loop through the driver
+                                                (blend.driver.Driver.run), in a slot released at the end
+
+The step is the device's one form, chosen by the backend when the runtime is built (blend.backend.decode_step:
+on the CPU the kernel step where its probe passes, else the model's layers; on CUDA the model's layers), over
+the first rows of the pool at a fixed shape (blend.batch), replayed as CUDA graphs where the backend captures
+them (blend.graphs). Every model the Blender holds decodes through it, one the blend gate refused and rows past
+a sliding window included: the pooled attention applies the model's window and softcap (blend.attention).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from blend.batch import bucket
+from blend.blender import Blender, Prefill
+from blend.decode import (Decoding, SamplingParams, TokenStream, decode_loop, draw_noise, sample_next, sample_rows,
+                          sampling_rows)
+from blend.driver import Driver
+from blend.pool import DEFAULT_POOL_TOKENS, KVPool, PoolTooShort
+
+log = logging.getLogger("ragblend.blend")
+
+
+class DecodeRuntime:
+    def __init__(self, blender: Blender, *, slots: int = 8, max_len: int | None = None, cuda_graphs: str = "auto"):
+        """`slots` requests at once (the scheduler's slots), `max_len` positions each (prompt + answer; at most the
+        model's context; default DEFAULT_POOL_TOKENS); cuda_graphs: auto (on CUDA) | on | off. The kernel step's
+        probe, if the backend offers it, runs here."""
+        if cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
+        self.model, self.backend, self.device = blender.model, blender.backend, blender.device
+        context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.max_len = min(max_len or DEFAULT_POOL_TOKENS, context or max_len or DEFAULT_POOL_TOKENS)
+        self.pool = KVPool(blender.num_layers, blender.kv_heads, blender.head_dim, slots=slots, max_len=self.max_len,
+                           dtype=blender.dtype, device=self.device)
+        self.form, self.kernel_step_refusal = self.backend.decode_step(self.model)
+        if self.kernel_step_refusal:
+            log.info("decode steps run through the model's layers", extra={"reason": self.kernel_step_refusal})
+        self.graphs = self.backend.step_graphs(cuda_graphs)
+        self.vocab = self.model.get_output_embeddings().weight.shape[0]
+        ids = self.model.generation_config.eos_token_id
+        ids = ids if isinstance(ids, list) else [ids]
+        tokenizer_eos = getattr(blender.tokenizer, "eos_token_id", None)
+        self.eos_ids = frozenset(i for i in [*ids, tokenizer_eos] if i is not None)
+
+    @property
+    def cuda_graphs(self) -> str | None:
+        """Why the decode step is not a CUDA graph (None: it is, or will be at its first step)."""
+        return self.graphs.disabled
+
+    def start(self, prefill: Prefill, sampling: SamplingParams = SamplingParams()) -> Decoding:
+        """A pool slot holding the prefill's cache (one copy; the prefill's own cache is left as it was) and the
+        answer's first token. The caller releases it (`Decoding.release`) when the request ends."""
+        needed = prefill.num_tokens + sampling.max_new_tokens - 1
+        if needed > self.pool.max_len:
+            raise PoolTooShort(f"a prompt of {prefill.num_tokens} tokens plus {sampling.max_new_tokens} new "
+                               f"tokens does not fit the {self.pool.max_len}-token decode pool")
+        slot = self.pool.acquire()
+        try:
+            self.pool.load(slot, [(layer.keys, layer.values) for layer in prefill.cache.layers])
+        except BaseException:
+            self.pool.release(slot)
+            raise
+        generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        first = sample_next(prefill.logits, sampling, generator)
+        return Decoding(self.pool, slot, prefill.num_tokens, sampling, generator, first)
+
+    def generate(self, prefill: Prefill, sampling: SamplingParams = SamplingParams(),
+                 answer: TokenStream | None = None) -> Iterator[Any]:
+        """One answer alone, through the driver: what `answer` releases for each token (default: the token ids,
+        an ending eos included). The slot is released when the answer ends or the iterator is closed."""
+        def program():
+            sequence = self.start(prefill, sampling)
+            try:
+                yield from decode_loop(sequence, answer if answer is not None else TokenStream(eos_ids=self.eos_ids))
+            finally:
+                sequence.release()
+        return Driver(self.step).run(program())
+
+    @torch.inference_mode()
+    def step(self, sequences: Sequence[Decoding], tokens: Sequence[int], positions: Sequence[int]) -> list[int]:
+        """One token for each of B requests in one forward: row b feeds tokens[b] at positions[b] into
+        sequences[b]'s slot. Returns each row's next token, sampled on the device by its own params. A step that
+        raises moves no sequence on (blend.driver's retry relies on it)."""
+        positions, pool = list(positions), self.pool
+        if max(positions) >= pool.max_len:
+            raise PoolTooShort(f"position {max(positions)} is past the {pool.max_len}-token decode pool")
+        slots = [s.slot for s in sequences]
+        # row b is slot b; rows of other slots pad (blend.batch). A graph needs one of a few batch sizes;
+        # eagerly, padding to one would only add work.
+        rows = bucket(max(slots) + 1, pool.slots) if self.graphs.enabled else max(slots) + 1
+        token_row = torch.zeros(rows, dtype=torch.long)
+        position_row = torch.full((rows,), pool.scratch, dtype=torch.long)
+        token_row[slots], position_row[slots] = torch.tensor(list(tokens)), torch.tensor(positions)
+        params: list[SamplingParams | None] = [None] * rows
+        generators: list[torch.Generator | None] = [None] * rows
+        for s in sequences:
+            params[s.slot], generators[s.slot] = s.sampling, s.generator
+        temperature, top_p = sampling_rows(params, self.device)
+        noise = draw_noise(params, generators, self.vocab, self.device)
+        key_columns = self.backend.key_columns(max(positions) + 1, pool.columns)
+        if self.form.reads_masked_keys:  # outside any graph: the masked keys a step reads must be finite
+            pool.readable(rows, key_columns)
+        inputs = {"tokens": token_row.to(self.device), "positions": position_row.to(self.device),
+                  "temperature": temperature, "top_p": top_p}
+        if noise is not None:
+            inputs["noise"] = noise
+
+        def forward(tokens: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                    noise: torch.Tensor | None = None) -> torch.Tensor:
+            logits = self.form.logits(pool, tokens, positions, key_columns)                    # [rows, V]
+            return sample_rows(logits, temperature, top_p, noise)                              # [rows]
+
+        following = self.graphs.run((rows, key_columns, noise is not None), forward, inputs).tolist()
+        for sequence, position in zip(sequences, positions):
+            sequence.length = position + 1
+        return [following[slot] for slot in slots]

@@ -3,12 +3,14 @@
     python bench/decode.py [--context 2500] [--batches 1,2,4,8] [--steps 10] [--threads N]
     python bench/decode.py --device cuda [--context 4096] [--batches 1,8,32] [--steps 30]
 
-CPU (the default): times `Blender.decode_step` for B rows of the embedded SmolLM2, each in its own KV pool
+CPU (the default): times `DecodeRuntime.step` for B rows of the embedded SmolLM2, each in its own KV pool
 slot holding about `--context` tokens (random K/V: the cost does not depend on the values), in four forms
-interleaved in one run: as the Blender runs it on the CPU (`kernel`: blend.kernel_step's loop over the C
-kernels of blend.cpu_kernels), the same kernels through the HF decoder layers (`layers`), with torch's sdpa and
-`SkinnyLinear`'s MKL form instead (`sdpa`, blend.skinny), and with plain `nn.Linear` (`plain`). Prints JSON:
-per form and B, ms per step and per token, and the step's cost relative to the first B.
+interleaved in one run: as the runtime runs it on the CPU (`kernel`: blend.kernel_step's loop over the C
+kernels of blend.cpu_kernels), the model's own layers through the pool (`layers`, blend.batch.LayerStep: sdpa
+attention, the kernels' linears; what a model the kernel step refuses runs), the same with `SkinnyLinear`'s MKL
+form (`sdpa`: cpu_kernel off, blend.skinny), and with plain `nn.Linear` (`plain`). Prints JSON: per form and B,
+ms per step and per token, and the step's cost relative to the first B. `--model tiny` runs a small random
+Llama instead of SmolLM2 (a smoke run: no model files).
 
 CUDA (`--device cuda`, for bench/device_check.sh): a randomly initialised Llama-3-8B-shaped model in
 bfloat16 (config only, nothing downloaded), B rows of `--context` tokens: the step eager and as CUDA
@@ -32,36 +34,42 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from blend.decode import SamplingParams  # noqa: E402
+from blend.batch import LayerStep  # noqa: E402
+from blend.decode import Decoding, SamplingParams  # noqa: E402
 from blend.graphs import StepGraphs, cuda_graph_capture  # noqa: E402
-from blend.pool import Decoding  # noqa: E402
 from blend.skinny import SkinnyLinear  # noqa: E402
 from common import git_commit  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
                  rope_theta=500000.0, rms_norm_eps=1e-5)
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096)
 
 
 def log(message: str) -> None:
     print(f"[bench/decode] {message}", file=sys.stderr, flush=True)
 
 
-def set_linears(model: nn.Module, cls: type[nn.Linear]) -> None:
+def set_linears(model: nn.Module, cls: type[nn.Linear], kernel: bool = False) -> None:
+    """Every linear as `cls`; SkinnyLinear's few rows through the C kernel or not."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             module.__class__ = cls
+            if cls is SkinnyLinear:
+                module.kernel = kernel and module.weight.dtype == torch.float32 and module.weight.is_contiguous()
 
 
-def fill_rows(blender, batch: int, context: int, seed: int = 0) -> list[Decoding]:
+def fill_rows(runtime, batch: int, context: int, seed: int = 0) -> list[Decoding]:
     """`batch` pool slots holding random K/V for `context` + 37·b tokens (the same for the same seed)."""
-    pool, rows = blender.pool, []
+    pool, rows = runtime.pool, []
+    layers, _, heads, _, dim = pool.keys.shape
     generator = torch.Generator(device=pool.keys.device).manual_seed(seed)
     for b in range(batch):
         slot, length = pool.acquire(), context + 37 * b
-        shape = (1, blender.kv_heads, length, blender.head_dim)  # a layer's K or V, as a prefill's cache lands
+        shape = (1, heads, length, dim)  # a layer's K or V, as a prefill's cache lands
         pool.load(slot, [tuple(torch.randn(shape, generator=generator, dtype=pool.keys.dtype, device=pool.keys.device)
-                               for _ in range(2)) for _ in range(blender.num_layers)])
+                               for _ in range(2)) for _ in range(layers)])
         rows.append(Decoding(pool, slot, length, SamplingParams()))
     return rows
 
@@ -71,14 +79,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_steps(blender, rows: list[Decoding], steps: int, warmup: int = 2) -> tuple[float, list[list[int]]]:
+def timed_steps(runtime, rows: list[Decoding], steps: int, warmup: int = 2) -> tuple[float, list[list[int]]]:
     """Median ms of a greedy decode step over `rows` (each step feeds the previous step's tokens), and the
     tokens of each step."""
     tokens, times, seen = [100] * len(rows), [], []
     for _ in range(warmup + steps):
-        synchronize(blender.device)
+        synchronize(runtime.device)
         start = time.perf_counter()
-        tokens = blender.decode_step(rows, tokens, [r.length for r in rows])  # ids on the host: synchronised
+        tokens = runtime.step(rows, tokens, [r.length for r in rows])  # ids on the host: synchronised
         times.append(time.perf_counter() - start)
         seen.append(tokens)
     return 1000 * statistics.median(times[warmup:]), seen
@@ -89,44 +97,59 @@ def release(rows: list[Decoding]) -> None:
         row.release()
 
 
+def cpu_runtimes(args, batches: list[int]) -> dict:
+    """The decode runtime with the CPU kernels (auto) and without (off), over SmolLM2 or a tiny random Llama."""
+    from blend import Blender, DecodeRuntime
+
+    max_len = args.context + 37 * max(batches) + args.steps + 8
+    if args.model == "tiny":
+        model = random_llama(torch.device("cpu"), TINY)
+    else:
+        from blend.model import load_model
+        loaded = load_model("embedded", cache_dir=REPO / "data" / "models")
+        model = loaded.model
+    runtimes = {}
+    for kernel in ("auto", "off"):  # each prepares the model's linears for itself: `off` last
+        blender = Blender(model, tokenizer=None, fingerprint="bench", cpu_kernel=kernel)
+        runtimes[kernel] = DecodeRuntime(blender, slots=max(batches), max_len=max_len)
+    return runtimes
+
+
 def cpu_timing(args) -> dict:
-    from app.components import Components
-    from app.config import load_settings
     from blend import cpu_kernels
 
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
-    blenders = {}
-    for kernel in ("auto", "off"):
-        settings = load_settings(model={"cache_dir": str(REPO / "data" / "models"), "cpu_kernel": kernel},
-                                 server={"max_batch": max(batches)})
-        blenders[kernel] = Components(settings).blender
-    # the step as the Blender runs it on the CPU (kernel), its kernels through the HF layers, with torch's sdpa
-    # instead, and with plain nn.Linear too
-    forms = {"kernel": ("auto", SkinnyLinear), "layers": ("auto", SkinnyLinear), "sdpa": ("off", SkinnyLinear),
-             "plain": ("off", nn.Linear)}
+    runtimes = cpu_runtimes(args, batches)
+    auto = runtimes["auto"]
+    # the step as the runtime runs it on the CPU (kernel), the model's layers over the kernels' linears, with
+    # MKL's instead, and with plain nn.Linear too: (runtime, linears, the kernels' linears, kernel step)
+    forms = {"kernel": ("auto", SkinnyLinear, True, True), "layers": ("auto", SkinnyLinear, True, False),
+             "sdpa": ("off", SkinnyLinear, False, False), "plain": ("off", nn.Linear, False, False)}
     result = {form: {} for form in forms}
-    kernel_step = blenders["auto"].stepper.kernel_step
+    kernel_step = auto.form if not auto.kernel_step_refusal else None
+    layers = LayerStep(auto.model)
     for batch in batches:  # interleaved: every form at each B
-        for form, (kernel, linear) in forms.items():
-            blender = blenders[kernel]
-            set_linears(blender.model, linear)
-            blender.stepper.kernel_step = kernel_step if form == "kernel" else None
-            rows = fill_rows(blender, batch, args.context)
-            ms, _ = timed_steps(blender, rows, args.steps)
+        for form, (setting, linear, kernel_linears, use_kernel_step) in forms.items():
+            if use_kernel_step and kernel_step is None:
+                continue
+            runtime = runtimes[setting]
+            set_linears(runtime.model, linear, kernel_linears)
+            runtime.form = kernel_step if use_kernel_step else layers
+            rows = fill_rows(runtime, batch, args.context)
+            ms, _ = timed_steps(runtime, rows, args.steps)
             release(rows)
-            set_linears(blender.model, SkinnyLinear)
             result[form][batch] = {"step_ms": round(ms, 1), "per_token_ms": round(ms / batch, 1)}
             log(f"{form} B={batch}: {ms:.1f} ms/step")
     for form in forms:
-        one = result[form][batches[0]]["step_ms"]
-        for row in result[form].values():
-            row["step_vs_first"] = round(row["step_ms"] / one, 2)
-    return {"device": "cpu", "context_tokens": args.context, "threads": torch.get_num_threads(),
-            "cpu_kernels": blenders["auto"].cpu_kernels, "cpu_kernels_unavailable": cpu_kernels.unavailable(),
-            "kernel_step_refusal": blenders["auto"].stepper.kernel_step_refusal,
-            "forms": result}
+        if result[form]:
+            one = result[form][batches[0]]["step_ms"]
+            for row in result[form].values():
+                row["step_vs_first"] = round(row["step_ms"] / one, 2)
+    return {"device": "cpu", "model": args.model, "context_tokens": args.context, "threads": torch.get_num_threads(),
+            "cpu_kernels": auto.backend.kernels, "cpu_kernels_unavailable": cpu_kernels.unavailable(),
+            "kernel_step_refusal": auto.kernel_step_refusal, "forms": result}
 
 
 def random_llama(device: torch.device, shape: dict):
@@ -172,20 +195,19 @@ def cuda_decode_timing(device: str = "cuda", context: int = 4096, batches: tuple
     greedy tokens; and the model's own forward at batch 1. `progress(result)` after each part, so a killed run
     keeps what it measured; a part that fails records its error and the rest go on. (On the CPU it runs too,
     with a small `shape`: graph capture then fails and falls back, which is reported.)"""
-    from blend import BLEND_ATTENTION, Blender
+    from blend import Blender, DecodeRuntime
 
     progress = progress or (lambda result: None)
     device = torch.device(device)
     log(f"building a random {'Llama-3-8B' if shape is None else 'custom'}-shaped model on {device}")
     model = random_llama(device, shape or LLAMA3_8B)
     blender = Blender(model, tokenizer=None, fingerprint="random-llama")
+    # (a model the gate refused decodes through the pool all the same: the step does not depend on the prefill)
+    runtime = DecodeRuntime(blender, slots=max(batches), max_len=context + 37 * max(batches) + steps + 8,
+                            cuda_graphs="on")
     result: dict = {"device": str(device), "context_tokens": context, "batches": {},
-                    "dtype": str(blender.dtype).removeprefix("torch."), "blend_refused": blender.unsupported}
-    if blender.unsupported:  # the pooled step does not depend on the blended prefill's exactness: time it anyway
-        log(f"the gate refused the model ({blender.unsupported}); the pooled step is timed regardless")
-        model.set_attn_implementation(BLEND_ATTENTION)
-    blender.configure_decode(slots=max(batches), max_len=context + 37 * max(batches) + steps + 8, cuda_graphs="on")
-    _ = blender.pool  # built now, so the graph settings below stay as set
+                    "dtype": str(blender.dtype).removeprefix("torch."), "blend_refused": blender.unsupported,
+                    "step_form": type(runtime.form).__name__}
     result["own_forward_b1_ms"] = _attempt(lambda: round(own_forward_ms(model, context, steps), 2))
     log(f"own forward, batch 1: {result['own_forward_b1_ms']} ms/step")
     progress(result)
@@ -194,11 +216,11 @@ def cuda_decode_timing(device: str = "cuda", context: int = 4096, batches: tuple
         tokens = {}
         for mode in ("eager", "graphs"):  # (on the CPU no graph can be captured: that tries the fallback)
             capture = cuda_graph_capture if device.type == "cuda" else _no_capture
-            blender._graphs = StepGraphs(enabled=mode == "graphs", capture=capture)
+            runtime.graphs = StepGraphs(enabled=mode == "graphs", capture=capture)
             rows = []
             try:
-                rows = fill_rows(blender, batch, context)  # the same K/V in both modes
-                ms, tokens[mode] = timed_steps(blender, rows, steps)
+                rows = fill_rows(runtime, batch, context)  # the same K/V in both modes
+                ms, tokens[mode] = timed_steps(runtime, rows, steps)
                 row[mode] = {"step_ms": round(ms, 2), "tokens_per_s": round(1000 * batch / ms, 1)}
             except Exception as exc:  # noqa: BLE001 - recorded; the other parts still run
                 row[mode] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1500:]}
@@ -207,8 +229,8 @@ def cuda_decode_timing(device: str = "cuda", context: int = 4096, batches: tuple
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             log(f"{mode} B={batch}: {row[mode]}")
-        row["graphs_captured"] = len(blender._graphs.captured)
-        row["graphs_fallback"] = blender._graphs.disabled
+        row["graphs_captured"] = len(runtime.graphs.captured)
+        row["graphs_fallback"] = runtime.graphs.disabled
         row["same_tokens"] = tokens.get("eager") is not None and tokens.get("eager") == tokens.get("graphs")
         result["batches"][batch] = row
         progress(result)
@@ -233,6 +255,7 @@ def main() -> None:
     parser.add_argument("--batches", default=None, help="default: 1,2,4,8 CPU, 1,8,32 CUDA")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default: 10 CPU, 30 CUDA)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"], help="CPU: the model timed")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here (CUDA: after each part)")
     args = parser.parse_args()
     load_before = os.getloadavg()

@@ -2,13 +2,15 @@
 bfloat16 (random weights time like real ones; no model hub needed), prompts of --chunk-token chunks after
 a 32-token head and before a 32-token question.
 
-  baseline   HF's own sdpa forward of the same prompt (and the project's full_prefill)
+  baseline   HF's own sdpa forward of the same prompt (and the project's full_prefill), and the full prefill
+             through the blend loop's own attention (the backend's plan: every token through every layer), so
+             what blending buys is told apart from what the attention kernel buys
   cases      reuse, blend@0.15 / 0.3 (query, hkvd) with the KV resident on the GPU; reuse / blend@0.15 with
              the KV from the memory tier and the disk tier, pipelined and whole (where `store` imports)
-  phases     each case's PrefillStats.timings_ms, taken with the device synchronised
+  phases     each case's PrefillStats.timings_ms (each phase waits for the device: Backend.synchronize)
   exactness  float32 and bfloat16: HF one vs two pieces, eager vs sdpa, full_prefill vs HF, blend@1 vs HF
              (max |Δlogit|, KL, top-1 equal); the start-up gate's verdict in each dtype
-  decode     Blender.decode_step at batch 1, 8, 32, and the model's own forward at batch 1
+  decode     DecodeRuntime.step at batch 1, 8, 32 (graphed, as served), and the model's own forward at batch 1
 
 Medians of --repeats, synchronised. JSON lands in --out (device_check.json, rewritten after every
 case: a killed run keeps what it measured); a short table is printed last. Needs only torch,
@@ -31,9 +33,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from blend import BLEND_ATTENTION, Blender, SamplingParams  # noqa: E402
+from blend import BLEND_ATTENTION, Blender, DecodeRuntime, SamplingParams  # noqa: E402
 from common import git_commit  # noqa: E402
-from common.placement import Placement  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=65536,
@@ -139,8 +140,9 @@ def exactness(blender: Blender, device, tokens: int, chunk: int) -> dict:
     return out
 
 
-def tier_stores(tmp: Path, placement: Placement):
-    """The memory and disk tiers, or why they are not measured (store's dependencies missing)."""
+def tier_stores(tmp: Path, placement):
+    """The memory and disk tiers at the model's placement (Backend.placement), or why they are not measured
+    (store's dependencies missing)."""
     try:
         from store import DiskTier, MemoryTier, TieredStore, kv_key
     except ImportError as exc:
@@ -157,7 +159,7 @@ def measure(blender: Blender, device, tokens: int, args, tmp: Path, report: Repo
     run = report.data["runs"].setdefault(str(len(ids)), {})
     head_kv = blender.precompute(head)
     kvs = [blender.precompute(c, head, context=head_kv) for c in chunks]
-    placement = Placement(device, on_host=device.type == "cpu", pin=blender.backend.pin_host_memory)
+    placement = blender.backend.placement
     stores, kv_key, why = tier_stores(tmp / f"disk-{tokens}", placement) if tokens <= args.tier_tokens else (
         None, None, f"tier cases run up to {args.tier_tokens} tokens")
     keys = []
@@ -191,6 +193,7 @@ def measure(blender: Blender, device, tokens: int, args, tmp: Path, report: Repo
     resident = lambda: kvs  # noqa: E731
     case("hf sdpa full", lambda: hf_forward(model, ids, device))
     case("full_prefill", lambda: blender.full_prefill(ids))
+    case("full through the blend attention", lambda: blender.prefill([], ids, 1.0))
     case("resident reuse", blend(resident, 0.0))
     for ratio in (0.15, 0.3):
         for selection in ("query", "hkvd"):
@@ -207,29 +210,31 @@ def measure(blender: Blender, device, tokens: int, args, tmp: Path, report: Repo
 
 
 def decode(blender: Blender, device, context: int, batches: list[int], steps: int, report: Report) -> None:
-    """Blender.decode_step over batches of pooled requests (blend.pool), and the model's own forward at batch 1."""
+    """DecodeRuntime.step over batches of pooled requests (blend.pool), and the model's own forward at batch 1."""
     out = report.data["decode"]
     vocab = blender.model.config.vocab_size
     g = torch.Generator().manual_seed(7)
-    blender.configure_decode(slots=max(batches), max_len=context + 2 * steps + 8)
+    runtime = DecodeRuntime(blender, slots=max(batches), max_len=context + 2 * steps + 8)
+    out["step"] = {"form": type(runtime.form).__name__, "kernel_step_refusal": runtime.kernel_step_refusal}
     for batch in batches:
         sequences = []
         try:
             prefill = blender.full_prefill(torch.randint(10, vocab, (context,), generator=g).tolist(),
                                            reserve=2 * steps + 4)
             sampling = SamplingParams(max_new_tokens=steps + 2)
-            sequences = [blender.start_decode(prefill, sampling) for _ in range(batch)]
+            sequences = [runtime.start(prefill, sampling) for _ in range(batch)]
             positions = [context] * batch
-            blender.decode_step(sequences, [11] * batch, positions)  # warm-up (on CUDA: captures its graph)
+            runtime.step(sequences, [11] * batch, positions)  # warm-up (on CUDA: captures its graph)
             positions = [p + 1 for p in positions]
             sync(device)
             start = time.perf_counter()
             for _ in range(steps):
-                blender.decode_step(sequences, [12] * batch, positions)
+                runtime.step(sequences, [12] * batch, positions)
                 positions = [p + 1 for p in positions]
             sync(device)
             step = (time.perf_counter() - start) / steps
-            out[f"batch {batch}"] = {"step_ms": round(step * 1000, 2), "tokens_per_s": round(batch / step, 1)}
+            out[f"batch {batch}"] = {"step_ms": round(step * 1000, 2), "tokens_per_s": round(batch / step, 1),
+                                     "graphs": runtime.cuda_graphs or "on"}
             if batch == 1:  # the model's own forward, one row: what the batched step must not be slower than
                 cache, position = prefill.cache, context
                 with torch.inference_mode():
@@ -269,7 +274,10 @@ def table(data: dict) -> list[str]:
             elif isinstance(v, dict):
                 lines.append(f"{tokens:>6} {name:<34} {v.get('error', '')[:120]}")
     for name, v in data.get("decode", {}).items():
-        lines.append(f"decode {name:<27} {v.get('step_ms', v.get('error', ''))} ms")
+        if "form" in v:
+            lines.append(f"decode step: {v['form']} ({v['kernel_step_refusal'] or 'the kernel step'})")
+        else:
+            lines.append(f"decode {name:<27} {v.get('step_ms', v.get('error', ''))} ms")
     for dtype, ex in data.get("exactness", {}).items():
         if isinstance(ex, dict):
             lines.append(f"exactness {dtype}: " + ", ".join(
@@ -325,7 +333,6 @@ def main() -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     report.data["gate"] = blender.unsupported or "accepted"
-    blender.sync_phases = True
     assert blender.unsupported or blender.model.config._attn_implementation == BLEND_ATTENTION
     with tempfile.TemporaryDirectory() as tmp:
         for tokens in (int(t) for t in args.tokens.split(",")):

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # GPU check (issues #14, #25, #26, #27), one call on a lent GPU machine. Parts, the most wanted numbers first,
 # each under its own timeout (under 8 minutes in all; about 5 expected), each writing its JSON into $OUT as it goes:
-#   decode   bench/decode.py --device cuda: the pooled decode step on a random Llama-3-8B shape in bfloat16, 4k-token
-#            rows, batch 1/8/32, eager vs CUDA graphs (same tokens?), the model's own forward at batch 1
-#   prefill  bench/device_check.py: HF sdpa full prefill vs reuse / blend at 4k and 16k tokens, KV resident, from
-#            the memory and disk tiers; synchronised phases; the f32/bf16 exactness table; the gate's verdict
+#   decode   bench/decode.py --device cuda: the decode step (blend.batch.LayerStep, CUDA's one form) on a random
+#            Llama-3-8B shape in bfloat16, 4k-token rows, batch 1/8/32, eager vs CUDA graphs (same tokens?), the
+#            model's own forward at batch 1
+#   prefill  bench/device_check.py: HF sdpa full prefill, and full prefill through the blend attention (sdpa's
+#            causal square), vs reuse / blend (FlexAttention, compiled) at 4k and 16k tokens, KV resident, from
+#            the memory and disk tiers (side-stream staging, pipelined and whole); synchronised phases; the
+#            f32/bf16 exactness table; the gate's verdict; DecodeRuntime.step graphed at batch 1 and 32
 #   tests    the blend tests with RAGBLEND_TEST_DEVICE=cuda (every tests/blend file but the SmolLM2 ones: no model
-#            hub there), the decode pool's and the device seam's first
+#            hub there): the decode pool's, the device seam's and the pooled attention's against the model's own
+#            forward (windows, softcapping, a model the gate refused: test_gate.py) first
 #   store    bench/store.py --device cuda: the tiers on the device (gpu / pinned memory / disk / int8)
 # Where there is no GPU it says so and exits 0.
 #
@@ -62,8 +66,9 @@ if want tests; then
         echo "$2: exit $?; $(tail -1 "$OUT/$2.txt")" >&2
     }
     echo "blend tests on CUDA..." >&2
-    first=(tests/blend/test_batch_decode.py tests/blend/test_device.py)  # the decode pool's, the device seam's
-    cuda_tests 45 blend_tests_first "${first[@]}"
+    first=(tests/blend/test_batch_decode.py tests/blend/test_device.py tests/blend/test_backend.py
+           tests/blend/test_gate.py)  # the decode pool's, the device seam's, the pooled attention's
+    cuda_tests 60 blend_tests_first "${first[@]}"
     cuda_tests 45 blend_tests tests/blend "${first[@]/#/--ignore=}" --ignore=tests/blend/test_smollm.py \
         --ignore=tests/blend/test_selection_smollm.py --ignore=tests/blend/test_device_check.py
 fi

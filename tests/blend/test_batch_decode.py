@@ -104,6 +104,19 @@ def test_batched_rows_equal_each_request_alone_joining_and_leaving(tiny_blender)
     assert decoder.pool.free == 4
 
 
+def decoded_together(decoder: DecodeRuntime, sequences, n: int) -> list[list[int]]:
+    """`n` tokens of each sequence, every step one batched DecodeRuntime.step over all of them."""
+    loops = [decode_loop(s, TokenStream()) for s in sequences]
+    tokens = [[next(loop)] for loop in loops]
+    for _ in range(n - 1):
+        requests = [next(loop) for loop in loops]
+        following = decoder.step([r.sequence for r in requests], [r.token for r in requests],
+                                 [r.position for r in requests])
+        for loop, got, token in zip(loops, tokens, following):
+            got.append(loop.send(token))
+    return tokens
+
+
 def test_sampled_rows_in_a_batch_equal_each_alone_and_torch_multinomial(tiny_blender):
     """Seeded temperature / top-p requests give the same tokens alone, batched with a greedy row, and as the
     host-side torch.multinomial sampler gave them before (replayed over the same logits)."""
@@ -113,15 +126,7 @@ def test_sampled_rows_in_a_batch_equal_each_alone_and_torch_multinomial(tiny_ble
     assert alone[0] != alone[1]
     decoder = runtime(tiny_blender)
     seqs = [decoder.start(tiny_blender.full_prefill(ids), p) for ids, p in zip(PROMPTS, params)]
-    loops = [decode_loop(s, TokenStream()) for s in seqs]
-    tokens = [[next(loop)] for loop in loops]
-    for _ in range(7):
-        requests = [next(loop) for loop in loops]
-        following = decoder.step([r.sequence for r in requests], [r.token for r in requests],
-                                 [r.position for r in requests])
-        for loop, got, token in zip(loops, tokens, following):
-            got.append(loop.send(token))
-    assert tokens == alone
+    assert decoded_together(decoder, seqs, 8) == alone
     for s in seqs:
         s.release()
     # the old sampler over the same logits (the HF forward's, teacher-forced on these tokens)
@@ -279,14 +284,6 @@ def test_rows_decode_through_the_pool_as_the_models_own_forward(arch):
     prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]  # 11, 5 and 64 tokens
     alone = [hf_greedy(blender, ids, 8)[0] for ids in prompts]
     seqs = [decoder.start(blender.full_prefill(ids), SamplingParams(8)) for ids in prompts]
-    loops = [decode_loop(s, TokenStream()) for s in seqs]
-    tokens = [[next(loop)] for loop in loops]
-    for _ in range(7):
-        requests = [next(loop) for loop in loops]
-        following = decoder.step([r.sequence for r in requests], [r.token for r in requests],
-                                 [r.position for r in requests])
-        for loop, got, token in zip(loops, tokens, following):
-            got.append(loop.send(token))
-    assert tokens == alone
+    assert decoded_together(decoder, seqs, 8) == alone
     if blender.unsupported:  # the step's dispatch to the pooled attention was given back
         assert blender.model.config._attn_implementation == "eager"

@@ -146,8 +146,9 @@ class Driver:
         self.on_finish(slot)
 
     def run(self, program: Program) -> Iterator[Any]:
-        """Run one program alone on this thread: the same steps as a scheduler's, in one slot. Yields what it
-        yields for its client; its error is raised here. Closing the iterator ends the program."""
+        """Run one program alone on this thread: the same steps as a scheduler's, in one slot (this driver's
+        offloads run inline). Yields what it yields for its client; its error is raised here. Closing the
+        iterator ends the program."""
         events: deque[Any] = deque()
         slot = self.add(Slot(program, events.append))
         try:
@@ -156,6 +157,8 @@ class Driver:
                     self.decode()
                 elif slot.state == "ready":
                     self.advance(slot)
+                elif slot.state == "offload":
+                    raise RuntimeError("Driver.run needs a driver whose offloads run inline")
                 while events:
                     event = events.popleft()
                     if isinstance(event, BaseException):

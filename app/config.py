@@ -32,7 +32,7 @@ class ModelSettings(BaseModel):
     system_prompt: str = "Answer the question with a short phrase, using only the passages."
     kv_pool_tokens: int = Field(8192, ge=16)  # decode KV pool: positions per slot (prompt + answer); slots = max_batch
     cuda_graphs: Literal["auto", "on", "off"] = "auto"  # the decode step as CUDA graphs (auto: on CUDA)
-    cpu_kernel: Literal["auto", "off"] = "auto"  # CPU kernels (blend.cpu_kernels) + oneDNN linears
+    cpu_kernel: Literal["auto", "off"] = "auto"  # CPU kernels (blend.cpu_kernels: torch ops built at first use)
 
 
 class BlendSettings(BaseModel):

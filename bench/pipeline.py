@@ -30,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app.components import Components, placement_of  # noqa: E402
+from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
 from blend.controller import Calibration, ChunkCost, overlap_share, plan_loading  # noqa: E402
 from blend.selection import get_policy  # noqa: E402
@@ -110,7 +110,7 @@ def main() -> None:
                 "redis": lambda: RedisTier(redis_server.url, timeout_s=10.0),
                 "limited": lambda: LimitedTier(args.bandwidth * 1e6)}
         stores = {name: TieredStore([make[name]()], codec=settings.store.codec, fingerprint=blender.fingerprint,
-                                    placement=placement_of(blender)) for name in names}
+                                    placement=blender.backend.placement) for name in names}
         for store in stores.values():
             for key, kv in zip(keys, kvs):
                 store.put(key, kv)

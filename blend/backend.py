@@ -60,8 +60,7 @@ DecodeForm = KernelStep | LayerStep
 class Backend:
     """The CPU's pieces; CudaBackend overrides what a GPU does differently."""
     name = "cpu"
-    kernels = False           # decode steps' linears and attention through blend.cpu_kernels, prefills' linears
-                              # through oneDNN (set by prepare)
+    kernels = False           # decode steps' linears and attention through blend.cpu_kernels (set by prepare)
     prefill_kernel = False    # and a prefill's attention through blend.cpu_kernels, where the head size suits it
 
     def __init__(self, device: torch.device, cpu_kernel: str = "auto"):
@@ -74,7 +73,7 @@ class Backend:
 
     def prepare(self, model: nn.Module, head_dim: int) -> None:
         """The CPU kernels for a float32 model (cpu_kernel auto; built now, else the reason logged), and the
-        linears in faster forms (blend.skinny: few rows through a kernel, many through oneDNN)."""
+        linears in their faster form (blend.skinny: few rows through a kernel)."""
         dtype = next(model.parameters()).dtype
         self.kernels = self.cpu_kernel == "auto" and dtype == torch.float32 and cpu_kernels.load() is not None
         self.prefill_kernel = self.kernels and head_dim % cpu_kernels.PREFILL_DIM_MULTIPLE == 0
@@ -281,7 +280,7 @@ def flex_block_mask(positions: torch.Tensor, num_keys: int, block: int = FLEX_BL
 
 def backend_for(device: torch.device, cpu_kernel: str = "auto") -> Backend:
     """The backend for a model on `device`: chosen once, when the Blender is built. cpu_kernel: auto | off (the
-    CPU kernels of blend.cpu_kernels, and oneDNN for a prefill's linears)."""
+    CPU kernels of blend.cpu_kernels)."""
     if cpu_kernel not in ("auto", "off"):
         raise ValueError(f"cpu_kernel must be auto or off, got {cpu_kernel!r}")
     return CudaBackend(device) if device.type == "cuda" else Backend(device, cpu_kernel)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blend import Blender, SamplingParams, cpu_kernels
+from blend import Blender, DecodeRuntime, SamplingParams, cpu_kernels
 from blend.attention import AttentionPlan, dense_attention
 from blend.backend import KernelPlan
 from blend.skinny import SkinnyLinear
@@ -224,14 +224,14 @@ def test_the_blender_decodes_the_same_tokens_through_the_kernels_as_without():
     tokens = {}
     for setting in ("auto", "off"):
         blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama", cpu_kernel=setting)
-        blender.configure_decode(slots=4, max_len=96)
+        decoder = DecodeRuntime(blender, slots=4, max_len=96)
         assert blender.cpu_kernels == (setting == "auto")
         linears = [m for m in blender.model.modules() if isinstance(m, SkinnyLinear)]
         assert linears and all(m.kernel == (setting == "auto") for m in linears)
-        sequences = [blender.start_decode(blender.full_prefill(ids), SamplingParams(10)) for ids in prompts]
+        sequences = [decoder.start(blender.full_prefill(ids), SamplingParams(10)) for ids in prompts]
         rows = [[int(blender.full_prefill(ids).logits.argmax())] for ids in prompts]
         for _ in range(9):
-            following = blender.decode_step(sequences, [r[-1] for r in rows], [s.length for s in sequences])
+            following = decoder.step(sequences, [r[-1] for r in rows], [s.length for s in sequences])
             for row, token in zip(rows, following):
                 row.append(token)
         tokens[setting] = rows
@@ -294,12 +294,12 @@ def test_the_ops_check_what_they_read_however_they_are_called():
 
 FALLBACK = """
 import json
-from blend import Blender, SamplingParams, cpu_kernels
+from blend import Blender, DecodeRuntime, SamplingParams, cpu_kernels
 from tests.blend.conftest import random_ids, tiny_model
 blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama")
-blender.configure_decode(slots=2, max_len=64)
+decoder = DecodeRuntime(blender, slots=2, max_len=64)
 assert not blender.cpu_kernels
-tokens = list(blender.decode(blender.full_prefill(random_ids(9, 34)), SamplingParams(6)))
+tokens = list(decoder.generate(blender.full_prefill(random_ids(9, 34)), SamplingParams(6)))
 print(json.dumps({"tokens": len(tokens), "reason": cpu_kernels.unavailable()}))
 """
 

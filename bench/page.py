@@ -52,7 +52,7 @@ def summary(runs: list[dict]) -> dict:
 
 
 def scores_fill_us(tokens: int, repeats: int = 2000) -> float:
-    """Microseconds to build Prefill.scores for a prompt of `tokens` (as blend.engine does)."""
+    """Microseconds to build Prefill.scores for a prompt of `tokens` (as blend.blender does)."""
     deviation = torch.rand(tokens)
     start = time.perf_counter()
     for _ in range(repeats):

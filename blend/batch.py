@@ -1,7 +1,7 @@
 """The decode step through the model's own modules: one fixed-shape forward over the first `rows` slots of the KV
 pool (blend.pool), the step on CUDA and wherever blend.kernel_step's does not run.
 
-Row b of the step is slot b. The batch is padded to a bucket size (BUCKETS) when the step is a CUDA graph; a
+Row b of the step is slot b. The batch is padded to a bucket size (`buckets`) when the step is a CUDA graph; a
 padding row (a free slot, or one not decoding this step) feeds token 0 at the pool's scratch column, so its K/V
 land where no request looks, and its sampled token is dropped. `LayerStep` runs the model's own forward (its
 embeddings, decoder layers, norm and head, whatever they scale or cap) with `PoolView` as its cache: `update()`

@@ -1,14 +1,15 @@
 """The model gate: can the blend loop run this model exactly?
 
-The blend loop (blend.engine) embeds tokens, calls the model's decoder layers one by one with
+The blend loop (blend.blender) embeds tokens, calls the model's decoder layers one by one with
 its own attention (blend.attention) and applies the final norm and lm_head itself. That is exact
 for Llama-like decoders and wrong, silently, for models whose forward does more: logit
 softcapping (Gemma-2), a sliding window (Mistral, some Qwen2) once the prompt is longer than it,
 chunked attention, multipliers applied outside the layers (Granite), a RoPE that cannot be
 shifted (blend.rope). These checks say why a model cannot blend; the Blender then runs full
-prefill through the model's own forward. The engine adds a last check the config cannot give:
-a probe prompt through the loop must reproduce the model's own logits, judged (`judge`) against
-the model's own rounding in its dtype on its device: its forward in one piece vs in two pieces.
+prefill through the model's own forward (and still decodes through the KV pool: blend.runtime). The Blender
+adds a last check the config cannot give: a probe prompt through the loop must reproduce the model's own
+logits, judged (`judge`) against the model's own rounding in its dtype on its device: its forward in one piece
+vs in two pieces. `judge` is also the verdict on the CPU's kernel step (blend.kernel_step's probe).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ graphs cannot hold) turns graphs off for good, with the reason logged and kept i
 call and every later one run eagerly.
 
 The capture is a parameter so the logic (static buffers, one capture per key, the fallback) runs on
-the CPU in tests; on the CPU the Blender passes enabled=False and the step always runs eagerly.
+the CPU in tests; on the CPU the backend (Backend.step_graphs) passes enabled=False and the step runs eagerly.
 Capturing runs the step for real (warm-up and capture), with this call's inputs: a step that writes
 its K/V at the inputs' positions writes the same values the replay then writes again.
 """

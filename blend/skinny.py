@@ -24,7 +24,8 @@ time (bench/kernels.py, `prefill_linears`), and a blended prefill of 3.1k tokens
 against 1.74–1.77 s through oneDNN (BENCHMARKS.md, 6a17731).
 
 `use_skinny_linears(model, kernel)` switches the model's plain `nn.Linear` modules to `SkinnyLinear`
-(the same parameters; only `forward` differs, and only on the CPU).
+(the same parameters; only `forward` differs). Only the CPU backend switches them (blend.backend), so a
+SkinnyLinear's input is always on the host.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class SkinnyLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if not 1 <= rows <= SKINNY_ROWS or x.device.type != "cpu":
+        if not 1 <= rows <= SKINNY_ROWS:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)                     # [rows, in]
         if self.kernel and rows <= cpu_kernels.LINEAR_ROWS and x.dtype == torch.float32:

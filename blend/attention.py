@@ -1,16 +1,15 @@
-"""The patched attention: only the work the causal mask allows, for any sorted set of query positions.
+"""The patched attention: little more than the work the causal mask allows, for any sorted set of query positions.
 
 Registered with transformers' AttentionInterface under BLEND_ATTENTION. During a blended prefill
 the queries are a subset of the prompt (every non-exact token up to the check layer, then the
 selected tokens and the question) while the keys cover the whole prompt, so "causal" compares
-absolute positions. An explicit [Tq, Tk] mask would be exact, but torch's CPU kernels compute
-every block of a masked attention, visible or not. An `AttentionPlan` instead cuts the visible
-region into pieces the kernel runs without waste, and merges them by their log-sum-exp:
+absolute positions. One sdpa call over every key with an explicit [Tq, Tk] mask would be exact, but
+it computes every key for every query, the hidden ones included (half the work of a long run of
+queries). An `AttentionPlan` cuts the queries into groups that each span at most KEY_WINDOW
+positions and runs each group against the keys up to its last query: a query computes fewer than
+KEY_WINDOW keys it cannot see, and only a group of several queries needs a mask:
 
-    contiguous queries p0..p1:  keys [0, p0) unmasked   +  keys [p0, p1] causal (a square)
-    scattered queries p0..p1:   keys [0, p0] unmasked (every query sees them), then windows of
-                                KEY_WINDOW keys: the queries after a window see all of it
-                                (unmasked), the few inside it get a small mask
+    queries p0..p1 (p1 - p0 < KEY_WINDOW):  keys [0, p1]; key j visible to query p where j <= p
 
 The plan is built once per set of query positions (the prefill loop keeps them over many layers)
 and passed as `attention_plan`; `plan.attend(...)` runs it. That is the CPU backend's plan where its C
@@ -37,26 +36,22 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 BLEND_ATTENTION = "ragblend_sdpa"
-# Keys per window for scattered queries: wider windows mean fewer merges but more masked work
-# inside each window; 512 is also the CPU flash kernel's key block (measured in BENCHMARKS.md).
+# Positions a query group may span: wider groups mean fewer calls but more hidden keys computed; 512 is also
+# the CPU flash kernel's key block (measured in BENCHMARKS.md).
 KEY_WINDOW = 512
-
-_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # -> (out, logsumexp)
 
 
 @dataclass(frozen=True)
 class Piece:
-    """One kernel call: a run of (sorted) queries against a run of keys."""
+    """One sdpa call: a run of (sorted) queries against keys [0, keys)."""
     queries: slice
-    keys: slice
-    causal: bool = False              # queries and keys are the same positions: a causal square
-    mask: torch.Tensor | None = None  # additive float [queries, keys] (0 or -inf) for partly visible keys
+    keys: int  # the last query's position + 1
 
 
 @dataclass(frozen=True)
 class AttentionPlan:
     positions: torch.Tensor     # [Tq] absolute query positions, strictly increasing
-    pieces: tuple[Piece, ...]   # pieces[0] covers every query; later ones are merged into it
+    pieces: tuple[Piece, ...]   # the query groups, in order; together they cover every query once
 
     @classmethod
     def build(cls, positions: torch.Tensor, window: int = KEY_WINDOW) -> AttentionPlan:
@@ -65,24 +60,11 @@ class AttentionPlan:
             raise ValueError("an attention plan needs at least one query")
         if any(b <= a for a, b in zip(pos, pos[1:])) or pos[0] < 0:
             raise ValueError("query positions must be non-negative and strictly increasing")
-        first, last, count = pos[0], pos[-1], len(pos)
-        every = slice(0, count)
-        if count == 1:
-            return cls(positions, (Piece(every, slice(0, first + 1)),))
-        if last - first + 1 == count:  # contiguous: a visible prefix plus a causal square
-            square = Piece(every, slice(first, last + 1), causal=True)
-            return cls(positions, (Piece(every, slice(0, first)), square) if first else (square,))
-        pieces = [Piece(every, slice(0, first + 1))]
-        for start in range(first + 1, last + 1, window):
-            end = min(start + window, last + 1)
-            inside = bisect.bisect_left(pos, start)   # first query that sees key `start`
-            after = bisect.bisect_left(pos, end - 1)  # first query that sees the whole window
-            if after > inside:  # each of these sees key `start` at least, so no row is fully masked
-                hidden = torch.arange(start, end, device=positions.device)[None, :] > positions[inside:after, None]
-                mask = torch.zeros(hidden.shape, device=positions.device).masked_fill_(hidden, float("-inf"))
-                pieces.append(Piece(slice(inside, after), slice(start, end), mask=mask))
-            if after < count:
-                pieces.append(Piece(slice(after, count), slice(start, end)))
+        pieces, start = [], 0
+        while start < len(pos):
+            end = bisect.bisect_left(pos, pos[start] + window, lo=start)  # the queries within `window` positions
+            pieces.append(Piece(slice(start, end), pos[end - 1] + 1))
+            start = end
         return cls(positions, tuple(pieces))
 
     @property
@@ -104,24 +86,18 @@ def planned_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     if query.shape[2] != plan.positions.numel() or key.shape[2] < plan.num_keys:
         raise ValueError(f"attention plan for {plan.positions.numel()} queries over {plan.num_keys} keys got "
                          f"{query.shape[2]} queries and {key.shape[2]} keys")
-    out = lse = None
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [B, Tq, Hq, D]
+    gqa = query.shape[1] != key.shape[1]
     for piece in plan.pieces:
-        mask = None if piece.mask is None else piece.mask.to(query.dtype)
-        o, o_lse = _flash_cpu(query[:, :, piece.queries], key[:, :, piece.keys], value[:, :, piece.keys],
-                              is_causal=piece.causal, attn_mask=mask, scale=scale)  # o: [B, H, T, D]; o_lse: [B, H, T]
-        if out is None:
-            out, lse = o.float(), o_lse   # accumulate in float32 (lse already is)
-        else:
-            _merge(out[:, :, piece.queries], lse[:, :, piece.queries], o, o_lse)
-    # The kernel lays its output out as [B, T, H, D], so this transpose is already contiguous.
-    return out.to(query.dtype).transpose(1, 2)
-
-
-def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, o_lse: torch.Tensor) -> None:
-    """Fold a piece (o, o_lse) into the running (out, lse) in place: softmax over the union of their keys."""
-    total = torch.logaddexp(lse, o_lse)                                # [B, H, T]
-    out.mul_((lse - total).exp_().unsqueeze(-1)).addcmul_(o, (o_lse - total).exp_().unsqueeze(-1))
-    lse.copy_(total)
+        positions = plan.positions[piece.queries].to(query.device)                          # [Tg]
+        # a lone query sees every key up to its own position: no mask
+        mask = (torch.arange(piece.keys, device=query.device)[None, :] <= positions[:, None]
+                if positions.numel() > 1 else None)                                          # [Tg, keys] bool
+        o = F.scaled_dot_product_attention(query[:, :, piece.queries], key[:, :, :piece.keys],
+                                           value[:, :, :piece.keys], attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)                                   # [B, Hq, Tg, D]
+        out[:, piece.queries] = o.transpose(1, 2)
+    return out
 
 
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,

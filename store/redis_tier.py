@@ -5,7 +5,8 @@ dropped write), counted in stats and logged once per outage. After a failure the
 for `backoff_s`, so a dead Redis costs one timeout per back-off window rather than one per
 request; the first call after the window retries, and redis-py reconnects by itself.
 Capacity and eviction are Redis's business: run it with a `maxmemory` and an LRU (or LFU)
-policy, e.g. `--maxmemory 8gb --maxmemory-policy allkeys-lru`. An evicted entry is a miss like
+policy, e.g. `--maxmemory 8gb --maxmemory-policy volatile-lru` with `ttl_s` set (docker-compose.yml: it
+never evicts a leased entry, see below). An evicted entry is a miss like
 any other: the KV is recomputed and put back. `stats()` reports the server's memory, limit,
 policy and evictions.
 

@@ -99,12 +99,17 @@ def test_compose_file_matches_settings(monkeypatch):
     redis_url = urlsplit(settings.store.redis_url)
     assert (redis_url.scheme, redis_url.hostname) == ("redis", "redis")
 
-    # Redis is a bounded LRU cache.
+    # Redis is a bounded LRU cache that never evicts a leased entry: under volatile-lru only keys with a TTL
+    # are candidates, every unleased entry gets one (redis_ttl_s) and a leased one has none (PERSIST). Under
+    # allkeys-lru Redis could evict a leased entry; without a TTL on unleased ones it could evict nothing.
     redis = services["redis"]
     command = redis["command"]
     assert redis["image"].startswith("redis") and command[0] == "redis-server"
-    assert command[command.index("--maxmemory") + 1] not in ("0", "0b")
-    assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    maxmemory = command[command.index("--maxmemory") + 1]
+    assert maxmemory not in ("0", "0b")
+    assert command[command.index("--maxmemory-policy") + 1] == "volatile-lru"
+    assert settings.store.redis_ttl_s and settings.store.redis_ttl_s > 0
+    assert settings.store.redis_pinned_bytes < int(maxmemory.removesuffix("gb")) * 2**30
     assert "ping" in redis["healthcheck"]["test"]
 
     # Each replica: built from this repo, its own data volume, waits for healthy dependencies,

@@ -22,11 +22,13 @@ from app.engine import Mode, QueryStats, Source
 from app.validation import (MAX_ID_CHARS, MAX_TITLE_CHARS, NO_CONTROL_CHARS, NOT_BLANK, ONE_LINE_NOT_BLANK,
                             not_blank, valid_doc_id, valid_title, valid_unicode)
 from app.explain import Explain
+from app.prompt_cache import RETENTION_TTL_S, LeaseNote
 from app.ingest import SUFFIXES
 from retrieval import DocumentInfo
 from blend.selection import POLICIES
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's range
+MAX_CACHE_KEY_CHARS = 1024  # a prompt_cache_key's length at most, wherever one is taken
 
 
 class LimitError(ValueError):
@@ -174,6 +176,11 @@ class ChatCompletionRequest(OpenAIBody):
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
     user: Text | None = None
+    prompt_cache_key: Text | None = Field(None, min_length=1, max_length=MAX_CACHE_KEY_CHARS, description=(
+        "The lease family of this request's KV (GET/DELETE /v1/cache?prompt_cache_key=...)."))
+    prompt_cache_retention: Literal["in_memory", *RETENTION_TTL_S] | None = Field(  # type: ignore[valid-type]
+        None, description="in_memory (the default): the prompt's KV stays under plain LRU; 24h: it is leased for "
+                          "24 h (renewed by each hit), see the response's `lease` and x-ragblend-lease header.")
     # ragblend extras
     top_k: int | None = Field(None, ge=1)
     mode: Mode = "blend"
@@ -232,6 +239,7 @@ class ChatCompletion(BaseModel):
     sources: list[Source] = Field(default_factory=list, description="ragblend extra: the retrieved passages.")
     dropped_messages: int = Field(0, description="ragblend extra: the oldest earlier messages left out of the "
                                                  "prompt because the conversation did not fit the context.")
+    lease: LeaseNote | None = Field(None, description="ragblend extra, with prompt_cache_retention 24h: the lease.")
 
 
 class Delta(BaseModel):
@@ -255,6 +263,7 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
     system_fingerprint: str | None = None
     dropped_messages: int | None = Field(None, description="ragblend extra, on the finish chunk: see ChatCompletion.")
+    lease: LeaseNote | None = Field(None, description="ragblend extra, on the finish chunk: see ChatCompletion.")
 
 
 class ModelCard(BaseModel):

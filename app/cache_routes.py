@@ -13,14 +13,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query
 from pydantic import AfterValidator, BaseModel, Field
 
-from app.api_models import ERRORS
+from app.api_models import ERRORS, MAX_CACHE_KEY_CHARS
 from app.components import Serving
 from app.service import serving
 from app.validation import valid_unicode
 from store import family_id
 
 router = APIRouter()
-MAX_CACHE_KEY_CHARS = 1024  # a prompt_cache_key's length at most, here and wherever the request side takes one
 CacheKey = Annotated[str, Query(min_length=1, max_length=MAX_CACHE_KEY_CHARS,
                                 description="The client's prompt_cache_key: the lease family."),
                      AfterValidator(valid_unicode)]

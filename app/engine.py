@@ -59,6 +59,7 @@ class QueryParams:
     turns: tuple[tuple[str, str], ...] = ()
     retrieval_query: str | None = None
     remember: bool = False  # store this exchange's KV for the next turn (chat)
+    retrieve: bool = True  # False: no passages, the prompt is the conversation alone (/v1/messages)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
 
 
@@ -95,6 +96,18 @@ class QueryStats:
     loading: dict | None = None  # blend.ratio auto: the controller's ratio, chunks recomputed from text, and why
 
 
+@dataclass(frozen=True)
+class KeyUse:
+    """A store key the request's prompt read or wrote: its tokens and the chat message it belongs to (None for
+    the head and passages; a conversation piece, one exchange today: the index in `QueryParams.turns` of its
+    last turn). `cached`: read from the store, not computed for this request."""
+
+    key: str
+    tokens: int
+    message: int | None
+    cached: bool = False
+
+
 @dataclass
 class QueryResult:
     answer: str
@@ -102,6 +115,7 @@ class QueryResult:
     stats: QueryStats
     finish_reason: str
     explain: Explain | None = None
+    kv_keys: list[KeyUse] = field(default_factory=list)  # in prompt order, the head first (full mode: none)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,6 +130,7 @@ class _Piece:
     context_ids: list[int]
     kv: ChunkKV | LayerSource | None = None  # a passage's stored KV may be opened layer by layer
     tier: str | None = None  # where the KV came from; None until read, "computed" if computed here
+    message: int | None = None  # a conversation piece: its last turn's index in QueryParams.turns
 
 
 @dataclass
@@ -218,7 +233,7 @@ class RagEngine:
         explain = None
         if params.explain_tokens:  # built after the answer: it never delays the first token
             explain = self._explain(plan, prefill, params.explain_tokens)
-        yield QueryResult(answer, sources, stats, finish, explain)
+        yield QueryResult(answer, sources, stats, finish, explain, self._key_uses(plan, params.mode))
 
         # 5. After the answer is out: this exchange's KV, for the next turn (a few dozen tokens).
         if params.remember and params.mode != "full" and finish != "cancelled":
@@ -229,7 +244,7 @@ class RagEngine:
     def _plan(self, params: QueryParams, max_tokens: int, stats: QueryStats) -> _Plan:
         parts, t = self.parts, time.perf_counter()
         hits = parts.retriever.search(params.retrieval_query or params.question,
-                                      params.top_k or self.settings.retrieval.top_k)
+                                      params.top_k or self.settings.retrieval.top_k) if params.retrieve else []
         head = parts.prompt.head_ids_for(params.system)
         passages = [parts.kv_cache.passage_ids(h.chunk.token_ids, h.title) for h in hits]
         suffix = parts.prompt.suffix_ids(params.question)
@@ -244,8 +259,8 @@ class RagEngine:
 
         t = time.perf_counter()
         pieces, before = [_Piece("head", head, [])], list(head)
-        for ids in conversation:
-            pieces.append(_Piece("conversation", ids, before))
+        for ids, message in zip(conversation, _last_turns(turns, len(conversation), len(params.turns) - len(turns))):
+            pieces.append(_Piece("conversation", ids, before, message=message))
             before = before + ids
         pieces += [_Piece("passage", ids, parts.kv_cache.context_ids) for ids in passages]
         if params.mode != "full":
@@ -255,6 +270,13 @@ class RagEngine:
                 piece.kv, piece.tier = read(piece.ids, piece.context_ids)
         stats.kv_load_ms = _ms(t)
         return _Plan(hits, pieces, suffix, turns, len(params.turns) - len(turns))
+
+    def _key_uses(self, plan: _Plan, mode: str) -> list[KeyUse]:
+        """Every store key the prompt read or wrote (a full prefill reads and writes none)."""
+        if mode == "full":
+            return []
+        key = self.parts.kv_cache.piece_key
+        return [KeyUse(key(p.ids, p.context_ids), len(p.ids), p.message, p.tier != "computed") for p in plan.pieces]
 
     def _recompute(self, piece: _Piece) -> ChunkKV:
         """A piece whose stored KV failed to load mid-prefill (damaged, gone): computed (and stored) afresh."""
@@ -299,6 +321,15 @@ class RagEngine:
         context_ids = [i for p in known for i in p.ids]
         if self.parts.kv_cache.lookup(pieces[-1], context_ids)[0] is None:
             self.parts.kv_cache.compute(pieces[-1], context_ids, [p.kv for p in known])
+
+
+def _last_turns(turns: tuple[tuple[str, str], ...], pieces: int, dropped: int) -> list[int]:
+    """Each conversation piece's last turn, as an index into the request's turns (`dropped` left out before
+    `turns`): a piece per exchange, ending at each assistant reply and at the end; one transcript piece
+    when the template does not extend (blend.PromptFormat.conversation_ids)."""
+    ends = [i for i, (role, _) in enumerate(turns) if role == "assistant"]
+    ends += [len(turns) - 1] if turns and (not ends or ends[-1] != len(turns) - 1) else []
+    return [dropped + end for end in (ends if len(ends) == pieces else [len(turns) - 1] * pieces)]
 
 
 def _fill_prefill_stats(stats: QueryStats, prefill: Prefill, mode: str, plan: _Plan) -> None:

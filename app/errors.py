@@ -1,4 +1,6 @@
-"""API errors: every failure becomes an OpenAI-shaped body {"error": {"message", "type", "code", "param"}}.
+"""API errors: every failure becomes an OpenAI-shaped body {"error": {"message", "type", "code", "param"}}, or
+on the Anthropic Messages API (paths under ANTHROPIC_PATH) Anthropic's {"type": "error", "error": {"type",
+"message"}}, a 422 there being Anthropic's 400.
 
 `as_api_error` is the one place that decides which exception means which status.
 """
@@ -28,6 +30,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
               409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_value",
               429: "rate_limited", 500: "internal_error", 503: "unavailable"}
+ANTHROPIC_PATH = "/v1/messages"
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   503: "overloaded_error"}
 UNAVAILABLE_RETRY_S = 5  # Retry-After of a 503 without a better estimate (loading, shutting down, cancelled)
 
 
@@ -48,6 +54,20 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    @property
+    def anthropic_status(self) -> int:
+        return 400 if self.status in (405, 409, 415, 422) else self.status  # Anthropic's invalid requests are 400s
+
+    def anthropic_body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.anthropic_status, "api_error"),
+                                           "message": self.message}}
+
+    def response_for(self, path: str) -> JSONResponse:
+        """The response in the dialect of the API `path` belongs to."""
+        if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+            return JSONResponse(self.anthropic_body(), status_code=self.anthropic_status, headers=self.headers)
+        return self.response()
 
 
 class BodyTooLarge(HTTPException):
@@ -110,7 +130,7 @@ async def handle_error(request: Request, exc: Exception) -> JSONResponse:
     error = as_api_error(exc)
     if error.status == 405:  # Starlette's Allow names the first route of the path only: name every route's
         error.headers = {**(error.headers or {}), "Allow": ", ".join(_allowed_methods(request))}
-    return error.response()
+    return error.response_for(request.url.path)
 
 
 def _allowed_methods(request: Request) -> list[str]:

@@ -48,7 +48,7 @@ class ChunkKVCache:
     @property
     def head_key(self) -> str:
         """The store key of the prompt head's KV."""
-        return self._key(self.head_ids, [])
+        return self.piece_key(self.head_ids, [])
 
     def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
         return self.prompt.passage_ids(chunk_ids, title)
@@ -57,7 +57,7 @@ class ChunkKVCache:
         """The store key of a passage's KV (microseconds: a hash of the ids)."""
         return kv_key(self.blender.fingerprint, self._context_hash, list(ids))
 
-    def _key(self, ids: Sequence[int], context_ids: Sequence[int]) -> str:
+    def piece_key(self, ids: Sequence[int], context_ids: Sequence[int]) -> str:
         """The store key of the KV of `ids` computed after `context_ids` (any piece)."""
         return kv_key(self.blender.fingerprint, hash_ids(list(context_ids)), list(ids))
 
@@ -89,7 +89,7 @@ class ChunkKVCache:
         ids = list(ids)
         if not context_ids and ids == self.head_ids and self._head is not None:
             return self._head, "memory"
-        kv, tier = self.store.get_with_tier(self._key(ids, context_ids))
+        kv, tier = self.store.get_with_tier(self.piece_key(ids, context_ids))
         if kv is not None and kv.token_ids.tolist() == ids:
             return kv, tier
         return None, None
@@ -98,7 +98,7 @@ class ChunkKVCache:
         """The stored KV of `ids` after `context_ids` opened for per-layer reads (a pipelined prefill reads
         and closes it), and its tier; (None, None) on a miss. Reads only the entry's head."""
         ids = list(ids)
-        entry = self.store.open(self._key(ids, context_ids))  # staged as the store's placement says
+        entry = self.store.open(self.piece_key(ids, context_ids))  # staged as the store's placement says
         if entry is None:
             return None, None
         if entry.token_ids.tolist() != ids:
@@ -116,7 +116,7 @@ class ChunkKVCache:
         else:
             context = _joined(before, self.blender.device, self.blender.dtype) if before else None
             kv = self.blender.precompute(ids, context_ids, context=context)
-        return self.store.put(self._key(ids, context_ids), kv)  # as a later hit will read it back
+        return self.store.put(self.piece_key(ids, context_ids), kv)  # as a later hit will read it back
 
     def _load(self, ids: list[int], context_ids: list[int]) -> tuple[ChunkKV, str]:
         kv, tier = self.lookup(ids, context_ids)

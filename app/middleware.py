@@ -47,7 +47,8 @@ class CountRequests:
 
 
 class RequireApiKey:
-    """`Authorization: Bearer <key>` on every path but the public ones, when a key is configured."""
+    """`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every path but the public ones, when a
+    key is configured."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, public: tuple[str, ...] = HEALTH_PATHS,
                  public_prefix: str | None = None):
@@ -58,11 +59,14 @@ class RequireApiKey:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.key and not self._is_public(scope["path"]):
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
-                error = ApiError(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})
-                return await error.response()(scope, receive, send)
+            headers = Headers(scope=scope)
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            bearer = token.strip() if scheme.lower() == "bearer" else None
+            if not any(hmac.compare_digest(given.encode(), self.key)
+                       for given in (bearer, headers.get("x-api-key")) if given is not None):
+                error = ApiError(401, "missing or invalid API key (Authorization: Bearer ... or x-api-key)",
+                                 "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await error.response_for(scope["path"])(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -77,7 +81,7 @@ class LimitBody:
             return await self.app(scope, receive, send)
         length = Headers(scope=scope).get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await as_api_error(BodyTooLarge(self.max_bytes)).response()(scope, receive, send)
+            return await as_api_error(BodyTooLarge(self.max_bytes)).response_for(scope["path"])(scope, receive, send)
         received, started = 0, False
 
         async def limited_receive() -> Message:
@@ -98,4 +102,4 @@ class LimitBody:
         except BodyTooLarge as exc:  # read outside FastAPI's handlers (none today): answer here
             if started:
                 raise
-            await as_api_error(exc).response()(scope, receive, send)
+            await as_api_error(exc).response_for(scope["path"])(scope, receive, send)

@@ -6,9 +6,9 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.api_models import (ERRORS, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Choice,
@@ -16,6 +16,7 @@ from app.api_models import (ERRORS, ChatCompletion, ChatCompletionChunk, ChatCom
                             Usage, check_budget, check_limits)
 from app.conversation import Conversation
 from app.engine import QueryParams, QueryResult
+from app.prompt_cache import DEFAULT_FAMILY, RETENTION_TTL_S, LeaseNote, lease, lease_headers
 from app.errors import ApiError, as_api_error
 from app.service import STOP_MARGIN_S, Service, service, until_done
 from app.worker import Job, WorkerStopped
@@ -132,7 +133,8 @@ async def query_events(run: QueryRun) -> AsyncIterator[ServerSentEvent]:
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses={200: SSE, **ERRORS})
-async def chat_completions(body: ChatCompletionRequest, request: Request, svc: Service = Depends(service)):
+async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response,
+                           svc: Service = Depends(service)):
     """The whole conversation goes into the prompt (app.conversation: system message, earlier turns, the
     new question; retrieval with the question made self-contained); the conversation's KV is reused
     from turn to turn (usage.prompt_tokens_details.cached_tokens counts it)."""
@@ -148,30 +150,42 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, svc: S
                               turns=chat.turns, retrieval_query=chat.retrieval_query(), remember=True)
     run = await QueryRun.start(svc, params, request, "chat")
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
+
+    async def retain(result: QueryResult) -> LeaseNote | None:
+        """prompt_cache_retention 24h: the prompt's KV leased to the prompt_cache_key (app.prompt_cache)."""
+        if body.prompt_cache_retention not in RETENTION_TTL_S:
+            return None
+        return await lease(svc.serving.store, body.prompt_cache_key or DEFAULT_FAMILY,
+                           [([u.key for u in result.kv_keys], RETENTION_TTL_S[body.prompt_cache_retention])])
+
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse(run, chat_chunks(run, head, include_usage))
+        return sse(run, chat_chunks(run, head, include_usage, retain))
     result = await run.result(request)
+    note = await retain(result)
+    response.headers.update(lease_headers(note))
     return ChatCompletion(**head, usage=_usage(result), sources=result.sources,
-                          dropped_messages=result.stats.dropped_messages,
+                          dropped_messages=result.stats.dropped_messages, lease=note,
                           choices=[Choice(message=ChatMessageOut(content=result.answer),
                                           finish_reason=_finish_reason(result))])
 
 
-async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool) -> AsyncIterator[ServerSentEvent]:
-    """OpenAI's stream: a role chunk, content chunks, a finish chunk, [a usage chunk,] [DONE]."""
+async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool,
+                      retain: Callable[[QueryResult], Awaitable[LeaseNote | None]]) -> AsyncIterator[ServerSentEvent]:
+    """OpenAI's stream: a role chunk, content chunks, a finish chunk (with the lease), [a usage chunk,] [DONE]."""
     def chunk(delta: Delta | None, finish: str | None = None, usage: Usage | None = None,
-              dropped: int | None = None) -> ServerSentEvent:
+              dropped: int | None = None, note: LeaseNote | None = None) -> ServerSentEvent:
         choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=finish)]
-        return ServerSentEvent(ChatCompletionChunk(**head, choices=choices, usage=usage, dropped_messages=dropped)
-                               .model_dump_json(exclude_none=False))
+        return ServerSentEvent(ChatCompletionChunk(**head, choices=choices, usage=usage, dropped_messages=dropped,
+                                                   lease=note).model_dump_json(exclude_none=False))
 
     yield chunk(Delta(role="assistant", content=""))
     async for event in run.events():
         if isinstance(event, str):
             yield chunk(Delta(content=event))
         else:
-            yield chunk(Delta(), finish=_finish_reason(event), dropped=event.stats.dropped_messages)
+            note = await retain(event)
+            yield chunk(Delta(), finish=_finish_reason(event), dropped=event.stats.dropped_messages, note=note)
             if include_usage:
                 yield chunk(None, usage=_usage(event))
     yield ServerSentEvent("[DONE]")

@@ -2,11 +2,13 @@
 health and metrics, the page; and `ragblend serve`, uvicorn running it.
 
 The parts: app/service.py (the lifecycle: loading, the model thread and the ingest lane, health, shutdown),
-app/query_routes.py (/v1/query, /v1/chat/completions, /v1/models), app/document_routes.py (/v1/documents
+app/query_routes.py (/v1/query, /v1/chat/completions, /v1/models), app/anthropic_api.py (Anthropic's
+/v1/messages), app/document_routes.py (/v1/documents
 and uploads), app/cache_routes.py (/v1/cache), app/page.py (the page), app/middleware.py (API key, body cap,
 request counting).
 
-Every error body is OpenAI-shaped: {"error": {"message", "type", "code", "param"}}.
+Every error body is OpenAI-shaped: {"error": {"message", "type", "code", "param"}}; /v1/messages's are
+Anthropic's (app/errors.py).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import Any, Iterator
 
 from fastapi import FastAPI
 
-from app import cache_routes, document_routes, query_routes, service
+from app import anthropic_api, cache_routes, document_routes, query_routes, service
 from app.api_models import state_limits
 from app.components import Engine
 from app.config import Settings
@@ -50,7 +52,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-    routers = (service.router, query_routes.router, document_routes.router, cache_routes.router)
+    routers = (service.router, query_routes.router, anthropic_api.router, document_routes.router, cache_routes.router)
     for router in routers:
         app.include_router(router)
     page = page_routes()

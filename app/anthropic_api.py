@@ -1,0 +1,314 @@
+"""Anthropic's Messages API, POST /v1/messages, over the chat endpoint's engine.
+
+A request becomes the same engine request /v1/chat/completions builds: `tools` and `system` form the system
+turn (so the prompt head), every message but the last an earlier turn (tool_use and tool_result blocks as
+text), the last message (a user's) the question. Retrieval is off unless the request sets the ragblend extra
+`retrieval: true` (then `top_k` passages, as on the chat endpoint).
+
+Prompt caching. ragblend stores every piece of every prompt anyway (the head, each exchange: blend.prompt);
+a `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}` breakpoint (on a tool, a system block or a
+message's block, or the request's own for its last block; at most 4) leases the prefix up to it for its ttl (app.prompt_cache): the head for one on a
+tool or the system, the head and the exchanges through that message for one on a message (on the last
+message: the whole prompt, passages too). Leases go to the family `anthropic:<metadata.user_id>`
+(`anthropic` without one). Usage counts each prompt token once:
+- `cache_read_input_tokens`: tokens whose KV was read from the store;
+- `cache_creation_input_tokens`: tokens whose KV this request computed and stored under a breakpoint
+  (`cache_creation` splits them by ttl);
+- `input_tokens`: the rest (the question and template tokens, pieces computed outside any breakpoint).
+A lease the store refuses (a tier's pinned cap) leaves the answer as it is: the header
+`x-ragblend-lease: refused` and the ragblend extra `lease` on the message (streamed: on message_delta).
+
+Streaming follows Anthropic's events: message_start, content_block_start, ping, content_block_delta (text),
+content_block_stop, message_delta (stop reason and the whole usage: the prompt's figures are known only at
+the end, so message_start's usage says 0 input tokens), message_stop; a failure after the start is an
+`error` event. Errors are Anthropic's ({"type": "error", "error": {"type", "message"}}, app/errors.py), and
+`x-api-key` is accepted where `server.api_key` is set; `anthropic-version` is not checked.
+Not supported (a 400): image, document and thinking blocks; the assistant's own last turn (prefill).
+The answer is always one text block (the model calls no tools); `stop_reason` is end_turn or max_tokens.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from sse_starlette import ServerSentEvent
+
+from app.api_models import MAX_SEED, RequestBody, Text, check_budget, check_limits, openapi_body
+from app.engine import KeyUse, QueryResult
+from app.errors import ApiError, as_api_error
+from app.prompt_cache import LeaseNote, lease, lease_headers, prefix_keys
+from app.query_routes import QueryRun, sse
+from app.service import Service, service
+
+router = APIRouter()
+MAX_BREAKPOINTS = 4
+TTL_S = {"5m": 300.0, "1h": 3600.0}
+STOP_REASONS = {"length": "max_tokens"}  # else end_turn
+
+
+class AnthropicBody(RequestBody):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class CacheControl(AnthropicBody):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
+class Cacheable(AnthropicBody):
+    cache_control: CacheControl | None = None
+
+
+class TextBlock(Cacheable):
+    type: Literal["text"]
+    text: Text = Field(min_length=1)
+
+
+class ToolUseBlock(Cacheable):
+    type: Literal["tool_use"]
+    id: Text
+    name: Text
+    input: dict[str, Any]
+
+
+class ToolResultBlock(Cacheable):
+    type: Literal["tool_result"]
+    tool_use_id: Text
+    content: Text | list[TextBlock] = ""
+    is_error: bool = False
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(AnthropicBody):
+    role: Literal["user", "assistant"]
+    content: Text | list[Block]
+
+
+class Tool(Cacheable):
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    input_schema: dict[str, Any] = Field(default_factory=dict)
+
+
+class Metadata(AnthropicBody):
+    user_id: Text | None = None
+
+
+class MessagesRequest(AnthropicBody):
+    model: Text
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: Text | list[TextBlock] | None = None
+    tools: list[Tool] = Field(default_factory=list)
+    temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    stop_sequences: list[Text] = Field(default_factory=list, max_length=4)
+    stream: bool = False
+    metadata: Metadata | None = None
+    cache_control: CacheControl | None = Field(None, description="A breakpoint on the last block (automatic "
+                                                                  "caching): one of the 4.")
+    # ragblend extras
+    retrieval: bool = Field(False, description="Retrieve passages for the question (default: off).")
+    top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+
+
+class CacheCreation(BaseModel):
+    ephemeral_5m_input_tokens: int
+    ephemeral_1h_input_tokens: int
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+    cache_creation: CacheCreation
+    output_tokens: int
+
+
+class TextOut(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class MessageOut(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[TextOut]
+    stop_reason: str | None
+    stop_sequence: str | None = None
+    usage: MessageUsage
+    lease: LeaseNote | None = Field(None, description="ragblend extra: the lease of the cache_control prefixes.")
+
+
+# ---- the request, as the engine's ----------------------------------------------------------------
+
+def block_text(block: TextBlock | ToolUseBlock | ToolResultBlock) -> str:
+    """A block as the model reads it."""
+    match block:
+        case TextBlock():
+            return block.text
+        case ToolUseBlock():
+            return f"[tool call {block.id}: {block.name}({json.dumps(block.input, sort_keys=True)})]"
+        case ToolResultBlock():
+            content = block.content if isinstance(block.content, str) else "\n".join(b.text for b in block.content)
+            return f"[tool result {block.tool_use_id}{' (error)' if block.is_error else ''}: {content}]"
+
+
+def message_text(message: Message) -> str:
+    return message.content if isinstance(message.content, str) else "\n".join(map(block_text, message.content))
+
+
+def system_text(body: MessagesRequest) -> str | None:
+    """The tools (described for the model) and the system blocks: the system turn."""
+    tools = [f"- {t.name}: {t.description or ''} (input: {json.dumps(t.input_schema, sort_keys=True)})"
+             for t in body.tools]
+    system = body.system if isinstance(body.system, str) or body.system is None else \
+        "\n".join(b.text for b in body.system)
+    parts = (["Tools you may call:\n" + "\n".join(tools)] if tools else []) + ([system] if system else [])
+    return "\n\n".join(parts) or None
+
+
+def breakpoints(body: MessagesRequest) -> list[tuple[int | None, float]]:
+    """(message index or None for tools and system, ttl_s) of each cache_control; a 400 past MAX_BREAKPOINTS."""
+    found: list[tuple[int | None, CacheControl]] = []
+    system = body.system if isinstance(body.system, list) else []
+    found += [(None, b.cache_control) for b in (*body.tools, *system) if b.cache_control]
+    for i, message in enumerate(body.messages):
+        if isinstance(message.content, list):
+            for block in message.content:
+                found += [(i, c) for c in _controls(block)]
+    found += [(len(body.messages) - 1, body.cache_control)] if body.cache_control else []
+    if len(found) > MAX_BREAKPOINTS:
+        raise ApiError(400, f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
+                            f"Found {len(found)}.")
+    return [(i, TTL_S[c.ttl]) for i, c in found]
+
+
+def _controls(block: TextBlock | ToolUseBlock | ToolResultBlock) -> list[CacheControl]:
+    inner = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else []
+    return [b.cache_control for b in (block, *inner) if b.cache_control]
+
+
+def parse(raw: bytes) -> MessagesRequest:
+    try:
+        body = MessagesRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise ApiError(400, _invalid(exc.errors(include_url=False))) from None
+    if body.messages[-1].role != "user":
+        raise ApiError(400, "messages: the last message must be a user message (assistant prefill is not supported)")
+    if not message_text(body.messages[-1]).strip():
+        raise ApiError(400, "messages: the last user message needs text")
+    return body
+
+
+def _invalid(errors: list[dict[str, Any]]) -> str:
+    """Pydantic's errors as Anthropic words them ("messages.0.content.0.cache_control.ttl: Input should be ...");
+    of a union's branches, the one that got deepest (a list of blocks, rather than "should be a string")."""
+    if errors and errors[0]["type"] == "json_invalid":
+        return f"body: invalid JSON ({errors[0].get('ctx', {}).get('error', errors[0]['msg'])})"
+    located = [(".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and "[" in p)), e["msg"]) for e in errors]
+    deepest = max((where.count(".") for where, _ in located), default=0)
+    return "; ".join(dict.fromkeys(f"{where}: {msg}" for where, msg in located if where.count(".") == deepest))
+
+
+# ---- the route -------------------------------------------------------------------------------------
+
+@router.post("/v1/messages", response_model=MessageOut, openapi_extra=openapi_body(MessagesRequest),
+             responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or Anthropic's events "
+                                                                                 "with stream: true"}})
+async def messages(request: Request, svc: Service = Depends(service)):
+    """Anthropic's Messages API (see the module docstring)."""
+    body = parse(await request.body())
+    marks = breakpoints(body)
+    texts = [message_text(m) for m in body.messages]
+    system = system_text(body)
+    check_limits(svc.settings.limits, question=texts[-1], top_k=body.top_k, question_field="messages",
+                 max_tokens={"max_tokens": body.max_tokens})
+    fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts))]
+    await asyncio.to_thread(check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
+    params = svc.query_params(texts[-1], top_k=body.top_k, max_tokens=body.max_tokens,
+                              temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
+                              stop=tuple(s for s in body.stop_sequences if s), seed=body.seed, system=system,
+                              turns=tuple((m.role, t) for m, t in zip(body.messages[:-1], texts[:-1])),
+                              retrieve=body.retrieval, remember=True)
+    run = await QueryRun.start(svc, params, request, "messages")
+    head = {"id": f"msg_{uuid.uuid4().hex}", "model": body.model}
+    family = f"anthropic:{body.metadata.user_id}" if body.metadata and body.metadata.user_id else "anthropic"
+    last = len(body.messages) - 1
+
+    async def retain(result: QueryResult) -> LeaseNote | None:
+        return await lease(svc.serving.store, family, [(_prefix(result.kv_keys, at, last), ttl) for at, ttl in marks])
+
+    if body.stream:
+        return sse(run, events(run, head, marks, last, retain))
+    result = await run.result(request)
+    note = await retain(result)
+    out = MessageOut(**head, content=[TextOut(text=result.answer)], stop_reason=_stop_reason(result),
+                     usage=usage(result, marks, last), lease=note)
+    return JSONResponse(out.model_dump(exclude_none=True), headers=lease_headers(note))
+
+
+def _prefix(uses: Sequence[KeyUse], at: int | None, last: int) -> list[str]:
+    """The keys a breakpoint at message `at` (None: tools or system) covers; at the last message, all."""
+    return [u.key for u in uses] if at == last else prefix_keys(uses, at)
+
+
+def usage(result: QueryResult, marks: list[tuple[int | None, float]], last: int, output_tokens: int | None = None
+          ) -> MessageUsage:
+    """Each prompt token once: read from the store, computed under a breakpoint (by its longest ttl), or input."""
+    s, uses = result.stats, result.kv_keys
+    read = sum(u.tokens for u in uses if u.cached)
+    ttl_of: dict[str, float] = {}
+    for at, ttl in marks:
+        for key in _prefix(uses, at, last):
+            ttl_of[key] = max(ttl, ttl_of.get(key, 0.0))
+    created = {ttl: sum(u.tokens for u in uses if not u.cached and ttl_of.get(u.key) == ttl) for ttl in TTL_S.values()}
+    creation = sum(created.values())
+    return MessageUsage(input_tokens=max(0, s.prompt_tokens - read - creation), cache_read_input_tokens=read,
+                        cache_creation_input_tokens=creation,
+                        cache_creation=CacheCreation(ephemeral_5m_input_tokens=created[TTL_S["5m"]],
+                                                     ephemeral_1h_input_tokens=created[TTL_S["1h"]]),
+                        output_tokens=s.completion_tokens if output_tokens is None else output_tokens)
+
+
+def _stop_reason(result: QueryResult) -> str:
+    return STOP_REASONS.get(result.finish_reason, "end_turn")
+
+
+async def events(run: QueryRun, head: dict[str, Any], marks: list[tuple[int | None, float]], last: int,
+                 retain) -> AsyncIterator[ServerSentEvent]:
+    """Anthropic's event stream; a failure once it has begun is an `error` event."""
+    def event(kind: str, **data: Any) -> ServerSentEvent:
+        return ServerSentEvent(json.dumps({"type": kind, **data}), event=kind)
+
+    start = MessageOut(**head, content=[], stop_reason=None, usage=MessageUsage(
+        input_tokens=0, cache_creation_input_tokens=0, cache_read_input_tokens=0, output_tokens=0,
+        cache_creation=CacheCreation(ephemeral_5m_input_tokens=0, ephemeral_1h_input_tokens=0)))
+    try:
+        yield event("message_start", message=start.model_dump(exclude_none=True))
+        yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        yield event("ping")
+        async for item in run.events():
+            if isinstance(item, str):
+                yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": item})
+                continue
+            note = await retain(item)
+            yield event("content_block_stop", index=0)
+            delta = {"stop_reason": _stop_reason(item), "stop_sequence": None}
+            yield event("message_delta", delta=delta, usage=usage(item, marks, last).model_dump(),
+                        **({"lease": note.model_dump()} if note else {}))
+            yield event("message_stop")
+    except Exception as exc:
+        yield event("error", error=as_api_error(exc).anthropic_body()["error"])

@@ -246,6 +246,37 @@ def test_redis_memory_pressure_evicts_the_unleased_entry_never_the_leased_one(st
         assert_same_kv(store.get(leased), kv)
 
 
+def test_a_leased_redis_entry_outlives_a_restart_of_the_store_and_memory_pressure(tmp_path):
+    # The lease is in the database: a new process (a new store over the same database and Redis) writes the
+    # leased entry again without a TTL, and Redis's volatile-lru (docker-compose's) still passes over it.
+    with RedisServer(maxmemory="3mb", policy="volatile-lru") as server:
+        database = open_metadata(f"sqlite:///{tmp_path / 'metadata.sqlite'}", tmp_path)
+        settings = StoreSettings(memory_bytes=0, disk_bytes=0, read_threads=0, lease_refresh_s=3600.0,
+                                 redis_url=server.url, redis_ttl_s=600)
+        (leased, kv), (twin, twin_kv) = random_kv(0), random_kv(1)
+        first = build_store(settings, None, FP, HOST, ledger=database, clock=Clock())
+        first.put(leased, kv)
+        first.flush()
+        assert first.lease([leased], "client-1", ttl_s=3600).tiers == ("redis",)
+        first.close()
+
+        again = build_store(settings, None, FP, HOST, ledger=database, clock=Clock())
+        again.put(leased, kv)  # written again by the new process: still no TTL
+        again.put(twin, twin_kv)
+        again.flush()
+        with server.client() as raw:
+            assert raw.ttl("ragblend:" + leased) == -1 and raw.ttl("ragblend:" + twin) > 0
+            for i in range(200):
+                try:
+                    raw.set(f"other:{i}", b"x" * 65536)
+                except redis.ResponseError:  # OOM: nothing with a TTL is left to evict
+                    break
+            assert not raw.exists("ragblend:" + twin)
+        assert_same_kv(again.get(leased), kv)
+        again.close()
+        database.close()
+
+
 def test_gc_removes_entries_nobody_owns_and_keeps_the_rest(stores, redis_url):
     store = stores(Clock(), disk_bytes=1 << 20, disk_pinned_bytes=1 << 20, redis_url=redis_url)
     owned, leased, orphan = (random_kv(i)[0] for i in range(3))

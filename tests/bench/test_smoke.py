@@ -111,3 +111,16 @@ def test_page_prices_explain_off_and_on():
     assert set(off) == set(on) == {"e2e_ms", "ttft_ms", "prefill_ms", "bytes"}
     assert on["bytes"] > off["bytes"]  # the explain part is in the response
     assert result["page_files_ms_p50"] > 0 and result["explain_build_ms"] > 0 and result["scores_fill_us"] > 0
+
+
+@pytest.mark.slow
+def test_leases_keeps_the_leased_context_in_memory_through_churn():
+    result = bench("leases.py", "--passages", "1", "--words", "30", "--churn", "1.5", "--memory-slack", "0",
+                   "--repeats", "1")
+    leased, unleased = result["results"]["leased"], result["results"]["unleased"]
+    assert leased["lease"]["complete"] and leased["full_memory_hit_after_churn"]
+    assert leased["after_churn_store_hits"] == {"memory": 1} and leased["memory_lease_held"] > 0
+    assert unleased["lease"] is None and not unleased["full_memory_hit_after_churn"]  # fell to disk
+    assert unleased["churn_bytes"] >= 1.5 * unleased["memory_bytes"] and unleased["memory_evictions"] > 0
+    assert {"ttft_after_over_hit", "hit_ttft_ms", "after_churn_ttft_ms"} <= set(leased)
+    assert {"commit", "loadavg_before", "loadavg_after"} <= set(result)

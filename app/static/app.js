@@ -1,4 +1,4 @@
-// ragblend's page. It talks only to the public API (/health, /v1/query, /v1/documents) and keeps
+// ragblend's page. It talks only to the public API (/health, /v1/query, /v1/documents, /v1/cache) and keeps
 // no logic of its own beyond drawing what the API returns. No build step, no library.
 "use strict";
 
@@ -429,6 +429,43 @@ async function loadDocuments() {
   }
 }
 
+// The KV cache's figures (GET /v1/cache): per tier, and the lease families pinning the most.
+async function loadCache() {
+  const tiers = $("#cache-tiers tbody");
+  const families = $("#cache-families tbody");
+  try {
+    const cache = await (await api("/v1/cache")).json();
+    $("#cache-summary").textContent = `Hit rate ${percent(cache.hit_rate)} · ${cache.leases} lease${cache.leases === 1 ? "" : "s"} `
+      + `in ${cache.families} famil${cache.families === 1 ? "y" : "ies"} holding ${cache.leased_entries} entr${cache.leased_entries === 1 ? "y" : "ies"}`;
+    tiers.replaceChildren(...Object.entries(cache.tiers).map(([name, t]) => el("tr", { "data-tier": name },
+      el("th", { scope: "row", text: name }), el("td", { text: count(t.entries) }),
+      el("td", { text: bytes(t.bytes) + (t.capacity ? ` of ${bytes(t.capacity)}` : "") }),
+      el("td", { text: `${bytes(t.pinned_bytes)} (${bytes(t.pinned_cap)})` }), el("td", { text: percent(t.hit_rate) }),
+      el("td", { text: count(t.evictions) }), el("td", { text: count(t.lease_held) }))));
+    families.replaceChildren(...cache.data.map((f) => el("tr", { "data-family": f.family },
+      el("td", { class: "mono", text: f.family.slice(0, 12), title: f.family }), el("td", { text: String(f.entries) }),
+      el("td", { text: Object.entries(f.pinned_bytes).map(([tier, n]) => `${tier} ${bytes(n)}`).join(", ") }),
+      el("td", { class: "muted", text: new Date(f.expires_at * 1000).toLocaleString() }))));
+    if (!cache.data.length) families.append(el("tr", {}, el("td", { colspan: 4, class: "muted", text: "No leases." })));
+  } catch (err) {
+    $("#cache-summary").textContent = "Could not load the cache figures.";
+    tiers.replaceChildren();
+    families.replaceChildren();
+    showError(err);
+  }
+}
+
+const count = (n) => (n === null || n === undefined ? "–" : n.toLocaleString());
+const percent = (rate) => (rate === null || rate === undefined ? "–" : `${(rate * 100).toFixed(1)} %`);
+
+function bytes(n) {
+  if (n === null || n === undefined) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return `${i ? n.toFixed(1) : n} ${units[i]}`;
+}
+
 function documentRow(doc) {
   const remove = el("button", { type: "button", class: "quiet", "aria-label": `Delete ${doc.id}`, text: "Delete" });
   remove.addEventListener("click", () => deleteDocument(doc.id, remove));
@@ -495,7 +532,7 @@ function showView() {
   $("#query-form").hidden = view === "documents";
   $("#mode-field").hidden = view === "compare"; // compare always runs blend, then full
   $("#run").textContent = RUN_LABELS[view] || "Ask";
-  if (view === "documents") loadDocuments();
+  if (view === "documents") loadDocuments().then(loadCache);
 }
 
 async function checkHealth() {
@@ -552,7 +589,7 @@ function setup() {
   });
   $("#stop").addEventListener("click", () => running && running.abort());
   $("#upload-form").addEventListener("submit", upload);
-  $("#documents-refresh").addEventListener("click", loadDocuments);
+  $("#documents-refresh").addEventListener("click", () => loadDocuments().then(loadCache));
   const map = $("#prompt-map");
   map.addEventListener("keydown", onPromptKey);
   map.addEventListener("mouseover", (event) => {

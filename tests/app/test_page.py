@@ -290,6 +290,37 @@ def test_upload_a_document_then_ask_about_it_then_delete_it(page, live_server, t
         httpx.delete(f"{live_server.url}/v1/documents/{quote('ombra', safe='')}")
 
 
+def test_the_documents_view_shows_the_cache_figures_and_a_lease_family(page, live_server):
+    """A chat request with prompt_cache_retention 24h leases its prompt's KV: the documents view then shows each
+    tier's entries, bytes and hit rate, the pinned bytes, and the family (by its hash), as GET /v1/cache says."""
+    from store import family_id
+
+    chat = httpx.post(f"{live_server.url}/v1/chat/completions", timeout=WAIT_S, json={
+        "messages": [{"role": "user", "content": "Who won the Halden Open in 2019?"}], "max_tokens": 2, "top_k": 1,
+        "prompt_cache_key": "page: figures", "prompt_cache_retention": "24h"})
+    assert chat.status_code == 200 and chat.headers["x-ragblend-lease"] == "held", chat.text
+    family = family_id("page: figures")
+    try:
+        page.open("documents")
+        row = page.wait(lambda d: page.find_all(f"#cache-families tr[data-family='{family}']"))[0]
+        cells = [td.text for td in row.find_elements("css selector", "td")]
+        assert cells[0] == family[:12] and cells[1] == "2" and "memory" in cells[2] and "disk" in cells[2]
+        report = httpx.get(f"{live_server.url}/v1/cache").json()  # (the chat turn's exchange may land after the view)
+        page.find("#documents-refresh").click()
+        page.wait(lambda d: page.find("#cache-tiers tr[data-tier=memory]").text.split()[:2] ==
+                  ["memory", f"{report['tiers']['memory']['entries']:,}"])
+        assert "%" in page.text("#cache-tiers tr[data-tier=disk]") and page.error() == ""
+        assert re.match(r"Hit rate \d+\.\d %", page.text("#cache-summary"))
+        assert f"holding {report['leased_entries']} entr" in page.text("#cache-summary")
+        page.screenshot("documents-cache")
+
+        httpx.delete(f"{live_server.url}/v1/cache", params={"prompt_cache_key": "page: figures"})
+        page.find("#documents-refresh").click()  # the family is gone once the view is refreshed
+        page.wait(lambda d: not page.find_all(f"#cache-families tr[data-family='{family}']"))
+    finally:
+        httpx.delete(f"{live_server.url}/v1/cache", params={"prompt_cache_key": "page: figures"})
+
+
 def test_a_bad_upload_shows_the_servers_message(page, tmp_path):
     bad = tmp_path / "broken.jsonl"
     bad.write_text('{"id": "x", "text": "fine"}\nnot json\n')

@@ -39,7 +39,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette import ServerSentEvent
 
-from app.api_models import MAX_SEED, RequestBody, Text, check_budget, check_limits, openapi_body
+from app.api_models import MAX_SEED, RETRY_AFTER, NonBlank, RequestBody, Text, check_budget, check_limits
+from app.config import LimitsSettings
 from app.engine import KeyUse, QueryResult
 from app.errors import ApiError, as_api_error
 from app.prompt_cache import LeaseNote, lease, lease_headers, prefix_keys
@@ -68,7 +69,7 @@ class Cacheable(AnthropicBody):
 
 class TextBlock(Cacheable):
     type: Literal["text"]
-    text: Text = Field(min_length=1)
+    text: NonBlank = Field(description="Not blank (as Anthropic's API requires).")
 
 
 class ToolUseBlock(Cacheable):
@@ -90,7 +91,7 @@ Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminato
 
 class Message(AnthropicBody):
     role: Literal["user", "assistant"]
-    content: Text | list[Block]
+    content: NonBlank | Annotated[list[Block], Field(min_length=1)]
 
 
 class Tool(Cacheable):
@@ -105,7 +106,8 @@ class Metadata(AnthropicBody):
 
 class MessagesRequest(AnthropicBody):
     model: Text
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, description="The conversation; the last message is a user's "
+                                                              "(the question).")
     max_tokens: int = Field(ge=1)
     system: Text | list[TextBlock] | None = None
     tools: list[Tool] = Field(default_factory=list)
@@ -140,6 +142,22 @@ class TextOut(BaseModel):
     text: str
 
 
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description="invalid_request_error, authentication_error, request_too_large, "
+                                  "rate_limit_error, overloaded_error, api_error...")
+    message: str
+
+
+class AnthropicError(BaseModel):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": AnthropicError, **({"headers": RETRY_AFTER} if code in (429, 503) else {})}
+    for code in (400, 401, 413, 429, 503)}
+
+
 class MessageOut(BaseModel):
     id: str
     type: Literal["message"] = "message"
@@ -150,6 +168,23 @@ class MessageOut(BaseModel):
     stop_sequence: str | None = None
     usage: MessageUsage
     lease: LeaseNote | None = Field(None, description="ragblend extra: the lease of the cache_control prefixes.")
+
+
+# The body's schema, read by the route itself (for Anthropic's errors): its parts go into the OpenAPI
+# components as Anthropic<Name> (`describe`), clear of the OpenAI models' names.
+BODY_SCHEMA = MessagesRequest.model_json_schema(ref_template="#/components/schemas/Anthropic{model}")
+BODY_PARTS = {f"Anthropic{name}": part for name, part in BODY_SCHEMA.pop("$defs").items()}
+
+
+def describe(openapi: dict[str, Any], limits: LimitsSettings) -> None:
+    """The body's parts, and this server's limits in the body's description (as app.api_models.state_limits)."""
+    openapi["components"]["schemas"].update(BODY_PARTS)
+    schema = openapi["paths"]["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    schema["properties"]["max_tokens"]["maximum"] = limits.max_new_tokens
+    next(s for s in schema["properties"]["top_k"]["anyOf"] if s.get("type") == "integer")["maximum"] = limits.max_top_k
+    schema["properties"]["messages"]["description"] += (
+        f" The question has at most {limits.max_question_chars} characters (limits.max_question_chars); at most "
+        f"{limits.max_message_tokens} tokens a message and {limits.max_prompt_tokens} in the whole prompt.")
 
 
 # ---- the request, as the engine's ----------------------------------------------------------------
@@ -208,8 +243,6 @@ def parse(raw: bytes) -> MessagesRequest:
         raise ApiError(400, _invalid(exc.errors(include_url=False))) from None
     if body.messages[-1].role != "user":
         raise ApiError(400, "messages: the last message must be a user message (assistant prefill is not supported)")
-    if not message_text(body.messages[-1]).strip():
-        raise ApiError(400, "messages: the last user message needs text")
     return body
 
 
@@ -225,9 +258,10 @@ def _invalid(errors: list[dict[str, Any]]) -> str:
 
 # ---- the route -------------------------------------------------------------------------------------
 
-@router.post("/v1/messages", response_model=MessageOut, openapi_extra=openapi_body(MessagesRequest),
+@router.post("/v1/messages", response_model=MessageOut,
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": BODY_SCHEMA}}}},
              responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or Anthropic's events "
-                                                                                 "with stream: true"}})
+                                                                                 "with stream: true"}, **ERRORS})
 async def messages(request: Request, svc: Service = Depends(service)):
     """Anthropic's Messages API (see the module docstring)."""
     body = parse(await request.body())
@@ -257,7 +291,7 @@ async def messages(request: Request, svc: Service = Depends(service)):
     note = await retain(result)
     out = MessageOut(**head, content=[TextOut(text=result.answer)], stop_reason=_stop_reason(result),
                      usage=usage(result, marks, last), lease=note)
-    return JSONResponse(out.model_dump(exclude_none=True), headers=lease_headers(note))
+    return JSONResponse(out.model_dump(exclude=set() if note else {"lease"}), headers=lease_headers(note))
 
 
 def _prefix(uses: Sequence[KeyUse], at: int | None, last: int) -> list[str]:
@@ -297,7 +331,7 @@ async def events(run: QueryRun, head: dict[str, Any], marks: list[tuple[int | No
         input_tokens=0, cache_creation_input_tokens=0, cache_read_input_tokens=0, output_tokens=0,
         cache_creation=CacheCreation(ephemeral_5m_input_tokens=0, ephemeral_1h_input_tokens=0)))
     try:
-        yield event("message_start", message=start.model_dump(exclude_none=True))
+        yield event("message_start", message=start.model_dump(exclude={"lease"}))
         yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
         yield event("ping")
         async for item in run.events():

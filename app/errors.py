@@ -32,8 +32,8 @@ HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 
               429: "rate_limited", 500: "internal_error", 503: "unavailable"}
 ANTHROPIC_PATH = "/v1/messages"
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                   503: "overloaded_error"}
+                   404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 UNAVAILABLE_RETRY_S = 5  # Retry-After of a 503 without a better estimate (loading, shutting down, cancelled)
 
 
@@ -57,7 +57,7 @@ class ApiError(Exception):
 
     @property
     def anthropic_status(self) -> int:
-        return 400 if self.status in (405, 409, 415, 422) else self.status  # Anthropic's invalid requests are 400s
+        return 400 if self.status in (409, 415, 422) else self.status  # Anthropic's invalid requests are 400s
 
     def anthropic_body(self) -> dict[str, Any]:
         return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.anthropic_status, "api_error"),

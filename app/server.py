@@ -49,6 +49,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:  # built once (FastAPI keeps it), then this server's limits written in
             state_limits(default_openapi(), settings.limits)
+            anthropic_api.describe(app.openapi_schema, settings.limits)
         return app.openapi_schema
 
     app.openapi = openapi

@@ -64,7 +64,8 @@ def test_the_api_keeps_its_contract(api_schema):
             requests += len(event.recorder.interactions)
             problems += [_describe(event.recorder, case_id, check) for case_id, checks in event.recorder.checks.items()
                          for check in checks if check.status == Status.FAILURE
-                         and not _a_file_that_is_not_text(event.recorder, case_id, check)]
+                         and not _a_file_that_is_not_text(event.recorder, case_id, check)
+                         and not _a_conversation_that_ends_with_the_assistant(event.recorder, case_id, check)]
         elif isinstance(event, (events.NonFatalError, events.FatalError)):
             problems.append(f"{getattr(event, 'label', 'engine')}: {event.info.format()}")
     print(f"schemathesis: {requests} requests")
@@ -81,6 +82,17 @@ def _a_file_that_is_not_text(recorder, case_id: str, check) -> bool:
     error = json.loads(interaction.response.content or b"{}").get("error", {})
     return (interaction.response.status_code, error.get("param")) == (422, "file") and \
         any(reason in error.get("message", "") for reason in ("not UTF-8 text", "binary file, not text"))
+
+
+def _a_conversation_that_ends_with_the_assistant(recorder, case_id: str, check) -> bool:
+    """/v1/messages refusing an assistant's message last (Anthropic's prefill, not supported): "the last message
+    is a user's" is stated in words; JSON Schema has no keyword for an array's last item."""
+    interaction = recorder.interactions.get(case_id)
+    if check.name != "positive_data_acceptance" or interaction is None or interaction.response is None:
+        return False
+    error = json.loads(interaction.response.content or b"{}").get("error", {})
+    return interaction.response.status_code == 400 and "the last message must be a user message" in \
+        error.get("message", "")
 
 
 def _describe(recorder, case_id: str, check) -> str:

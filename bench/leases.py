@@ -4,7 +4,7 @@ For each of `leased` and `unleased`, in a fresh data dir (the model shared): `--
 ingested (their KV precomputed), and a question retrieves all of them (top_k = passages). The memory tier
 holds the context and a little more (`--memory-slack` passages). Then:
 1. the question is asked once (its prompt's keys: QueryResult.kv_keys), and with `leased` those keys are
-   leased as a request with prompt_cache_retention 24h would (store.lease, soft, 24 h);
+   leased as a request with prompt_cache_retention 24h is (app.prompt_cache.lease: soft, 24 h);
 2. `--repeats` more asks: the first hit's TTFT (median);
 3. churn: the KV of unleased documents worth `--churn` times the memory tier is computed and stored (as other
    requests and uploads would), with a progress bar;
@@ -19,6 +19,7 @@ machine are noisy: compare ratios within one run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -33,6 +34,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from app import prompt_cache  # noqa: E402
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
 from app.engine import QueryParams, RagEngine  # noqa: E402
@@ -86,9 +88,9 @@ def run_variant(leased: bool, args: argparse.Namespace, shared: Components | Non
         first = engine.answer(params)
         lease = None
         if leased:
-            result = parts.store.lease([u.key for u in first.kv_keys], "bench: leased context", ttl_s=86400)
-            lease = {"complete": result.complete, "tiers": list(result.tiers), "refused": result.refused,
-                     "pinned_bytes": result.pinned_bytes}
+            keys = [u.key for u in first.kv_keys]  # as /v1/chat/completions with prompt_cache_retention 24h
+            note = asyncio.run(prompt_cache.lease(parts.store, "bench: leased context", [(keys, 86400.0)]))
+            lease = note.model_dump() | {"pinned_bytes": parts.store.lease_stats()["pinned_bytes"]}
         hits = [engine.answer(params) for _ in range(args.repeats)]
 
         log(f"hit TTFT {[r.stats.ttft_ms for r in hits]} ms; churning")

@@ -181,10 +181,12 @@ def describe(openapi: dict[str, Any], limits: LimitsSettings) -> None:
     openapi["components"]["schemas"].update(BODY_PARTS)
     schema = openapi["paths"]["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     schema["properties"]["max_tokens"]["maximum"] = limits.max_new_tokens
-    next(s for s in schema["properties"]["top_k"]["anyOf"] if s.get("type") == "integer")["maximum"] = limits.max_top_k
+    for name, maximum in (("top_k", limits.max_top_k), ("seed", MAX_SEED)):  # (the seed exactly: not as a float)
+        next(s for s in schema["properties"][name]["anyOf"] if s.get("type") == "integer")["maximum"] = maximum
     schema["properties"]["messages"]["description"] += (
         f" The question has at most {limits.max_question_chars} characters (limits.max_question_chars); at most "
-        f"{limits.max_message_tokens} tokens a message and {limits.max_prompt_tokens} in the whole prompt.")
+        f"{limits.max_message_tokens} tokens a message and {limits.max_prompt_tokens} in the whole prompt; the body "
+        f"at most {limits.max_body_bytes} bytes (limits.max_body_bytes).")
 
 
 # ---- the request, as the engine's ----------------------------------------------------------------

@@ -7,10 +7,10 @@ text), the last message (a user's) the question. Retrieval is off unless the req
 
 Prompt caching. ragblend stores every piece of every prompt anyway (the head, each exchange: blend.prompt);
 a `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}` breakpoint (on a tool, a system block or a
-message's block, or the request's own for its last block; at most 4) leases the prefix up to it for its ttl (app.prompt_cache): the head for one on a
-tool or the system, the head and the exchanges through that message for one on a message (on the last
-message: the whole prompt, passages too). Leases go to the family `anthropic:<metadata.user_id>`
-(`anthropic` without one). Usage counts each prompt token once:
+message's block, or the request's own for its last block; at most 4) leases the prefix up to it for its ttl
+(app.prompt_cache): the head for one on a tool or the system, the head and the exchanges through that
+message for one on a message (on the last message: the whole prompt, passages too). Leases go to the family
+`anthropic:<metadata.user_id>` (`anthropic` without one). Usage counts each prompt token once:
 - `cache_read_input_tokens`: tokens whose KV was read from the store;
 - `cache_creation_input_tokens`: tokens whose KV this request computed and stored under a breakpoint
   (`cache_creation` splits them by ttl);
@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -63,8 +63,12 @@ class CacheControl(AnthropicBody):
     ttl: Literal["5m", "1h"] = "5m"
 
 
+BREAKPOINT = ("A prompt caching breakpoint: the prefix up to here is leased for its ttl. At most 4 in a request "
+              "(tools, system and message blocks and the request's own together).")
+
+
 class Cacheable(AnthropicBody):
-    cache_control: CacheControl | None = None
+    cache_control: CacheControl | None = Field(None, description=BREAKPOINT)
 
 
 class TextBlock(Cacheable):
@@ -116,8 +120,7 @@ class MessagesRequest(AnthropicBody):
     stop_sequences: list[Text] = Field(default_factory=list, max_length=4)
     stream: bool = False
     metadata: Metadata | None = None
-    cache_control: CacheControl | None = Field(None, description="A breakpoint on the last block (automatic "
-                                                                  "caching): one of the 4.")
+    cache_control: CacheControl | None = Field(None, description=f"On the last block (automatic caching). {BREAKPOINT}")
     # ragblend extras
     retrieval: bool = Field(False, description="Retrieve passages for the question (default: off).")
     top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
@@ -260,8 +263,8 @@ def _invalid(errors: list[dict[str, Any]]) -> str:
 
 # ---- the route -------------------------------------------------------------------------------------
 
-@router.post("/v1/messages", response_model=MessageOut,
-             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {"schema": BODY_SCHEMA}}}},
+@router.post("/v1/messages", response_model=MessageOut, openapi_extra={
+                 "requestBody": {"required": True, "content": {"application/json": {"schema": BODY_SCHEMA}}}},
              responses={200: {"content": {"text/event-stream": {}}, "description": "JSON, or Anthropic's events "
                                                                                  "with stream: true"}, **ERRORS})
 async def messages(request: Request, svc: Service = Depends(service)):
@@ -301,8 +304,7 @@ def _prefix(uses: Sequence[KeyUse], at: int | None, last: int) -> list[str]:
     return [u.key for u in uses] if at == last else prefix_keys(uses, at)
 
 
-def usage(result: QueryResult, marks: list[tuple[int | None, float]], last: int, output_tokens: int | None = None
-          ) -> MessageUsage:
+def usage(result: QueryResult, marks: list[tuple[int | None, float]], last: int) -> MessageUsage:
     """Each prompt token once: read from the store, computed under a breakpoint (by its longest ttl), or input."""
     s, uses = result.stats, result.kv_keys
     read = sum(u.tokens for u in uses if u.cached)
@@ -316,7 +318,7 @@ def usage(result: QueryResult, marks: list[tuple[int | None, float]], last: int,
                         cache_creation_input_tokens=creation,
                         cache_creation=CacheCreation(ephemeral_5m_input_tokens=created[TTL_S["5m"]],
                                                      ephemeral_1h_input_tokens=created[TTL_S["1h"]]),
-                        output_tokens=s.completion_tokens if output_tokens is None else output_tokens)
+                        output_tokens=s.completion_tokens)
 
 
 def _stop_reason(result: QueryResult) -> str:
@@ -324,7 +326,7 @@ def _stop_reason(result: QueryResult) -> str:
 
 
 async def events(run: QueryRun, head: dict[str, Any], marks: list[tuple[int | None, float]], last: int,
-                 retain) -> AsyncIterator[ServerSentEvent]:
+                 retain: Callable[[QueryResult], Awaitable[LeaseNote | None]]) -> AsyncIterator[ServerSentEvent]:
     """Anthropic's event stream; a failure once it has begun is an `error` event."""
     def event(kind: str, **data: Any) -> ServerSentEvent:
         return ServerSentEvent(json.dumps({"type": kind, **data}), event=kind)

@@ -47,8 +47,9 @@ def prefix_keys(uses: Sequence[KeyUse], through_message: int | None) -> list[str
     """The keys of the prompt's prefix up to and including message `through_message` (None: the head alone).
     The head is first; a piece of a later message, and the passages after the conversation, are left out."""
     head, rest = uses[:1], uses[1:]
-    kept = [] if through_message is None else [u for u in rest if u.message is not None and u.message <= through_message]
-    return [u.key for u in (*head, *kept)]
+    if through_message is None:
+        return [u.key for u in head]
+    return [u.key for u in (*head, *(u for u in rest if u.message is not None and u.message <= through_message))]
 
 
 async def lease(store: TieredStore, family: str, asks: Iterable[tuple[Sequence[str], float]]) -> LeaseNote | None:

@@ -16,7 +16,8 @@ HOUR = {"type": "ephemeral", "ttl": "1h"}
 
 
 def body(**fields) -> bytes:
-    return json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]} | fields).encode()
+    defaults = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    return json.dumps(defaults | fields).encode()
 
 
 def test_a_body_becomes_the_system_turn_and_text_turns():
@@ -49,8 +50,8 @@ def test_breakpoints_anywhere_count_up_to_four():
         {"type": "text", "text": str(i), "cache_control": EPHEMERAL} for i in range(4)]}]))
     with pytest.raises(ApiError) as error:  # the request's own breakpoint is the fifth
         breakpoints(five)
-    assert error.value.anthropic_body()["error"] == {
-        "type": "invalid_request_error", "message": "A maximum of 4 blocks with cache_control may be provided. Found 5."}
+    assert error.value.anthropic_body()["error"] == {"type": "invalid_request_error", "message": (
+        "A maximum of 4 blocks with cache_control may be provided. Found 5.")}
 
 
 @pytest.mark.parametrize("fields, says", [

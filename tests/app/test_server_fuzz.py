@@ -87,7 +87,8 @@ def _a_file_that_is_not_text(recorder, case_id: str, check) -> bool:
 
 def _a_rule_json_schema_cannot_state(recorder, case_id: str, check) -> bool:
     """Valid data refused by a rule the description states in words: on /v1/messages, an assistant's message
-    last (Anthropic's prefill, not supported: JSON Schema has no keyword for an array's last item); and a body
+    last (Anthropic's prefill, not supported: JSON Schema has no keyword for an array's last item) and more than
+    4 cache_control breakpoints (JSON Schema cannot count them across the body's parts); and a body
     over limits.max_body_bytes (a document's size in bytes; /v1/messages takes free-form tool inputs and
     schemas, so the fuzzer's valid bodies can be any size)."""
     interaction = recorder.interactions.get(case_id)
@@ -95,7 +96,8 @@ def _a_rule_json_schema_cannot_state(recorder, case_id: str, check) -> bool:
         return False
     status, body = interaction.response.status_code, json.loads(interaction.response.content or b"{}")
     message = body.get("error", {}).get("message", "")
-    return (status == 400 and "the last message must be a user message" in message) or \
+    in_words = ("the last message must be a user message", "A maximum of 4 blocks with cache_control")
+    return (status == 400 and any(rule in message for rule in in_words)) or \
         (status == 413 and len(interaction.request.body or b"") > MAX_BODY_BYTES)
 
 

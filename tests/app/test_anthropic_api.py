@@ -17,6 +17,14 @@ TOOLS = [{"name": "lookup", "description": "Look a fact up in the harbour record
           "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}}}]
 
 
+@pytest.fixture(autouse=True)
+def no_lease_left(server_engine):
+    """The session's store is shared: end the leases these tests take (other tests count the running ones)."""
+    yield
+    for family in ("anthropic", "anthropic:tester"):
+        server_engine.parts.store.release(family)
+
+
 def make_client(url: str, api_key: str = "unused") -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=url, api_key=api_key, max_retries=0, timeout=300)
 

@@ -2,8 +2,8 @@
 
 Lookups go gpu -> memory -> disk -> Redis and promote hits. Every tier is one `Tier` over one `Entry`
 (store/base.py): the gpu and memory tiers keep tensors in the model's dtype (a hit is no copy, no
-decode), disk and Redis keep the encoded entry (codec native, fp16, or int8 at about half fp16's
-bytes), encoded once per put; Redis is written by its own background thread. Every byte-tier entry is
+decode), disk and Redis keep the encoded entry (store/codecs.py: native, fp16, int8, int4 or the
+entropy-coded cachegen), encoded once per put; Redis is written by its own background thread. Every byte-tier entry is
 checked (magic, version, lengths, xxh3-128 per layer and over the header, model fingerprint, key) on
 the way out; a bad one is deleted and reported as a miss. An entry can also be read one layer at a
 time (`open(key)` -> LayeredEntry or ResidentEntry, `entry.layer(i, device, dtype)`), its layers read
@@ -26,13 +26,16 @@ Exports:
     family_id                           the id a lease family (a client's text) is known by
     kv_key, validate_key                keys: sha256 hex of (fingerprint, context hash, token ids)
     encode, decode, read_header         the entry format
-    bytes_per_token, CODECS, get_codec  codec sizes; "native", "fp16", "int8"; the Codec objects
+    bytes_per_token, CODECS, get_codec  codec sizes; "native", "fp16", "int8", "int4"; the Codec objects
+    CODEC_NAMES                         ... and "cachegen", which codes with fitted tables:
+    CacheGenTables, register_tables     its probability model (fit, to_bytes/from_bytes) and its codec
     CorruptEntryError, KVMismatchError  what decode raises for damaged / another model's entries
     OldFormatError                      ... and for entries of another format version (a CorruptEntryError)
 """
 from common.chunk_kv import KVMismatchError
 from store.base import Entry, Tier
 from store.byte_tier import ByteTier
+from store.codecs import CODEC_NAMES, CacheGenTables, register_tables
 from store.disk import DiskTier
 from store.factory import build_store
 from store.keys import kv_key, validate_key
@@ -46,8 +49,9 @@ from store.settings import StoreSettings
 from store.tiered import KVStore, StoreClosedError, TieredStore
 
 __all__ = [
-    "ByteTier", "BytesTier", "CODECS", "CorruptEntryError", "DiskTier", "Entry", "KVMismatchError", "KVStore",
-    "LayerReadError", "LayeredEntry", "LeaseLedger", "LeaseResult", "Leases", "MemoryTier", "OldFormatError",
-    "RedisTier", "ResidentEntry", "StoreClosedError", "StoreSettings", "Tier", "TieredStore", "build_store",
-    "bytes_per_token", "decode", "encode", "family_id", "get_codec", "kv_key", "read_header", "validate_key",
+    "ByteTier", "BytesTier", "CODECS", "CODEC_NAMES", "CacheGenTables", "CorruptEntryError", "DiskTier", "Entry",
+    "KVMismatchError", "KVStore", "LayerReadError", "LayeredEntry", "LeaseLedger", "LeaseResult", "Leases",
+    "MemoryTier", "OldFormatError", "RedisTier", "ResidentEntry", "StoreClosedError", "StoreSettings", "Tier",
+    "TieredStore", "build_store", "bytes_per_token", "decode", "encode", "family_id", "get_codec", "kv_key",
+    "read_header", "register_tables", "validate_key",
 ]

@@ -31,7 +31,7 @@ import torch
 
 from common.chunk_kv import ChunkKV
 from common.placement import HOST, Placement
-from store.serialize import CorruptEntryError, decode, encode, get_codec
+from store.serialize import Codec, CorruptEntryError, decode, encode, get_codec
 
 
 class Entry:
@@ -46,13 +46,13 @@ class Entry:
         self._lock = threading.Lock()
 
     @classmethod
-    def computed(cls, kv: ChunkKV, codec: str) -> Entry:
+    def computed(cls, kv: ChunkKV, codec: str | Codec) -> Entry:
         """A chunk just computed: its tensors as a hit will read them back (the codec's round trip), its
         bytes encoded from `kv` itself (encoding the round trip again would not give the same int8 scales)."""
         return cls(get_codec(codec).round_trip(kv), lambda: encode(kv, codec))
 
     @classmethod
-    def of_tensors(cls, kv: ChunkKV, codec: str) -> Entry:
+    def of_tensors(cls, kv: ChunkKV, codec: str | Codec) -> Entry:
         """A chunk a tensor tier holds (already as the codec gives it back)."""
         return cls(kv, lambda: encode(kv, codec))
 
@@ -81,7 +81,7 @@ class Entry:
 class Reading:
     """What every read of one store shares, whichever tier serves it."""
 
-    codec: str = "fp16"             # a tensor tier's entry promoted into a byte tier is encoded with it
+    codec: str | Codec = "fp16"     # a tensor tier's entry promoted into a byte tier is encoded with it
     fingerprint: str | None = None  # the model's: a byte tier refuses entries of any other (None: any model)
     placement: Placement = HOST     # layers staged in page-locked host memory when it says `pin`
     pool: Executor | None = None    # reads open entries' layers ahead (None: each layer when it is asked for)

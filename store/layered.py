@@ -103,7 +103,7 @@ class LayeredEntry(OpenEntry):
         self.context_hash = head.header["context_hash"]
         self.fingerprint = head.header["fingerprint"]
         self.nbytes = head.nbytes
-        self.layer_nbytes = head.layer_range(0)[1] if head.num_layers else 0
+        self.layer_nbytes = (head.nbytes - head.head_nbytes) // max(head.num_layers, 1)  # a mean: some codecs vary
         self._verify = verify
         self.pin_memory = reading.placement.pin  # staging buffers a copy to the device can read without blocking
         self._pool, self._ahead = reading.pool, max(1, reading.ahead)
@@ -144,16 +144,17 @@ class LayeredEntry(OpenEntry):
             pending = self._pending.pop(i, None)
         self.prefetch(i + self._ahead)
         start = time.perf_counter()
-        section = pending.result() if pending is not None else self._read_checked(i)
-        keys, values = self._head.unpack_layer(section, device, dtype)
-        self._hooks.layer_read(self.layer_nbytes, time.perf_counter() - start)
+        section, parts = pending.result() if pending is not None else self._read_checked(i)
+        keys, values = self._head.unpack_parts(parts, device, dtype)
+        self._hooks.layer_read(len(section), time.perf_counter() - start)
         with self._lock:
             if self._sections is not None:
                 self._sections[i] = section
         return keys, values
 
-    def _read_checked(self, i: int) -> torch.Tensor:
-        """Layer i's section, read and checked: a uint8 tensor [length] (pinned when asked)."""
+    def _read_checked(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Layer i's section, read and checked (a uint8 tensor [length], pinned when asked), and its parts
+        on the host (an entropy-coded layer decoded here, on the read thread: off the loader's)."""
         offset, length = self._head.layer_range(i)
         section = torch.empty(length, dtype=torch.uint8, pin_memory=self.pin_memory)
         buffer = section.numpy()
@@ -169,6 +170,7 @@ class LayeredEntry(OpenEntry):
                                      corrupt=False)
             if self._verify:
                 self._head.check_layer(i, buffer)
+            parts = self._head.layer_parts(i, section)
         except CorruptEntryError as exc:
             if self._fail(f"layer {i} is damaged: {exc}", corrupt=True):  # two threads on a bad entry: dropped once
                 self._hooks.dropped(exc)
@@ -177,7 +179,7 @@ class LayeredEntry(OpenEntry):
         except LayerReadError as exc:
             self._fail(str(exc))
             raise
-        return section
+        return section, parts
 
     def _fail(self, reason: str, corrupt: bool = False) -> bool:
         """Mark the entry failed; True for the first failure."""

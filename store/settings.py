@@ -3,11 +3,29 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+from store.codecs import DEFAULT_BINS, BinPlan
+
+
+class CacheGenBins(BaseModel):
+    """The cachegen codec's bins per layer: [first layer, bins] bands for keys and values (store.codecs.BinPlan)."""
+
+    keys: list[tuple[int, int]] = list(DEFAULT_BINS.keys)
+    values: list[tuple[int, int]] = list(DEFAULT_BINS.values)
+
+    @model_validator(mode="after")
+    def _valid(self) -> CacheGenBins:
+        self.plan()  # raises ValueError for bands that do not start at layer 0, ascend, or hold 4-256 bins
+        return self
+
+    def plan(self) -> BinPlan:
+        return BinPlan.of(self.model_dump())
 
 
 class StoreSettings(BaseModel):
-    codec: Literal["native", "fp16", "int8"] = "fp16"
+    codec: Literal["native", "fp16", "int8", "int4", "cachegen"] = "fp16"
+    cachegen_bins: CacheGenBins = CacheGenBins()
     gpu_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"  # auto: a share of the device's free memory; 0 for a model on the host
     memory_bytes: int = Field(512 << 20, ge=0)
     disk_bytes: int = Field(4 << 30, ge=0)

@@ -34,7 +34,7 @@ from store.base import Entry, OpenEntry, Reading, Tier
 from store.counters import StoreCounters
 from store.keys import kv_key, validate_key
 from store.leases import Freed, LeaseResult, Leases, family_id
-from store.serialize import CorruptEntryError, OldFormatError
+from store.serialize import Codec, CorruptEntryError, OldFormatError, get_codec
 
 log = logging.getLogger("ragblend.store")
 Found = TypeVar("Found", Entry, OpenEntry)
@@ -71,7 +71,7 @@ class TieredStore:
     Thread-safe. After close(), every call but close/flush/stats raises StoreClosedError.
     """
 
-    def __init__(self, tiers: Sequence[Tier], codec: str = "fp16", fingerprint: str | None = None,
+    def __init__(self, tiers: Sequence[Tier], codec: str | Codec = "fp16", fingerprint: str | None = None,
                  placement: Placement = HOST, read_threads: int = 4, read_ahead: int = 2,
                  leases: Leases | None = None) -> None:
         """`read_threads`: the pool that reads open entries' layers ahead, concurrently (0: each
@@ -80,9 +80,10 @@ class TieredStore:
         if len({t.name for t in tiers}) != len(tiers):
             raise ValueError(f"tier names must be unique: {[t.name for t in tiers]}")
         self.tiers = list(tiers)
-        self.codec, self.fingerprint, self.placement = codec, fingerprint, placement
+        self._codec = get_codec(codec)  # cachegen comes as a Codec (it codes with fitted tables)
+        self.codec, self.fingerprint, self.placement = self._codec.name, fingerprint, placement
         self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="ragblend-store-read") if read_threads else None
-        self._reading = Reading(codec, fingerprint, placement, self._pool, read_ahead)
+        self._reading = Reading(self._codec, fingerprint, placement, self._pool, read_ahead)
         self._counters = StoreCounters(t.name for t in self.tiers)
         self._close_lock = threading.Lock()
         self._closed = False
@@ -168,7 +169,7 @@ class TieredStore:
             raise KVMismatchError(f"KV of model {kv.fingerprint!r} offered to the store of {self.fingerprint!r}")
         if kv_key(kv.fingerprint, kv.context_hash, kv.token_ids) != key:
             raise KVMismatchError("key must be kv_key(kv.fingerprint, kv.context_hash, kv.token_ids)")
-        entry = Entry.computed(kv, self.codec)
+        entry = Entry.computed(kv, self._codec)
         for tier in self.tiers:
             tier.put(key, entry)
         self._counters.bump("puts")

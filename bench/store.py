@@ -3,6 +3,7 @@
 model), and a loader's pattern: layer i of several open chunks in turn, serial and read ahead on the pool.
 
     python bench/store.py [--tokens 512] [--chunks 8] [--repeats 5] [--device cpu|cuda] [--threads N]
+                          [--codecs native,fp16,int8,int4,cachegen]
 
 Prints JSON on stdout, progress on stderr. Starts its own redis-server on a free port (skipped when
 redis-server is missing). The KV is random (the store does not care); the model is randomly initialised
@@ -15,6 +16,14 @@ Per codec and tier: `get_s` (TieredStore.get: read, check, decode the whole chun
 `get_gbps` / `layers_gbps`: the KV delivered in the model's dtype per second (GB = 1e9 bytes);
 `loader_serial_s` / `loader_parallel_s`: `--chunks` chunks opened together, layer i of each in turn
 (read_threads 0 against the default pool). Medians over repeats, interleaved.
+
+`rates`, per KV shape (SmolLM2-135M's and Llama-3-8B's) and codec: `bytes_per_token` (the encoded entry,
+header excluded), `encode_mb_s` (KV in the model's dtype in, per second), `decode_mb_s` (a whole entry
+decoded into the model's dtype on the host, KV out per second: `decode`) and `layer_decode_mb_s` (every
+layer through `layer_parts` + `unpack_parts`, as a loader reads it), MB = 1e6 bytes. The data is random
+(gaussian, one key channel 20x the others), so cachegen's bytes here are not its bytes on a real model's
+KV (bench/kv_bytes.py measures those); its tables are fitted on other random chunks of the same shape.
+Its speed does not depend on that.
 """
 from __future__ import annotations
 
@@ -33,10 +42,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.placement import HOST, Placement  # noqa: E402
-from store import CODECS, DiskTier, MemoryTier, RedisTier, TieredStore, bytes_per_token  # noqa: E402
+from store import (CODEC_NAMES, CacheGenTables, DiskTier, MemoryTier, RedisTier, TieredStore, decode,  # noqa: E402
+                   encode, get_codec, register_tables)
+from store.codecs import Codec  # noqa: E402
+from store.serialize import parse_head  # noqa: E402
 from tests.helpers import random_kv  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64  # SmolLM2-135M
+SHAPES = {"smollm2-135m": (LAYERS, KV_HEADS, HEAD_DIM), "llama-3-8b": (32, 8, 128)}  # [L, H, D]
 FINGERPRINT = "bench-smollm2-135m-shape"
 
 
@@ -76,6 +89,33 @@ def recompute_s(tokens: int, repeats: int, placement: Placement, dtype: torch.dt
                                  for _ in range(repeats))
 
 
+def codec_for(name: str, shape: tuple[int, int, int, int], dtype: torch.dtype, fingerprint: str) -> Codec:
+    """The codec `name`; cachegen with tables fitted on 4 random chunks of `shape` (seeds apart from the measured)."""
+    if name != "cachegen":
+        return get_codec(name)
+    samples = [random_kv(10_000 + i, shape=shape, fingerprint=fingerprint, dtype=dtype)[1] for i in range(4)]
+    return register_tables(CacheGenTables.fit(samples, get_codec("cachegen").plan))
+
+
+def codec_rates(codec: Codec, kv, repeats: int) -> dict[str, float]:
+    """bytes/token and encode / whole decode / layer-by-layer decode rates of one codec on `kv`, on the host."""
+    data = encode(kv, codec)
+    head = parse_head(data)
+
+    def layers() -> None:
+        for i in range(head.num_layers):
+            offset, length = head.layer_range(i)
+            head.unpack_parts(head.layer_parts(i, torch.frombuffer(bytearray(data[offset:offset + length]),
+                                                                   dtype=torch.uint8)))
+
+    times = {case: statistics.median(timed(fn, HOST) for _ in range(repeats)) for case, fn in
+             {"encode": lambda: encode(kv, codec), "decode": lambda: decode(data), "layers": layers}.items()}
+    mb = kv.nbytes / 1e6
+    return {"bytes_per_token": round((len(data) - head.payload_start) / kv.num_tokens, 1),
+            "encode_mb_s": round(mb / times["encode"], 1), "decode_mb_s": round(mb / times["decode"], 1),
+            "layer_decode_mb_s": round(mb / times["layers"], 1)}
+
+
 def make_tiers(name: str, root: Path, redis_url: str | None, placement: Placement) -> list:
     return {"gpu": lambda: [MemoryTier(1 << 34, device=placement.device, name="gpu")],
             "memory": lambda: [MemoryTier(1 << 34, pin=placement.pin)],
@@ -83,10 +123,10 @@ def make_tiers(name: str, root: Path, redis_url: str | None, placement: Placemen
             "redis": lambda: [RedisTier(redis_url, timeout_s=10.0, prefix=f"{root.name}:")]}[name]()
 
 
-def tier_times(name: str, codec: str, chunks: list, root: Path, redis_url: str | None, placement: Placement,
+def tier_times(name: str, codec: Codec, chunks: list, root: Path, redis_url: str | None, placement: Placement,
                repeats: int) -> dict[str, float]:
     """Timings of one tier as the only tier, every figure once per repeat, interleaved."""
-    stores = {threads: TieredStore(make_tiers(name, root / f"{codec}-{threads}", redis_url, placement), codec=codec,
+    stores = {threads: TieredStore(make_tiers(name, root / f"{codec.name}-{threads}", redis_url, placement), codec=codec,
                                    fingerprint=FINGERPRINT, placement=placement, read_threads=threads)
               for threads in (0, 4)}
     for store in stores.values():
@@ -126,7 +166,8 @@ def tier_times(name: str, codec: str, chunks: list, root: Path, redis_url: str |
     return {case: statistics.median(values) for case, values in times.items()}
 
 
-def run(tokens: int = 512, chunks: int = 8, repeats: int = 5, device: str = "cpu") -> dict:
+def run(tokens: int = 512, chunks: int = 8, repeats: int = 5, device: str = "cpu",
+        codecs: tuple[str, ...] = CODEC_NAMES) -> dict:
     """The benchmark as a dict (bench/device_check.py may call this with device="cuda")."""
     placement = placement_for(device)
     dtype = torch.float32 if placement.on_host else torch.bfloat16
@@ -145,10 +186,11 @@ def run(tokens: int = 512, chunks: int = 8, repeats: int = 5, device: str = "cpu
         names.append("redis")
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for codec in CODECS:
+            for codec in codecs:
                 by_codec[codec] = {}
+                coder = codec_for(codec, shape, dtype, FINGERPRINT)
                 for name in names:
-                    t = tier_times(name, codec, kvs, Path(tmp), redis_server and redis_server.url, placement, repeats)
+                    t = tier_times(name, coder, kvs, Path(tmp), redis_server and redis_server.url, placement, repeats)
                     gb = lambda s, n=1: round(n * kv_bytes / s / 1e9, 3)  # noqa: E731
                     by_codec[codec][name] = {
                         **{k: round(v, 6) for k, v in t.items()},
@@ -162,11 +204,17 @@ def run(tokens: int = 512, chunks: int = 8, repeats: int = 5, device: str = "cpu
     finally:
         if redis_server is not None:
             redis_server.__exit__(None, None, None)
+    rates = {}
+    for model, (L, H, D) in SHAPES.items():
+        kv = random_kv(1, shape=(L, H, tokens, D), fingerprint=model)[1]  # float32: what the host decodes into
+        rates[model] = {}
+        for codec in codecs:
+            rates[model][codec] = codec_rates(codec_for(codec, tuple(kv.keys.shape), kv.keys.dtype, model), kv, repeats)
+            log(f"{model} {codec:>8}: {rates[model][codec]}")
     return {"chunk": {"layers": LAYERS, "kv_heads": KV_HEADS, "tokens": tokens, "head_dim": HEAD_DIM,
                       "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes},
             "device": str(placement.device), "recompute_s": round(recompute, 6), "codecs": by_codec,
-            "bytes_per_token": {codec: bytes_per_token(codec, shape, dtype) for codec in CODECS},
-            "torch_threads": torch.get_num_threads()}
+            "rates": rates, "torch_threads": torch.get_num_threads()}
 
 
 def main() -> None:
@@ -176,10 +224,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    parser.add_argument("--codecs", default=",".join(CODEC_NAMES), help="comma-separated codecs to measure")
     args = parser.parse_args()
+    codecs = tuple(c.strip() for c in args.codecs.split(",") if c.strip())
+    if unknown := [c for c in codecs if c not in CODEC_NAMES]:
+        parser.error(f"unknown codecs {unknown}: choose from {', '.join(CODEC_NAMES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(json.dumps(run(args.tokens, args.chunks, args.repeats, args.device), indent=2))
+    print(json.dumps(run(args.tokens, args.chunks, args.repeats, args.device, codecs), indent=2))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from store import CODECS
+from store import CODEC_NAMES
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -29,12 +29,28 @@ def test_bench_store_reports_every_tier_and_codec():
     report = bench("store.py", "--tokens", "16", "--chunks", "2", "--repeats", "1")
     assert report["device"] == "cpu" and report["chunk"]["tokens"] == 16 and report["recompute_s"] > 0
     tiers = ["memory", "disk"] + ["redis"] * bool(shutil.which("redis-server"))
-    assert set(report["codecs"]) == set(CODECS) == set(report["bytes_per_token"])
-    for codec in CODECS:
+    assert set(report["codecs"]) == set(CODEC_NAMES)
+    for codec in CODEC_NAMES:
         assert list(report["codecs"][codec]) == tiers
         for figures in report["codecs"][codec].values():
             for case in ("get_s", "all_layers_s", "loader_serial_s", "loader_parallel_s"):
                 assert figures[case] > 0, (codec, case)
+    # Per KV shape and codec: bytes/token and the encode/decode rates.
+    for model, (L, H, D) in {"smollm2-135m": (30, 3, 64), "llama-3-8b": (32, 8, 128)}.items():
+        rates = report["rates"][model]
+        assert set(rates) == set(CODEC_NAMES)
+        assert rates["fp16"]["bytes_per_token"] == L * H * D * 4 + 8
+        assert rates["int4"]["bytes_per_token"] == L * (H * D + 4 * H * D // 16 + 4 * H) + 8  # 16 tokens: one key group
+        assert rates["cachegen"]["bytes_per_token"] < 2 * L * H * D  # under a byte a value
+        assert all(r[k] > 0 for r in rates.values() for k in ("encode_mb_s", "decode_mb_s", "layer_decode_mb_s"))
+
+
+def test_bench_store_measures_the_codecs_asked_for():
+    report = bench("store.py", "--tokens", "8", "--chunks", "1", "--repeats", "1", "--codecs", "int4,cachegen")
+    assert set(report["codecs"]) == set(report["rates"]["llama-3-8b"]) == {"int4", "cachegen"}
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "store.py"), "--codecs", "int3"], capture_output=True,
+                          text=True, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert done.returncode == 2 and "unknown codecs ['int3']" in done.stderr
 
 
 def test_bench_pipeline_reports_ttft_per_tier_and_way(musique):

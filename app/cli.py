@@ -83,7 +83,8 @@ def compare(dataset: Path = typer.Option(..., exists=True, dir_okay=False, help=
             out: Path = typer.Option(Path("reports/compare")),
             precompute: Optional[str] = typer.Option(None, help="head | zero (default: config)."),
             codec: Optional[str] = typer.Option(
-                None, help="none | native | fp16 | int8: pass chunk KV through a store codec."),
+                None, help="none | native | fp16 | int8 | int4 | cachegen: pass chunk KV through a store "
+                           "codec (cachegen: its bins from store.cachegen_bins)."),
             max_tokens: int = typer.Option(32, min=1), resume: bool = typer.Option(False),
             seed: int = typer.Option(0, help="Seed of the random-selection baseline (plus the question index)."),
             threads: Optional[int] = typer.Option(None, min=1, help="torch threads for the run (default: torch's)."),
@@ -103,10 +104,10 @@ def compare(dataset: Path = typer.Option(..., exists=True, dir_okay=False, help=
         fail("--ratios must be numbers in [0, 1]")
     if precompute not in (None, "head", "zero"):
         fail(f"unknown --precompute {precompute!r}: use head or zero")
-    from store import CODECS
+    from store import CODEC_NAMES
 
-    if codec not in (None, "none", *CODECS):
-        fail(f"unknown --codec {codec!r}: use none, {', '.join(CODECS)}")
+    if codec not in (None, "none", *CODEC_NAMES):
+        fail(f"unknown --codec {codec!r}: use none, {', '.join(CODEC_NAMES)}")
     raise typer.Exit(run_compare(_settings(config), dataset, limit=limit, passages=passages, ratios=ratio_list,
                                  out=out, precompute=precompute, codec=codec, max_tokens=max_tokens,
                                  resume=resume, seed=seed, threads=threads, start=start,

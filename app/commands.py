@@ -202,9 +202,11 @@ def _run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int
     except (OSError, ValueError) as exc:
         print(f"error: cannot read dataset: {exc}", file=sys.stderr)
         return 2
+    codec = codec or settings.store.codec
     config = CompareConfig(str(dataset), passages, sorted(set(ratios)), precompute or settings.blend.precompute,
-                           codec or settings.store.codec, settings.blend.check_layer, settings.blend.deviation,
-                           selections, max_tokens, seed, torch.get_num_threads())
+                           codec, settings.blend.check_layer, settings.blend.deviation,
+                           selections, max_tokens, seed, torch.get_num_threads(),
+                           settings.store.cachegen_bins.plan().as_dict() if codec == "cachegen" else None)
     parts = Components(settings)
     try:
         harness = Harness(parts.blender, parts.runtime, parts.prompt, config)

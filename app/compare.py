@@ -11,8 +11,8 @@ head | first K passages (dataset order) | suffix, answered greedily in these MOD
     blend@1     ratio 1: every policy recomputes everything, so it runs once (equals full prefill)
 
 Per question, step by step:
-    1. precompute the head's and passages' KV (untimed, as at ingest), each passed through the
-       store codec and back (`--codec`), as serving reads them from the store
+    1. precompute the head's and passages' KV (untimed, as at ingest), each passage passed through the
+       store codec and back (`--codec`), as serving reads them from the store (the head stays exact)
     2. full prefill, timed; its greedy answer is the reference token sequence
     3. every other mode right after it, timed the same way (TTFT = prefill + choosing the first
        token), so each mode's TTFT ratio compares two back-to-back runs on the same prompt
@@ -58,13 +58,14 @@ class CompareConfig:
     passages: int
     ratios: list[float]
     precompute: str      # "head" | "zero"
-    codec: str           # "none" or a store codec: "native" | "fp16" | "int8"
+    codec: str           # "none" or a store codec: "native" | "fp16" | "int8" | "int4" | "cachegen"
     check_layer: int
     deviation: str
     selections: list[str]  # policies compared; the first is the default
     max_tokens: int
     seed: int
     threads: int         # torch intra-op threads the timings ran with
+    codec_bins: dict | None = None  # cachegen: its bins per layer band (store.cachegen_bins)
 
 
 @dataclass(frozen=True)
@@ -109,12 +110,13 @@ class Harness:
         self.blender, self.runtime, self.prompt, self.config = blender, runtime, prompt, config
         self.modes = build_modes(config.ratios, config.selections)
         self.head_ids = prompt.head_ids
-        self.head_kv = self._through_codec(blender.precompute(self.head_ids))
+        self.codec = None if config.codec == "none" else get_codec(config.codec, bins=config.codec_bins)
+        self.head_kv = blender.precompute(self.head_ids)  # exact, as serving keeps it (app.kv.ChunkKVCache.head)
         self.sampling = SamplingParams(max_new_tokens=config.max_tokens)
 
     def _through_codec(self, kv: ChunkKV) -> ChunkKV:
         """The KV as serving would read it back from the store (the codec's round trip, as store.put's)."""
-        return kv if self.config.codec == "none" else get_codec(self.config.codec).round_trip(kv)
+        return kv if self.codec is None else self.codec.round_trip(kv)
 
     def prepare(self, item: dict[str, Any]) -> PromptKV:
         """1. Head + first K passages (dataset order) + question suffix, chunk KVs precomputed."""

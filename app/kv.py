@@ -40,9 +40,12 @@ class ChunkKVCache:
         self._head: ChunkKV | None = None
 
     def head(self) -> ChunkKV:
-        """The prompt head's KV (exact: computed at position 0 with nothing before it)."""
+        """The prompt head's KV, computed once (at warm-up, before the scheduler) and kept exact, never
+        through the store's codec: it holds the attention sink, which a lossy codec hurts most (quantising the
+        head alone, cachegen at 16 bins, raised blend@0.15's KL by 80% on 6 MuSiQue questions: BENCHMARKS.md,
+        "Compressed KV"), and every passage is precomputed after it."""
         if self._head is None:
-            self._head, _ = self._load(self.head_ids, [])
+            self._head = self.blender.precompute(self.head_ids)
         return self._head
 
     @property
@@ -111,6 +114,8 @@ class ChunkKVCache:
         `before`: the KVs laid out in front of it that hold exactly `context_ids` (the head and earlier
         conversation pieces), so only `ids` run."""
         ids, context_ids = list(ids), list(context_ids)
+        if ids == self.head_ids and not context_ids:  # the head: exact, not stored (`head`)
+            return self.head()
         if context_ids == self.context_ids and not before:  # a passage
             kv = self._compute(ids, context_ids)
         else:

@@ -33,7 +33,7 @@ import torch
 
 from common.chunk_kv import ChunkKV
 from store.base import Entry, EntryHooks, OpenEntry, Reading
-from store.serialize import CorruptEntryError, EntryHead
+from store.serialize import Codec, CorruptEntryError, EntryHead, get_codec
 
 log = logging.getLogger("ragblend.store")
 
@@ -59,8 +59,10 @@ class LayerReadError(RuntimeError):
 class ResidentEntry(OpenEntry):
     """A chunk a tensor tier holds (keys/values [L, H, T, D] on the tier's device, model dtype)."""
 
-    def __init__(self, key: str, tier: str, codec: str, kv: ChunkKV, hooks: EntryHooks) -> None:
-        self.key, self.tier, self.codec, self.kv, self._hooks = key, tier, codec, kv, hooks
+    def __init__(self, key: str, tier: str, codec: str | Codec, kv: ChunkKV, hooks: EntryHooks) -> None:
+        self.key, self.tier, self.kv, self._hooks = key, tier, kv, hooks
+        self._coder = get_codec(codec)  # encodes the entry if it is promoted into a byte tier
+        self.codec = self._coder.name
         self.dtype, self.shape = kv.keys.dtype, tuple(kv.keys.shape)
         self.num_layers = self.shape[0]
         self.token_ids, self.position = kv.token_ids, kv.position
@@ -86,7 +88,7 @@ class ResidentEntry(OpenEntry):
         if not self._closed:
             self._closed = True
             if len(self._read) == self.num_layers and self._hooks.promotes:
-                self._hooks.promote(Entry.of_tensors(self.kv, self.codec))
+                self._hooks.promote(Entry.of_tensors(self.kv, self._coder))
 
 
 class LayeredEntry(OpenEntry):

@@ -84,7 +84,7 @@ def compare(dataset: Path = typer.Option(..., exists=True, dir_okay=False, help=
             precompute: Optional[str] = typer.Option(None, help="head | zero (default: config)."),
             codec: Optional[str] = typer.Option(
                 None, help="none | native | fp16 | int8 | int4 | cachegen: pass chunk KV through a store "
-                           "codec (cachegen: its bins from store.cachegen_bins)."),
+                           "codec (cachegen: its bins from store.cachegen_bins; default: the disk tier's)."),
             max_tokens: int = typer.Option(32, min=1), resume: bool = typer.Option(False),
             seed: int = typer.Option(0, help="Seed of the random-selection baseline (plus the question index)."),
             threads: Optional[int] = typer.Option(None, min=1, help="torch threads for the run (default: torch's)."),

@@ -202,7 +202,7 @@ def _run_compare(settings: Settings, dataset: Path, *, limit: int, passages: int
     except (OSError, ValueError) as exc:
         print(f"error: cannot read dataset: {exc}", file=sys.stderr)
         return 2
-    codec = codec or settings.store.codec
+    codec = codec or settings.store.codec_of("disk")  # by default as the disk tier keeps passages
     config = CompareConfig(str(dataset), passages, sorted(set(ratios)), precompute or settings.blend.precompute,
                            codec, settings.blend.check_layer, settings.blend.deviation,
                            selections, max_tokens, seed, torch.get_num_threads(),

@@ -14,6 +14,7 @@ from dataclasses import replace
 from functools import cached_property
 from typing import Any, Protocol
 
+from app.cachegen import tier_codecs
 from app.config import Settings
 from app.ingest import IngestCancelled, Ingestor
 from app.kv import ChunkKVCache
@@ -24,6 +25,7 @@ from app.worker import Worker
 from blend import Blender, DecodeRuntime, LoadedModel, PromptFormat, load_model
 from retrieval import Chunker, Embedder, Metadata, Retriever, open_embedder, open_metadata
 from store import TieredStore, build_store
+from store.codecs import Codec
 
 
 class Components:
@@ -65,7 +67,12 @@ class Components:
         """The store, its leases kept in the metadata database (shared by replicas, kept across restarts)."""
         return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint,
                            self.blender.backend.placement,  # the gpu tier and pinned memory follow the model
-                           ledger=self.metadata)
+                           ledger=self.metadata, codecs=self.codecs)
+
+    @cached_property
+    def codecs(self) -> dict[str, Codec]:
+        """Each store tier's codec, cachegen's with this model's tables (app/cachegen.py: shared or fitted)."""
+        return tier_codecs(self.settings.store, self.settings.kv_dir, self.blender, self.prompt)
 
     def inspect_store(self) -> TieredStore:
         """The store opened without a model, for stats only (the caller closes it)."""

@@ -96,7 +96,7 @@ def store_report(store_stats: dict[str, Any], usage: dict[str, Any]) -> dict[str
         "tiers": {name: {k: tier.get(k) for k in ("entries", "bytes", "evictions", "lease_held", "maxmemory",
                                                   "policy") if k in tier} for name, tier in tiers.items()},
         "leases": {k: v for k, v in store_stats.get("leases", {}).items() if k != "by_family"},  # all replicas
-        "codec": store_stats.get("codec"),
+        "codecs": store_stats.get("codecs"),
         "kv_entries_used": usage["entries_used"],
         "most_used": usage["top"],
     }

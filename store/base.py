@@ -49,7 +49,7 @@ class Entry:
     def computed(cls, kv: ChunkKV, codec: str | Codec) -> Entry:
         """A chunk just computed: its tensors as a hit will read them back (the codec's round trip), its
         bytes encoded from `kv` itself (encoding the round trip again would not give the same int8 scales)."""
-        return cls(get_codec(codec).round_trip(kv), lambda: encode(kv, codec))
+        return cls(lambda: get_codec(codec).round_trip(kv), lambda: encode(kv, codec))  # each when a tier asks
 
     @classmethod
     def of_tensors(cls, kv: ChunkKV, codec: str | Codec) -> Entry:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from common.placement import HOST, Placement
 from store.base import Tier
+from store.codecs import Codec
 from store.disk import DiskTier
 from store.eviction import Pinned, never_pinned
 from store.leases import LeaseLedger, Leases
@@ -39,13 +40,15 @@ def pinned_caps(settings: StoreSettings, gpu: int) -> dict[str, int]:
 
 def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None,
                 placement: Placement = HOST, ledger: LeaseLedger | None = None,
-                clock: Callable[[], float] = time.time) -> TieredStore:
+                clock: Callable[[], float] = time.time, codecs: Mapping[str, Codec] | None = None) -> TieredStore:
     """A gpu tier on the model's device (a model off the host only), memory (pinned when the placement
     says), disk under `kv_dir`, then Redis if a URL is set.
 
     A tier with a 0-byte cap is left out. `fingerprint` None opens it for inspection only (stats).
     `ledger` (the metadata database): leases kept there, honoured by every tier from its first eviction;
-    None: a store without leases. `clock`: the leases' time, unix seconds.
+    None: a store without leases. `clock`: the leases' time, unix seconds. `codecs`: each tier's codec
+    (cachegen's with its tables: app/cachegen.py); default: by name from the settings (cachegen then only
+    reads and round-trips, it cannot encode).
     """
     gpu = gpu_bytes(settings.gpu_bytes, placement)
     leases = None if ledger is None else Leases(ledger, pinned_caps(settings, gpu), clock, settings.lease_refresh_s)
@@ -65,5 +68,5 @@ def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None,
                                prefix=settings.redis_prefix, ttl_s=settings.redis_ttl_s,
                                timeout_s=settings.redis_timeout_s, backoff_s=settings.redis_backoff_s,
                                queue_size=settings.redis_queue_size, pinned=pinned("redis")))
-    return TieredStore(tiers, codec=settings.codec, fingerprint=fingerprint, placement=placement,
+    return TieredStore(tiers, codec=codecs or settings.codecs(), fingerprint=fingerprint, placement=placement,
                        read_threads=settings.read_threads, leases=leases)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from store.codecs import DEFAULT_BINS, BinPlan
 
@@ -23,8 +23,24 @@ class CacheGenBins(BaseModel):
         return BinPlan.of(self.model_dump())
 
 
+CodecName = Literal["native", "fp16", "int8", "int4", "cachegen"]
+TIERS = ("gpu", "memory", "disk", "redis")
+
+
+class TierCodecs(BaseModel):
+    """The codec each tier keeps its entries in (configs/default.yaml says why each default). A tensor tier
+    (gpu, memory) keeps the codec's round trip in the model's dtype; a byte tier, its encoding."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpu: CodecName = "native"
+    memory: CodecName = "native"
+    disk: CodecName = "int8"
+    redis: CodecName = "int8"
+
+
 class StoreSettings(BaseModel):
-    codec: Literal["native", "fp16", "int8", "int4", "cachegen"] = "fp16"
+    codec: CodecName | TierCodecs = TierCodecs()  # one codec for every tier, or one per tier
     cachegen_bins: CacheGenBins = CacheGenBins()
     gpu_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"  # auto: a share of the device's free memory; 0 for a model on the host
     memory_bytes: int = Field(512 << 20, ge=0)
@@ -44,3 +60,11 @@ class StoreSettings(BaseModel):
     disk_pinned_bytes: int = Field(2 << 30, ge=0)
     redis_pinned_bytes: int = Field(1 << 30, ge=0)
     lease_refresh_s: float = Field(1.0, gt=0)  # how stale a store's view of the shared leases may be
+
+    def codec_of(self, tier: str) -> str:
+        """The codec `tier` (gpu, memory, disk, redis) keeps its entries in."""
+        return self.codec if isinstance(self.codec, str) else getattr(self.codec, tier)
+
+    def codecs(self) -> dict[str, str]:
+        """Every tier's codec, by tier name."""
+        return {tier: self.codec_of(tier) for tier in TIERS}

@@ -10,8 +10,10 @@ tier keeps (the memory and gpu tiers keep tensors, disk and Redis the encoded en
           (an upgrade, not damage).
     open: the same walk, reading only the head; layers are then read one by one (an OpenEntry), and
           an entry read to the end is promoted when it is closed.
-    put:  one Entry to every tier: tensor tiers keep the KV as the codec will give it back
-          (`Codec.round_trip`, returned to the caller), byte tiers its encoding, made once.
+    put:  each tier keeps the chunk in its own codec (`codec`: one for all, or one per tier): tensor tiers
+          the KV as that codec gives it back (`Codec.round_trip`), byte tiers its encoding, each made once
+          per codec; the caller gets the fastest tier's form back. A promoted entry keeps the form it was
+          found in (the bytes of a Redis hit land on disk as they are: no second quantisation).
     delete: from every tier; it wins over any background write of that key queued before it.
     lease: entries held against LRU under a family, per tier within its pinned cap (store/leases.py,
           whose docstring is the API the request side uses); a hit in `get` or `open` renews soft leases.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
@@ -71,19 +73,24 @@ class TieredStore:
     Thread-safe. After close(), every call but close/flush/stats raises StoreClosedError.
     """
 
-    def __init__(self, tiers: Sequence[Tier], codec: str | Codec = "fp16", fingerprint: str | None = None,
+    def __init__(self, tiers: Sequence[Tier], codec: str | Codec | Mapping[str, str | Codec] = "fp16",
+                 fingerprint: str | None = None,
                  placement: Placement = HOST, read_threads: int = 4, read_ahead: int = 2,
                  leases: Leases | None = None) -> None:
         """`read_threads`: the pool that reads open entries' layers ahead, concurrently (0: each
         layer is read when asked, on the caller's thread); `read_ahead`: layers per entry queued ahead.
-        `leases`: the lease book the tiers were built with (their `pinned`); None: a store without leases."""
+        `leases`: the lease book the tiers were built with (their `pinned`); None: a store without leases.
+        `codec`: a name or Codec (cachegen's comes as a Codec: it codes with fitted tables) for every tier, or
+        one per tier name."""
         if len({t.name for t in tiers}) != len(tiers):
             raise ValueError(f"tier names must be unique: {[t.name for t in tiers]}")
         self.tiers = list(tiers)
-        self._codec = get_codec(codec)  # cachegen comes as a Codec (it codes with fitted tables)
-        self.codec, self.fingerprint, self.placement = self._codec.name, fingerprint, placement
+        self._codecs = {t.name: get_codec(_codec_of(codec, t.name)) for t in self.tiers}
+        self.codecs = {name: c.name for name, c in self._codecs.items()}  # tier name -> its codec's name
+        self.fingerprint, self.placement = fingerprint, placement
         self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="ragblend-store-read") if read_threads else None
-        self._reading = Reading(self._codec, fingerprint, placement, self._pool, read_ahead)
+        self._readings = {name: Reading(c, fingerprint, placement, self._pool, read_ahead)
+                          for name, c in self._codecs.items()}
         self._counters = StoreCounters(t.name for t in self.tiers)
         self._close_lock = threading.Lock()
         self._closed = False
@@ -93,6 +100,11 @@ class TieredStore:
         if leases is not None:
             self._sweeper = threading.Thread(target=self._sweep_loop, name="ragblend-lease-sweeper", daemon=True)
             self._sweeper.start()
+
+    @property
+    def codec(self) -> str:
+        """The fastest tier's codec: how `put` hands a chunk back."""
+        return self.codecs[self.tiers[0].name] if self.tiers else "native"
 
     def _check_open(self) -> None:
         if self._closed:  # a plain read: once True it stays True
@@ -128,7 +140,7 @@ class TieredStore:
 
     def get_with_tier(self, key: str) -> tuple[ChunkKV | None, str | None]:
         """The entry and the name of the tier it was found in (None, None on a miss)."""
-        found = self._walk(key, lambda i, tier: tier.get(key, self._reading))
+        found = self._walk(key, lambda i, tier: tier.get(key, self._readings[tier.name]))
         if found is None:
             return None, None
         index, entry = found
@@ -142,7 +154,7 @@ class TieredStore:
         head (header, token ids, model, key); `entry.layer(i)` reads the rest, ahead on the read
         pool. Close the entry when done.
         """
-        found = self._walk(key, lambda i, tier: tier.open(key, self._reading, _Hooks(self, i, key)))
+        found = self._walk(key, lambda i, tier: tier.open(key, self._readings[tier.name], _Hooks(self, i, key)))
         return None if found is None else found[1]
 
     def _drop(self, tier: Tier, key: str, exc: Exception) -> None:
@@ -161,19 +173,21 @@ class TieredStore:
     # --- writes ---------------------------------------------------------------------------------
 
     def put(self, key: str, kv: ChunkKV) -> ChunkKV:
-        """Store `kv` in every tier; returns it as a hit will give it back (the codec's round trip,
-        in kv's dtype: what a just-computed chunk must be to give the same answer as a stored one)."""
+        """Store `kv` in every tier, each in its codec; returns it as a hit in the fastest tier will give it
+        back (that codec's round trip, in kv's dtype: what a just-computed chunk must be to give the same
+        answer as a stored one)."""
         validate_key(key)
         self._check_open()
         if self.fingerprint is not None and kv.fingerprint != self.fingerprint:
             raise KVMismatchError(f"KV of model {kv.fingerprint!r} offered to the store of {self.fingerprint!r}")
         if kv_key(kv.fingerprint, kv.context_hash, kv.token_ids) != key:
             raise KVMismatchError("key must be kv_key(kv.fingerprint, kv.context_hash, kv.token_ids)")
-        entry = Entry.computed(kv, self._codec)
+        entries: dict[str, Entry] = {}  # one per codec: its round trip and encoding made once
         for tier in self.tiers:
-            tier.put(key, entry)
+            codec = self._codecs[tier.name]
+            tier.put(key, entries.setdefault(codec.name, Entry.computed(kv, codec)))
         self._counters.bump("puts")
-        return entry.kv
+        return entries[self.codecs[self.tiers[0].name]].kv if self.tiers else kv
 
     def _promote(self, key: str, found_at: int, entry: Entry) -> None:
         """Put an entry found in tier `found_at` into the faster tiers (not after close)."""
@@ -241,7 +255,7 @@ class TieredStore:
         """The entry from the first tier that holds a good one (no promotion, no lookup counted)."""
         for tier in self.tiers:
             try:
-                entry = tier.get(key, self._reading)
+                entry = tier.get(key, self._readings[tier.name])
             except (CorruptEntryError, KVMismatchError) as exc:
                 self._drop(tier, key, exc)
                 continue
@@ -371,7 +385,15 @@ class TieredStore:
         tiers = {t.name: t.stats() | counts[t.name] for t in self.tiers}
         writes = {name: sum(s.get(name) or 0 for s in tiers.values()) for name in ("dropped_writes", "write_queue")}
         leases = {} if self._leases is None else {"leases": self._leases.stats(limit=0)}
-        return {"codec": self.codec, "fingerprint": self.fingerprint, **totals, **writes, "tiers": tiers, **leases}
+        return {"codecs": self.codecs, "fingerprint": self.fingerprint, **totals, **writes, "tiers": tiers, **leases}
+
+
+def _codec_of(codec: str | Codec | Mapping[str, str | Codec], tier: str) -> str | Codec:
+    if not isinstance(codec, Mapping):
+        return codec
+    if tier not in codec:
+        raise ValueError(f"no codec for tier {tier!r}: codecs are given for {sorted(codec)}")
+    return codec[tier]
 
 
 class _Hooks:

@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blend import Blender, ChunkKV
-from store import (CacheGenTables, CorruptEntryError, DiskTier, KVMismatchError, MemoryTier, RedisTier, TieredStore, bytes_per_token,
-                   decode, encode, get_codec, kv_key, register_tables)
+from store import (CacheGenTables, CorruptEntryError, DiskTier, KVMismatchError, MemoryTier, RedisTier, StoreSettings,
+                   TieredStore, bytes_per_token, decode, encode, get_codec, kv_key, register_tables)
 from store.codecs import DEFAULT_BINS, KEY_GROUP, BinPlan
 from store.serialize import MAGIC, _canonical, _header_digest, decode_layer, head_nbytes, parse_head
+from store.tables import TablesShelf, shared_tables, tables_name
 from tests.blend.conftest import random_ids, tiny_model
 from tests.helpers import assert_same_kv, codec_error_bound, random_kv
 
@@ -267,3 +268,83 @@ def test_a_damaged_cachegen_layer_is_recomputed_with_correct_logits(tmp_path, la
         assert torch.equal(result.logits, reference.logits)
         assert store.open(keys[1]) is None and store.stats()["corrupt"] == 1
 
+
+
+# --- a codec per tier --------------------------------------------------------------------------------
+
+def test_each_tier_keeps_its_own_codec_and_a_promotion_keeps_the_bytes_it_found(tmp_path, redis_url, cachegen):
+    codecs = {"memory": "native", "disk": "int4", "redis": cachegen}
+    tiers = lambda: [MemoryTier(1 << 24), DiskTier(tmp_path / "kv", 1 << 24), RedisTier(redis_url, timeout_s=5.0)]  # noqa: E731
+    key, kv = random_kv(20, context=[1])
+    with TieredStore(tiers(), codec=codecs, fingerprint="model-a") as store:
+        assert store.codecs == {"memory": "native", "disk": "int4", "redis": "cachegen"} and store.codec == "native"
+        stored = store.put(key, kv)
+        store.flush()
+        assert torch.equal(stored.keys, kv.keys)  # the fastest tier's form: native, exact
+        disk, redis = store.tiers[1], store.tiers[2]
+        assert parse_head(disk.get_bytes(key)).codec == "int4" and parse_head(redis.get_bytes(key)).codec == "cachegen"
+        assert store.stats()["codecs"] == store.codecs
+    with TieredStore(tiers()[1:], codec=codecs, fingerprint="model-a") as store:  # a new process: no memory
+        assert_same_kv(store.get(key), kv, "int4")  # from disk
+        store.tiers[0].delete(key)
+        from_redis = store.get(key)  # cachegen, promoted to disk as the bytes Redis held
+        assert_same_kv(from_redis, kv, "cachegen")
+        assert parse_head(store.tiers[0].get_bytes(key)).codec == "cachegen"
+        assert torch.equal(store.get(key).keys, from_redis.keys)
+    with pytest.raises(ValueError, match="no codec for tier 'disk'"):
+        TieredStore(tiers()[1:2], codec={"memory": "native"})
+
+
+def test_store_settings_take_one_codec_or_one_per_tier():
+    assert StoreSettings(codec="int4").codecs() == dict.fromkeys(("gpu", "memory", "disk", "redis"), "int4")
+    per_tier = StoreSettings(codec={"disk": "int4", "redis": "cachegen"})
+    assert per_tier.codec_of("memory") == "native" and per_tier.codec_of("redis") == "cachegen"
+    for bad in ({"dsk": "int4"}, {"disk": "int2"}, "bf8"):
+        with pytest.raises(ValueError):
+            StoreSettings(codec=bad)
+    with pytest.raises(ValueError, match="start at layer 0"):
+        StoreSettings(cachegen_bins={"keys": [[2, 16]], "values": [[0, 16]]})
+
+
+# --- the tables' shelf ------------------------------------------------------------------------------
+
+def _fit_counting(samples, plan=DEFAULT_BINS):
+    calls = []
+
+    def fit() -> CacheGenTables:
+        calls.append(1)
+        return CacheGenTables.fit(samples, plan)
+    return fit, calls
+
+
+def test_tables_are_fitted_once_and_shared_through_the_file_and_redis(tmp_path, redis_url):
+    samples = [random_kv(1000 + i)[1] for i in range(4)]
+    fit, calls = _fit_counting(samples)
+    first = shared_tables(TablesShelf(tmp_path / "a", redis_url), "model-a", DEFAULT_BINS, fit)
+    assert calls == [1] and (tmp_path / "a" / tables_name("model-a", DEFAULT_BINS)).exists()
+    # Another host (its own directory) sharing Redis adopts them; so does another process on the first host.
+    for directory in ("b", "a"):
+        again = shared_tables(TablesShelf(tmp_path / directory, redis_url), "model-a", DEFAULT_BINS, fit)
+        assert again.id == first.id and calls == [1]
+    # A replica whose own fit differs (another device's rounding, say) still codes with the first one's.
+    other_fit, other_calls = _fit_counting(samples[:2])
+    shelf = TablesShelf(tmp_path / "c", redis_url)
+    shelf.delete(tables_name("model-a", DEFAULT_BINS))  # as if it looked before the first replica wrote
+    assert shelf.put_if_absent(tables_name("model-a", DEFAULT_BINS), other_fit().to_bytes()) != b""
+    adopted = shared_tables(TablesShelf(tmp_path / "d", redis_url), "model-a", DEFAULT_BINS, fit)
+    assert adopted.id == CacheGenTables.fit(samples[:2], DEFAULT_BINS).id and calls == [1]
+
+
+def test_damaged_or_foreign_tables_are_refitted_and_no_redis_is_no_failure(tmp_path):
+    samples = [random_kv(1000 + i)[1] for i in range(4)]
+    fit, calls = _fit_counting(samples)
+    shelf = TablesShelf(tmp_path, "redis://127.0.0.1:1/0", timeout_s=0.2)  # nothing listens: the file alone
+    name = tables_name("model-a", DEFAULT_BINS)
+    tables = shared_tables(shelf, "model-a", DEFAULT_BINS, fit)
+    (tmp_path / name).write_bytes((tmp_path / name).read_bytes()[:-3])  # damaged
+    assert shared_tables(shelf, "model-a", DEFAULT_BINS, fit).id == tables.id and calls == [1, 1]
+    foreign = CacheGenTables.fit([random_kv(7, fingerprint="model-b")[1]], DEFAULT_BINS)
+    (tmp_path / name).write_bytes(foreign.to_bytes())  # another model's under this name
+    assert shared_tables(shelf, "model-a", DEFAULT_BINS, fit).id == tables.id and calls == [1, 1, 1]
+    with pytest.raises(ValueError, match="not this model"):
+        shared_tables(TablesShelf(tmp_path / "x"), "model-b", DEFAULT_BINS, fit)

@@ -51,7 +51,7 @@ def stores(database_url, tmp_path):
 
     def open_(clock: Clock, placement: Placement = HOST, **settings) -> TieredStore:
         ledger = open_metadata(database_url, tmp_path)
-        defaults = {"memory_bytes": 0, "disk_bytes": 0, "read_threads": 0, "lease_refresh_s": 3600.0}
+        defaults = {"memory_bytes": 0, "disk_bytes": 0, "read_threads": 0, "lease_refresh_s": 3600.0, "codec": "fp16"}
         store = build_store(StoreSettings(**(defaults | settings)), tmp_path / "kv", FP, placement, ledger=ledger,
                             clock=clock)
         opened.append((store, ledger))

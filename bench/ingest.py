@@ -78,7 +78,7 @@ def bench_kv(chunks: list[tuple[Chunk, str | None]]) -> dict:
         parts.close()
     return {"chunks": len(chunks), "seconds": round(seconds, 2), "chunks_per_s": round(len(chunks) / seconds, 2),
             "tokens_per_s": round(tokens / seconds, 1), "mean_tokens": round(tokens / len(chunks), 1),
-            "precompute": settings.blend.precompute, "codec": settings.store.codec}
+            "precompute": settings.blend.precompute, "codecs": settings.store.codecs()}
 
 
 def bench_search(size: int, kind: str, queries: int) -> dict:

@@ -109,7 +109,8 @@ def main() -> None:
         make = {"memory": lambda: MemoryTier(1 << 32), "disk": lambda: DiskTier(Path(tmp) / "disk", 1 << 32),
                 "redis": lambda: RedisTier(redis_server.url, timeout_s=10.0),
                 "limited": lambda: LimitedTier(args.bandwidth * 1e6)}
-        stores = {name: TieredStore([make[name]()], codec=settings.store.codec, fingerprint=blender.fingerprint,
+        stores = {name: TieredStore([make[name]()], codec=settings.store.codec_of({"limited": "redis"}.get(name, name)),
+                                    fingerprint=blender.fingerprint,
                                     placement=blender.backend.placement) for name in names}
         for store in stores.values():
             for key, kv in zip(keys, kvs):
@@ -168,7 +169,7 @@ def main() -> None:
     memory = median.get(("memory", "pipelined"))
     print(json.dumps({
         "passages": len(passages), "prompt_tokens": prompt_tokens, "kv_mb": round(kv_bytes / 1e6, 1),
-        "codec": settings.store.codec, "ratio": args.ratio, "selection": args.selection or settings.blend.selection,
+        "codecs": settings.store.codecs(), "ratio": args.ratio, "selection": args.selection or settings.blend.selection,
         "bandwidth_mb_s": args.bandwidth,
         "repeats": args.repeats,
         "ttft_s": {t: {how: round(median[(t, how)], 4) for how in HOW} for t in stores},

@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
-from blend.controller import Calibration, ChunkCost, overlap_share, plan_loading  # noqa: E402
+from blend.controller import Calibration, ChunkCost, Source, overlap_share, plan_loading  # noqa: E402
 from blend.selection import get_policy  # noqa: E402
 from common import git_commit  # noqa: E402
 from store import BytesTier, DiskTier, MemoryTier, RedisTier, TieredStore  # noqa: E402
@@ -128,10 +128,9 @@ def main() -> None:
             store = stores[tier]
             start = time.perf_counter()
             segments, ratio = [head, *(store.open(k) for k in keys)], args.ratio
-            if how == "auto" and calibration.recompute_s is not None:
-                plan = plan_loading([ChunkCost(len(e.token_ids), tier, e.layer_nbytes) for e in segments[1:]],
-                                    floor=args.ratio, suffix_tokens=len(suffix), num_layers=blender.num_layers,
-                                    recompute_s=calibration.recompute_s, bandwidth=calibration.bandwidth,
+            if how == "auto" and (rates := calibration.rates()) is not None:
+                plan = plan_loading([ChunkCost(len(e.token_ids), (Source(tier, e.codec, e.layer_nbytes),))
+                                     for e in segments[1:]], rates, floor=args.ratio, suffix_tokens=len(suffix),
                                     overlap=overlap_share(policy.question_layers and layers, blender.num_layers))
                 for i, load in enumerate(plan.load):
                     if not load:  # recompute from text instead (what ChunkKVCache.compute does)
@@ -145,8 +144,7 @@ def main() -> None:
             if how != "whole":  # live costs, as the engine keeps them
                 through = (prefill.stats.recomputed_tokens + len(suffix)) * blender.num_layers
                 calibration.observe_compute(through, end - compute_start - prefill.stats.load_wait_ms / 1e3)
-                t = store.stats()["tiers"][tier]
-                calibration.observe_tier(tier, t["layer_bytes"] / t["layer_reads"], t["layer_ms_mean"])
+                calibration.observe_reads(store.counts(), store.decode_counts())
             return end - start, prefill.stats.load_wait_ms
 
         for tier in stores:  # warm-up, and the controller's first measurements

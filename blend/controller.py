@@ -1,9 +1,10 @@
-"""The loading controller: from measured costs, how much to recompute and which chunks to load at all.
+"""The loading controller: from measured costs, which chunks to load (from which tier) and how much to recompute.
 
 A pure function (`plan_loading`) of numbers, so it is tested without a model:
-- per chunk (CacheGen): loading its stored KV takes `layer_bytes * layers / bandwidth` of its tier;
-  recomputing it from text takes `tokens * layers * recompute cost`. When loading is the slower
-  of the two, the chunk is recomputed from text instead of loaded.
+- per chunk (CacheGen): loading its stored KV from a tier costs, per layer, the layer's stored bytes over the
+  tier's bandwidth plus the same bytes over its codec's decode rate; recomputing it from text costs
+  `tokens * recompute cost` per layer. A chunk held by several tiers is loaded from the cheapest; when even
+  that is slower than recomputing, it is recomputed from text instead.
 - the ratio (CacheBlend): pipelined, layer i+1 loads while layer i computes, so loading is hidden
   when the load of one layer (every loaded chunk's layer, read one after another) takes no longer
   than the compute of one layer: `cost * (r * cached tokens + question tokens)`. The controller
@@ -13,8 +14,10 @@ A pure function (`plan_loading`) of numbers, so it is tested without a model:
   pass starts: only the rest (`overlap`, the share of layers after the question pass) can hide
   behind the main pass, so the compute that pays for itself is `overlap` x the load.
 
-`Calibration` keeps the measured inputs: the per-token-per-layer recompute cost (from prefill
-timings) and each tier's bandwidth (from the store's per-layer read stats), as moving averages.
+`Calibration` keeps the measured inputs as moving averages: the per-token-per-layer recompute cost (from
+prefill timings), each tier's bandwidth and each codec's decode rate (from the store's per-layer read and
+decode counts, real reads), and each codec's stored bytes per token and layer (to price a copy of a chunk in
+a tier it was not opened from). A rate not measured yet counts as free: the chunk is loaded, and measured.
 """
 from __future__ import annotations
 
@@ -23,61 +26,84 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Source:
+    """Where a chunk's KV can be loaded from."""
+
+    tier: str
+    codec: str | None  # how that tier keeps it (None: tensors, nothing to decode)
+    layer_bytes: int   # one layer of it, as stored
+
+
+@dataclass(frozen=True)
 class ChunkCost:
     tokens: int
-    tier: str          # where its KV is stored
-    layer_bytes: int   # one layer's stored K/V (as the codec stores it: fp16 or int8)
+    sources: tuple[Source, ...] = ()  # every tier known to hold it; none: its KV is already at hand (free)
+
+
+@dataclass
+class Rates:
+    """Measured costs, as plain numbers (a `Calibration.snapshot`, or given outright)."""
+
+    recompute_s: float                                    # one token through one layer
+    bandwidth: dict[str, float] = field(default_factory=dict)    # tier -> stored bytes read per second
+    decode_rate: dict[str, float] = field(default_factory=dict)  # codec -> stored bytes decoded per second
+
+    def load_s(self, source: Source) -> float:
+        """Seconds to load one layer of a chunk from `source` (an unmeasured rate costs nothing)."""
+        read = self.bandwidth.get(source.tier)
+        decode = self.decode_rate.get(source.codec)
+        return source.layer_bytes * ((1 / read if read else 0.0) + (1 / decode if decode else 0.0))
 
 
 @dataclass
 class LoadPlan:
     ratio: float
-    load: list[bool]                 # per chunk: True = load its stored KV, False = recompute it from text
+    load: list[bool]                 # per chunk: True = use its KV (at hand, or loaded), False = recompute it from text
+    sources: list[Source | None]     # per chunk: the tier to load it from (None: at hand, or recomputed)
     reason: str
     load_ms_per_layer: float         # the chunks left to load, one layer of each
     compute_ms_per_layer: float      # one layer's compute at `ratio`
 
     def as_dict(self) -> dict:
         return {"ratio": round(self.ratio, 4), "recompute_from_text": [i for i, x in enumerate(self.load) if not x],
-                "reason": self.reason, "load_ms_per_layer": round(self.load_ms_per_layer, 3),
+                "load_from": [s and s.tier for s in self.sources], "reason": self.reason,
+                "load_ms_per_layer": round(self.load_ms_per_layer, 3),
                 "compute_ms_per_layer": round(self.compute_ms_per_layer, 3)}
 
 
-def plan_loading(chunks: list[ChunkCost], *, floor: float, suffix_tokens: int, num_layers: int,
-                 recompute_s: float, bandwidth: dict[str, float], overlap: float = 1.0) -> LoadPlan:
-    """The ratio (>= floor) and per-chunk load/recompute choice for one prompt.
+def plan_loading(chunks: list[ChunkCost], rates: Rates, *, floor: float, suffix_tokens: int,
+                 overlap: float = 1.0) -> LoadPlan:
+    """The ratio (>= floor) and per-chunk source (or recompute from text) for one prompt.
 
-    recompute_s: seconds for one token through one layer; bandwidth: bytes/s per tier (a tier not
-    in it is taken as free to read); overlap: share of the load that can hide behind the main pass
-    (see `overlap_share`).
+    overlap: share of the load that can hide behind the main pass (see `overlap_share`).
     """
     if not 0.0 <= floor <= 1.0:
         raise ValueError(f"the ratio floor must be in [0, 1], got {floor}")
-    if recompute_s <= 0:
-        raise ValueError(f"recompute cost must be positive, got {recompute_s}")
-    load, text = [], []
-    for c in chunks:
-        load_s = c.layer_bytes * num_layers / bandwidth[c.tier] if bandwidth.get(c.tier) else 0.0
-        compute_s = c.tokens * num_layers * recompute_s
+    if rates.recompute_s <= 0:
+        raise ValueError(f"recompute cost must be positive, got {rates.recompute_s}")
+    load, sources, text = [], [], []
+    for i, c in enumerate(chunks):
+        best = min(c.sources, key=rates.load_s, default=None)  # None: no source, its KV is at hand
+        load_s, compute_s = (rates.load_s(best) if best else 0.0), c.tokens * rates.recompute_s
         load.append(load_s <= compute_s)
+        sources.append(best if load_s <= compute_s else None)
         if load_s > compute_s:
-            text.append(f"chunk {len(load) - 1} recomputed from text ({c.tier}: {load_s * 1e3:.0f} ms to load, "
-                        f"{compute_s * 1e3:.0f} ms to recompute)")
-    per_layer_load = sum(c.layer_bytes / bandwidth[c.tier] for c, kept in zip(chunks, load)
-                         if kept and bandwidth.get(c.tier))
+            text.append(f"chunk {i} recomputed from text ({best.tier}: {load_s * 1e3:.1f} ms a layer to load, "
+                        f"{compute_s * 1e3:.1f} ms to recompute)")
+    per_layer_load = sum(rates.load_s(s) for s in sources if s is not None)
     cached = sum(c.tokens for c, kept in zip(chunks, load) if kept)
 
     def compute(r: float) -> float:
-        return recompute_s * (r * cached + suffix_tokens)
+        return rates.recompute_s * (r * cached + suffix_tokens)
 
     target = per_layer_load * overlap  # compute per layer that runs while loads are still arriving
     if compute(floor) >= target or cached == 0:
         ratio, why = floor, "loading hidden at the floor ratio"
     else:
-        ratio = min(1.0, (target / recompute_s - suffix_tokens) / cached)
+        ratio = min(1.0, (target / rates.recompute_s - suffix_tokens) / cached)
         why = (f"ratio raised from {floor} so each layer's compute covers its load" if ratio < 1.0 else
                "loading dominates even at ratio 1")
-    return LoadPlan(ratio, load, "; ".join([why, *text]), per_layer_load * 1e3, compute(ratio) * 1e3)
+    return LoadPlan(ratio, load, sources, "; ".join([why, *text]), per_layer_load * 1e3, compute(ratio) * 1e3)
 
 
 def overlap_share(question_layers: range | None, num_layers: int) -> float:
@@ -92,10 +118,13 @@ def overlap_share(question_layers: range | None, num_layers: int) -> float:
 class Calibration:
     """Measured costs, updated from live timings (exponential moving averages, weight `alpha`)."""
 
-    recompute_s: float | None = None                        # per token per layer
-    bandwidth: dict[str, float] = field(default_factory=dict)  # bytes/s per tier
+    recompute_s: float | None = None                           # per token per layer
+    bandwidth: dict[str, float] = field(default_factory=dict)    # stored bytes/s per tier
+    decode_rate: dict[str, float] = field(default_factory=dict)  # stored bytes/s per codec
+    token_layer_bytes: dict[str, float] = field(default_factory=dict)  # stored bytes of a token in a layer, per codec
     alpha: float = 0.2
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _totals: dict[tuple[str, str], tuple[float, ...]] = field(default_factory=dict, repr=False)  # last seen
 
     def observe_compute(self, tokens_through_layers: float, seconds: float) -> None:
         """`seconds` spent running `tokens_through_layers` (tokens x layers) through decoder layers."""
@@ -103,16 +132,56 @@ class Calibration:
             with self._lock:
                 self.recompute_s = _ema(self.recompute_s, seconds / tokens_through_layers, self.alpha)
 
-    def observe_tier(self, tier: str, layer_bytes: float, layer_ms_mean: float | None) -> None:
-        """A tier's mean per-layer read (the store's `layer_bytes`/`layer_ms_mean` stats)."""
-        if layer_ms_mean:
+    def observe_tier(self, tier: str, nbytes: float, seconds: float) -> None:
+        """`nbytes` read (and checked) from `tier` in `seconds`: the store's per-layer read counts."""
+        if nbytes > 0 and seconds > 0:
             with self._lock:
-                self.bandwidth[tier] = _ema(self.bandwidth.get(tier), layer_bytes / (layer_ms_mean / 1e3), self.alpha)
+                self.bandwidth[tier] = _ema(self.bandwidth.get(tier), nbytes / seconds, self.alpha)
+
+    def observe_codec(self, codec: str, nbytes: float, token_layers: float, seconds: float) -> None:
+        """`nbytes` (as stored, `token_layers` tokens x layers) decoded by `codec` in `seconds`."""
+        if nbytes > 0 and seconds > 0 and token_layers > 0:
+            with self._lock:
+                self.decode_rate[codec] = _ema(self.decode_rate.get(codec), nbytes / seconds, self.alpha)
+                self.token_layer_bytes[codec] = _ema(self.token_layer_bytes.get(codec), nbytes / token_layers,
+                                                     self.alpha)
+
+    def observe_reads(self, tiers: dict[str, dict], codecs: dict[str, dict]) -> None:
+        """The store's read counts (store.TieredStore.counts and decode_counts: running totals, plain dicts):
+        the reads since the last call move each tier's bandwidth and each codec's decode rate."""
+        for tier, t in tiers.items():
+            nbytes, seconds = self._since(("tier", tier), (t["layer_bytes"], t["layer_s_total"]))
+            self.observe_tier(tier, nbytes, seconds)
+        for codec, c in codecs.items():
+            nbytes, token_layers, seconds = self._since(("codec", codec),
+                                                        (c["bytes"], c["token_layers"], c["decode_s_total"]))
+            self.observe_codec(codec, nbytes, token_layers, seconds)
+
+    def _since(self, name: tuple[str, str], totals: tuple[float, ...]) -> tuple[float, ...]:
+        with self._lock:
+            last = self._totals.get(name, (0.0,) * len(totals))
+            self._totals[name] = totals
+        return tuple(now - before for now, before in zip(totals, last))
+
+    def rates(self) -> Rates | None:
+        """The measured rates, or None before any compute cost was measured."""
+        with self._lock:
+            if self.recompute_s is None:
+                return None
+            return Rates(self.recompute_s, dict(self.bandwidth), dict(self.decode_rate))
+
+    def estimate(self, tier: str, codec: str, tokens: int) -> Source | None:
+        """A chunk of `tokens` tokens in `tier` as `codec` keeps it, priced by that codec's measured bytes per
+        token (None until that codec was read once)."""
+        with self._lock:
+            per_token = self.token_layer_bytes.get(codec)
+        return None if per_token is None else Source(tier, codec, int(per_token * tokens))
 
     def snapshot(self) -> dict:
         with self._lock:
             return {"recompute_us_per_token_layer": None if self.recompute_s is None else self.recompute_s * 1e6,
-                    "tier_bandwidth_mb_s": {t: round(b / 1e6, 2) for t, b in self.bandwidth.items()}}
+                    "tier_bandwidth_mb_s": {t: round(b / 1e6, 2) for t, b in self.bandwidth.items()},
+                    "codec_decode_mb_s": {c: round(r / 1e6, 2) for c, r in self.decode_rate.items()}}
 
 
 def _ema(old: float | None, new: float, alpha: float) -> float:

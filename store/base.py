@@ -94,7 +94,8 @@ class EntryHooks(Protocol):
     promotes: bool  # faster tiers would take the entry once every layer was read: keep what is read for them
 
     def dropped(self, exc: Exception) -> None: ...  # the entry is damaged: delete it from its tier, count it
-    def layer_read(self, nbytes: int, seconds: float) -> None: ...
+    def layer_read(self, nbytes: int, seconds: float) -> None: ...  # a layer's bytes read (and checked)
+    def layer_decoded(self, codec: str, nbytes: int, tokens: int, seconds: float) -> None: ...  # ... and decoded
     def promote(self, entry: Entry) -> None: ...  # every layer was read: offer it to the faster tiers
 
 

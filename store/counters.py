@@ -25,7 +25,20 @@ class TierCounts:
         layer_mean = self.layer_s_total / self.layer_reads * 1e3 if self.layer_reads else None
         return {"hits": self.hits, "misses": self.misses, "corrupt": self.corrupt, "stale": self.stale,
                 "load_ms_mean": mean, "load_ms_last": last, "layer_reads": self.layer_reads,
-                "layer_bytes": self.layer_bytes, "layer_ms_mean": layer_mean}
+                "layer_bytes": self.layer_bytes, "layer_ms_mean": layer_mean, "layer_s_total": self.layer_s_total}
+
+
+@dataclass
+class CodecCounts:
+    layers: int = 0
+    bytes: int = 0
+    token_layers: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layers": self.layers, "bytes": self.bytes, "token_layers": self.token_layers,
+                "decode_ms_mean": self.seconds / self.layers * 1e3 if self.layers else None,
+                "decode_s_total": self.seconds}
 
 
 class StoreCounters:
@@ -34,6 +47,7 @@ class StoreCounters:
     def __init__(self, tier_names: Iterable[str]) -> None:
         self._lock = threading.Lock()
         self._tiers = {name: TierCounts() for name in tier_names}
+        self._codecs: dict[str, CodecCounts] = {}
         self._totals = dict.fromkeys(("gets", "hits", "misses", "puts", "corrupt", "stale"), 0)
 
     def bump(self, total: str) -> None:
@@ -60,12 +74,27 @@ class StoreCounters:
             self._totals[kind] += 1
 
     def layer_read(self, tier: str, nbytes: int, seconds: float) -> None:
-        """One layer read through an open entry (read + check + decode): bandwidth for a loader."""
+        """One layer read (and checked) through an open entry: the tier's bandwidth, for a loader."""
         with self._lock:
             c = self._tiers[tier]
             c.layer_reads += 1
             c.layer_bytes += nbytes
             c.layer_s_total += seconds
+
+    def layer_decoded(self, codec: str, nbytes: int, tokens: int, seconds: float) -> None:
+        """One layer of `tokens` tokens, `nbytes` as stored, decoded by `codec` (host part and dequantising on
+        the model's device): the codec's decode rate, for a loader."""
+        with self._lock:
+            c = self._codecs.setdefault(codec, CodecCounts())
+            c.layers += 1
+            c.bytes += nbytes
+            c.token_layers += tokens
+            c.seconds += seconds
+
+    def codec_snapshot(self) -> dict[str, dict[str, Any]]:
+        """Per codec its decode counts (layers, bytes, token_layers, decode_ms_mean, decode_s_total)."""
+        with self._lock:
+            return {name: c.as_dict() for name, c in self._codecs.items()}
 
     def snapshot(self) -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
         """(totals, per tier its counts as a dict), from one moment."""

@@ -145,18 +145,21 @@ class LayeredEntry(OpenEntry):
                 raise LayerReadError(f"entry {self.key[:12]}: {self._failed or 'closed'}", corrupt=self._corrupt)
             pending = self._pending.pop(i, None)
         self.prefetch(i + self._ahead)
+        section, parts, read_s, decode_s = pending.result() if pending is not None else self._read_checked(i)
         start = time.perf_counter()
-        section, parts = pending.result() if pending is not None else self._read_checked(i)
         keys, values = self._head.unpack_parts(parts, device, dtype)
-        self._hooks.layer_read(len(section), time.perf_counter() - start)
+        self._hooks.layer_read(len(section), read_s)  # the tier's bandwidth and the codec's decode rate, apart
+        self._hooks.layer_decoded(self.codec, len(section), self.shape[2], decode_s + time.perf_counter() - start)
         with self._lock:
             if self._sections is not None:
                 self._sections[i] = section
         return keys, values
 
-    def _read_checked(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Layer i's section, read and checked (a uint8 tensor [length], pinned when asked), and its parts
-        on the host (an entropy-coded layer decoded here, on the read thread: off the loader's)."""
+    def _read_checked(self, i: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], float, float]:
+        """Layer i's section, read and checked (a uint8 tensor [length], pinned when asked), its parts on the
+        host (an entropy-coded layer decoded here, on the read thread: off the loader's), and the seconds the
+        read + check and the host decode took."""
+        start = time.perf_counter()
         offset, length = self._head.layer_range(i)
         section = torch.empty(length, dtype=torch.uint8, pin_memory=self.pin_memory)
         buffer = section.numpy()
@@ -172,6 +175,7 @@ class LayeredEntry(OpenEntry):
                                      corrupt=False)
             if self._verify:
                 self._head.check_layer(i, buffer)
+            read = time.perf_counter()
             parts = self._head.layer_parts(i, section)
         except CorruptEntryError as exc:
             if self._fail(f"layer {i} is damaged: {exc}", corrupt=True):  # two threads on a bad entry: dropped once
@@ -181,7 +185,7 @@ class LayeredEntry(OpenEntry):
         except LayerReadError as exc:
             self._fail(str(exc))
             raise
-        return section, parts
+        return section, parts, read - start, time.perf_counter() - read
 
     def _fail(self, reason: str, corrupt: bool = False) -> bool:
         """Mark the entry failed; True for the first failure."""

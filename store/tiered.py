@@ -50,7 +50,7 @@ class KVStore(Protocol):
     """What the rest of ragblend needs from a KV store."""
 
     def get(self, key: str) -> ChunkKV | None: ...
-    def open(self, key: str) -> OpenEntry | None: ...
+    def open(self, key: str, tier: str | None = None) -> OpenEntry | None: ...
     def put(self, key: str, kv: ChunkKV) -> ChunkKV: ...
     def delete(self, key: str) -> bool: ...
     def contains(self, key: str) -> bool: ...
@@ -112,13 +112,18 @@ class TieredStore:
 
     # --- reads ----------------------------------------------------------------------------------
 
-    def _walk(self, key: str, read: Callable[[int, Tier], Found | None]) -> tuple[int, Found] | None:
+    def _walk(self, key: str, read: Callable[[int, Tier], Found | None], only: str | None = None
+              ) -> tuple[int, Found] | None:
         """The first tier's hit, `read(index, tier)`, with that tier's index; None on a miss everywhere.
-        A bad entry is dropped and the walk goes on."""
+        A bad entry is dropped and the walk goes on. `only`: that tier alone."""
         validate_key(key)
         self._check_open()
+        if only is not None and only not in self.codecs:
+            raise ValueError(f"no tier {only!r}: the store has {list(self.codecs)}")
         self._counters.bump("gets")
         for i, tier in enumerate(self.tiers):
+            if only is not None and tier.name != only:
+                continue
             start = time.perf_counter()
             try:
                 found = read(i, tier)
@@ -147,14 +152,14 @@ class TieredStore:
         self._promote(key, index, entry)
         return entry.kv, self.tiers[index].name
 
-    def open(self, key: str) -> OpenEntry | None:
+    def open(self, key: str, tier: str | None = None) -> OpenEntry | None:
         """The entry under `key` opened for per-layer reads (a blend.pipeline.LayerSource), or None on a miss.
 
         From a tensor tier: its tensors, layer by layer. From a byte tier: reads and checks only the
         head (header, token ids, model, key); `entry.layer(i)` reads the rest, ahead on the read
-        pool. Close the entry when done.
+        pool. Close the entry when done. `tier`: from that tier alone (the loading controller's choice).
         """
-        found = self._walk(key, lambda i, tier: tier.open(key, self._readings[tier.name], _Hooks(self, i, key)))
+        found = self._walk(key, lambda i, t: t.open(key, self._readings[t.name], _Hooks(self, i, key)), only=tier)
         return None if found is None else found[1]
 
     def _drop(self, tier: Tier, key: str, exc: Exception) -> None:
@@ -165,10 +170,11 @@ class TieredStore:
         tier.delete(key)
         self._counters.dropped(tier.name, stale)
 
-    def contains(self, key: str) -> bool:
+    def contains(self, key: str, tier: str | None = None) -> bool:
+        """Whether any tier (or `tier`) holds `key`, without reading it."""
         validate_key(key)
         self._check_open()
-        return any(t.contains(key) for t in self.tiers)
+        return any(t.contains(key) for t in self.tiers if tier is None or t.name == tier)
 
     # --- writes ---------------------------------------------------------------------------------
 
@@ -374,8 +380,14 @@ class TieredStore:
 
     def counts(self) -> dict[str, dict[str, Any]]:
         """Per tier, this process's lookups: hits, misses, corrupt, stale, load_ms_mean/last, layer_reads,
-        layer_bytes, layer_ms_mean. In-memory counters only (no tier is asked): cheap on a hot path."""
+        layer_bytes, layer_ms_mean (a layer's read and check, its decode apart). In-memory counters only (no
+        tier is asked): cheap on a hot path."""
         return self._counters.snapshot()[1]
+
+    def decode_counts(self) -> dict[str, dict[str, Any]]:
+        """Per codec, the layers this process decoded from byte tiers: layers, bytes (as stored), token_layers,
+        decode_ms_mean, decode_s_total (the host part and the dequantising on the model's device)."""
+        return self._counters.codec_snapshot()
 
     def stats(self) -> dict[str, Any]:
         """Totals (lookups by get and by open both count; writes queued and dropped by the tiers that
@@ -385,7 +397,8 @@ class TieredStore:
         tiers = {t.name: t.stats() | counts[t.name] for t in self.tiers}
         writes = {name: sum(s.get(name) or 0 for s in tiers.values()) for name in ("dropped_writes", "write_queue")}
         leases = {} if self._leases is None else {"leases": self._leases.stats(limit=0)}
-        return {"codecs": self.codecs, "fingerprint": self.fingerprint, **totals, **writes, "tiers": tiers, **leases}
+        return {"codecs": self.codecs, "fingerprint": self.fingerprint, **totals, **writes, "tiers": tiers, **leases,
+                "decode": self.decode_counts()}
 
 
 def _codec_of(codec: str | Codec | Mapping[str, str | Codec], tier: str) -> str | Codec:
@@ -408,6 +421,9 @@ class _Hooks:
 
     def layer_read(self, nbytes: int, seconds: float) -> None:
         self._store._counters.layer_read(self._store.tiers[self._index].name, nbytes, seconds)
+
+    def layer_decoded(self, codec: str, nbytes: int, tokens: int, seconds: float) -> None:
+        self._store._counters.layer_decoded(codec, nbytes, tokens, seconds)
 
     def promote(self, entry: Entry) -> None:
         self._store._promote(self._key, self._index, entry)

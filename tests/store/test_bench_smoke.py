@@ -1,5 +1,6 @@
 """The store's bench scripts run on the store's API: each with tiny sizes on the CPU, in a subprocess, printing
-the JSON it promises (bench/store.py: the tiers and codecs; bench/pipeline.py: TTFT per tier, on SmolLM2)."""
+the JSON it promises (bench/store.py: the tiers and codecs; bench/pipeline.py: TTFT per tier, on SmolLM2;
+bench/remote.py: TTFT per codec from Redis behind a throttled link)."""
 from __future__ import annotations
 
 import json
@@ -66,3 +67,17 @@ def test_bench_pipeline_reports_ttft_per_tier_and_way(musique):
     assert set(report["controller"]) == {"memory", "disk"}  # "auto" ran on both: the open entries' layer sizes
     assert all(plan["ratio"] >= report["ratio"] for plan in report["controller"].values())
     assert report["calibration"] and report["commit"]
+
+
+def test_bench_remote_reports_ttft_per_codec_behind_a_throttled_link(musique):
+    report = bench("remote.py", "--passages", "1", "--codecs", "fp16,cachegen", "--throttle-mbit", "1000")
+    assert report["link_mbit_s"] == 1000 and "simulated" in report["simulated_link"]
+    assert report["passages"] == 1 and report["prompt_tokens"] > 0 and report["full_prefill_s"] > 0
+    assert set(report["codecs"]) == {"fp16", "cachegen"}
+    for figures in report["codecs"].values():  # every byte crossed the proxy: stored, then read back
+        assert figures["ttft_s"]["fixed"] > 0 and figures["ttft_s"]["auto"] > 0
+        assert figures["controller"]["ratio"] >= report["ratio"]
+        assert figures["controller"]["tier_bandwidth_mb_s"]["redis"] > 0
+    assert report["codecs"]["cachegen"]["kv_mb"] < report["codecs"]["fp16"]["kv_mb"] / 4
+    assert report["codecs"]["cachegen"]["controller"]["codec_decode_mb_s"]["cachegen"] > 0
+    assert isinstance(report["auto_never_slower_than_full"], bool) and report["commit"]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from blend import Blender, ChunkKV
 from store import (CacheGenTables, CorruptEntryError, DiskTier, KVMismatchError, MemoryTier, RedisTier, StoreSettings,
                    TieredStore, bytes_per_token, decode, encode, get_codec, kv_key, register_tables)
-from store.codecs import DEFAULT_BINS, KEY_GROUP, BinPlan
+from store.codecs import CODEC_NAMES, DEFAULT_BINS, KEY_GROUP, BinPlan
 from store.serialize import MAGIC, _canonical, _header_digest, decode_layer, head_nbytes, parse_head
 from store.tables import TablesShelf, shared_tables, tables_name
 from tests.blend.conftest import random_ids, tiny_model
@@ -216,7 +216,7 @@ def test_tables_code_only_their_shape_and_the_codec_needs_them(cachegen):
         encode(kv, "cachegen")
 
 
-@pytest.mark.parametrize("codec", ["int4", "cachegen"])
+@pytest.mark.parametrize("codec", CODEC_NAMES)
 def test_a_memory_hit_equals_a_disk_hit_equals_a_redis_hit(tmp_path, redis_url, cachegen, codec):
     codec = cachegen if codec == "cachegen" else codec
     key, kv = random_kv(12, context=[3])

@@ -11,6 +11,9 @@ a 32-token head and before a 32-token question.
   exactness  float32 and bfloat16: HF one vs two pieces, eager vs sdpa, full_prefill vs HF, blend@1 vs HF
              (max |Δlogit|, KL, top-1 equal); the start-up gate's verdict in each dtype
   decode     DecodeRuntime.step at batch 1, 8, 32 (graphed, as served), and the model's own forward at batch 1
+  codecs     every store codec (issue #42): random KV of the 8B shape encoded on the host and stored on disk, read
+             back as a pipelined loader reads it (host part on the read threads, dequantised on the device in the
+             model's dtype), every layer checked against the codec's stated bound; decode MB/s (`--only codecs`)
 
 Medians of --repeats, synchronised. JSON lands in --out (device_check.json, rewritten after every
 case: a killed run keeps what it measured); a short table is printed last. Needs only torch,
@@ -209,6 +212,75 @@ def measure(blender: Blender, device, tokens: int, args, tmp: Path, report: Repo
             store.close()
 
 
+def random_kv(shape: tuple[int, int, int, int], dtype: torch.dtype, seed: int):
+    """A ChunkKV of gaussian keys/values [L, H, T, D] in `dtype` on the host, one key channel 20x the others (as
+    real keys have outlier channels)."""
+    from common.chunk_kv import ChunkKV
+    g = torch.Generator().manual_seed(seed)
+    keys, values = (torch.randn(shape, generator=g) for _ in range(2))
+    keys[..., 3] *= 20
+    ids = torch.randint(10, 1000, (shape[2],), generator=g)
+    return ChunkKV(keys.to(dtype), values.to(dtype), ids, 0, f"ctx{seed}", "device-check")
+
+
+def codec_check(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int, int], chunks: int,
+                repeats: int, tmp: Path, report: Report) -> None:
+    """Each store codec on `device`: `chunks` random chunks of `shape` stored on disk, read layer by layer onto the
+    device in `dtype`; per layer |x - decoded| within the codec's bound (plus `dtype`'s rounding); decode MB/s of
+    the KV delivered in `dtype` (medians of `repeats` reads of every layer of every chunk)."""
+    out = report.data.setdefault("codecs", {})
+    try:
+        from store import CODEC_NAMES, CacheGenTables, DiskTier, TieredStore, get_codec, kv_key, register_tables
+        from store.codecs import DEFAULT_BINS
+    except ImportError as exc:
+        out["skipped"] = f"store does not import here ({exc})"
+        report.dump()
+        return
+    placement = Placement(device, on_host=device.type == "cpu", pin=device.type == "cuda")
+    kvs = [random_kv(shape, dtype, seed) for seed in range(chunks)]
+    keys = [kv_key(kv.fingerprint, kv.context_hash, kv.token_ids) for kv in kvs]
+    eps = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-6
+    for name in CODEC_NAMES:
+        try:
+            codec = register_tables(CacheGenTables.fit([random_kv(shape, dtype, 100 + i) for i in range(2)],
+                                                       DEFAULT_BINS)) if name == "cachegen" else get_codec(name)
+            with TieredStore([DiskTier(tmp / f"codec-{name}", 1 << 38)], codec=codec, fingerprint="device-check",
+                             placement=placement) as store:
+                start = time.perf_counter()
+                for key, kv in zip(keys, kvs):
+                    store.put(key, kv)
+                store.flush()
+                encode_s = time.perf_counter() - start
+
+                def read_all():
+                    layers = []
+                    for key in keys:
+                        with store.open(key) as entry:
+                            layers.append([entry.layer(i, device, dtype) for i in range(entry.num_layers)])
+                    return layers
+                seconds, layers = timed(read_all, device, repeats)
+                worst = 0.0  # the largest error as a share of what the bound allows (<= 1 passes)
+                for kv, chunk in zip(kvs, layers):
+                    bounds = codec.error_bound(codec.pack(kv.keys, kv.values), shape[2])
+                    for want, got, bound in zip((kv.keys, kv.values), zip(*chunk), bounds):
+                        got = torch.stack(got).float().cpu()  # [L, H, T, D]
+                        x = want.float()
+                        allowed = bound * (1 + 1e-4) + eps * (x.abs() + bound) + 2.0 ** -24
+                        worst = max(worst, float(((x - got).abs() / allowed).max()))
+                out_bytes = sum(kv.keys.nbytes + kv.values.nbytes for kv in kvs)
+                out[name] = {"within_bound": worst <= 1.0, "worst_share_of_bound": round(worst, 4),
+                             "decode_mb_s": round(out_bytes / seconds / 1e6, 1),
+                             "encode_mb_s": round(out_bytes / encode_s / 1e6, 1),
+                             "stored_mb": round(store.stats()["tiers"]["disk"]["bytes"] / 1e6, 2)}
+            log(f"  codec {name}: {out[name]}")
+        except Exception as exc:  # noqa: BLE001 - recorded; the check goes on
+            out[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1200:]}
+            log(f"  codec {name}: ERROR {exc}")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        report.dump()
+
+
 def decode(blender: Blender, device, context: int, batches: list[int], steps: int, report: Report) -> None:
     """DecodeRuntime.step over batches of pooled requests (blend.pool), and the model's own forward at batch 1."""
     out = report.data["decode"]
@@ -278,6 +350,9 @@ def table(data: dict) -> list[str]:
             lines.append(f"decode step: {v['form']} ({v['kernel_step_refusal'] or 'the kernel step'})")
         else:
             lines.append(f"decode {name:<27} {v.get('step_ms', v.get('error', ''))} ms")
+    for name, v in data.get("codecs", {}).items():
+        lines.append(f"codec {name:<28} " + (f"decode {v['decode_mb_s']} MB/s, within bound: {v['within_bound']}"
+                                              if isinstance(v, dict) and "decode_mb_s" in v else str(v)[:120]))
     for dtype, ex in data.get("exactness", {}).items():
         if isinstance(ex, dict):
             lines.append(f"exactness {dtype}: " + ", ".join(
@@ -298,6 +373,8 @@ def main() -> None:
     parser.add_argument("--exact-tokens", type=int, default=None, help="(default 4096; tiny: 300)")
     parser.add_argument("--decode-context", type=int, default=None, help="(default 4096; tiny: 128)")
     parser.add_argument("--decode-batches", default="1,8,32")
+    parser.add_argument("--codec-tokens", type=int, default=None, help="tokens a codec chunk (default 512; tiny: 40)")
+    parser.add_argument("--only", choices=["codecs"], default=None, help="run that part alone")
     args = parser.parse_args()
     tiny = args.tiny
     args.tokens = args.tokens or ("512" if tiny else "4096,16384,32768")
@@ -315,6 +392,15 @@ def main() -> None:
                        model="tiny llama" if tiny else "llama-3-8b shape, random weights",
                        gates={}, exactness={}, runs={}, decode={})
     started = time.perf_counter()
+    config = TINY if tiny else LLAMA3_8B
+    kv_shape = (config["num_hidden_layers"], config["num_key_value_heads"], args.codec_tokens or (40 if tiny else 512),
+                config["hidden_size"] // config["num_attention_heads"])
+    if args.only == "codecs":
+        with tempfile.TemporaryDirectory() as tmp:
+            codec_check(device, getattr(torch, args.dtype), kv_shape, 2, args.repeats, Path(tmp), report)
+        print("\n".join(table(report.data)))
+        print(f"JSON: {report.path}")
+        return
     # float32 first (is the loop exact where rounding is small?), then the model that is measured.
     measured = getattr(torch, args.dtype)
     for dtype in dict.fromkeys((torch.float32, measured)):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check (issues #14, #25, #26, #27), one call on a lent GPU machine. Parts, the most wanted numbers first,
-# each under its own timeout (under 8 minutes in all; about 5 expected), each writing its JSON into $OUT as it goes:
+# GPU check (issues #14, #25, #26, #27, #42), one call on a lent GPU machine. Parts, the most wanted numbers first,
+# each under its own timeout (under 10 minutes in all; about 6 expected), each writing its JSON into $OUT as it goes:
 #   decode   bench/decode.py --device cuda: the decode step (blend.batch.LayerStep, CUDA's one form) on a random
 #            Llama-3-8B shape in bfloat16, 4k-token rows, batch 1/8/32, eager vs CUDA graphs (same tokens?), the
 #            model's own forward at batch 1
@@ -12,9 +12,11 @@
 #            hub there): the decode pool's, the device seam's and the pooled attention's against the model's own
 #            forward (windows, softcapping, a model the gate refused: test_gate.py) first
 #   store    bench/store.py --device cuda: the tiers on the device (gpu / pinned memory / disk / int8)
+#   codecs   bench/device_check.py --only codecs: every store codec (fp16, int8, int4, cachegen...) encoded on the
+#            host, read from disk onto the device as a loader reads it, each layer within the codec's bound; decode MB/s
 # Where there is no GPU it says so and exits 0.
 #
-# Usage: bench/device_check.sh [PARTS]    PARTS: a comma-separated subset, e.g. decode,prefill (default: all four)
+# Usage: bench/device_check.sh [PARTS]    PARTS: a comma-separated subset, e.g. decode,prefill (default: all five)
 #   PYTHON=... picks the interpreter (the repo's venv by default, else python3).
 # The GPU image has an older transformers than requirements.txt pins (its layers take `past_key_values`, not
 # `cache=`: every cache would be dropped silently) and none of the store's packages. So, here, first run
@@ -26,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
 OUT="${OUT:-$(mktemp -d)}"
-PARTS=",${1:-decode,prefill,tests,store},"
+PARTS=",${1:-decode,prefill,tests,store,codecs},"
 want() { [[ "$PARTS" == *",$1,"* ]]; }
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -75,6 +77,12 @@ fi
 if want store; then
     echo "store tiers on CUDA..." >&2
     timeout 30 "$PY" bench/store.py --device cuda --tokens 512 --chunks 8 --repeats 3 > "$OUT/store_cuda.json"
+fi
+if want codecs; then
+    echo "codecs on CUDA..." >&2
+    timeout 90 "$PY" bench/device_check.py --only codecs --codec-tokens 256 --repeats 3 --out "$OUT/codecs" \
+        > "$OUT/codecs.txt" 2>&1
+    echo "codecs: exit $?; $(grep -c 'within bound: True' "$OUT/codecs.txt") codecs within their bound" >&2
 fi
 [ -s "$OUT/decode_cuda.json" ] && tail -c 2500 "$OUT/decode_cuda.json"
 echo "JSON in $OUT: $(ls "$OUT" | tr '\n' ' ')" >&2

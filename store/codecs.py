@@ -147,6 +147,13 @@ class Codec:
     def pack(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def error_bound(self, parts: dict[str, torch.Tensor], T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stated bound on |x - decoded| for keys and values packed into `parts` (of T tokens),
+        broadcastable to [L, H, T, D], before the model dtype's rounding: 0 for native, fp16's rounding (at most
+        half an ulp), half a quantisation step for the others, from the scales they store."""
+        zero = torch.zeros(())
+        return zero, zero
+
     def sections(self, keys: torch.Tensor, values: torch.Tensor) -> list[bytes]:
         """Each layer's section, unpadded: its parts' bytes in `layout` order."""
         L, H, T, D = keys.shape
@@ -240,6 +247,9 @@ class Fp16Codec(Codec):
     def pack(self, keys, values):
         return {"keys": keys.half(), "values": values.half()}
 
+    def error_bound(self, parts, T):  # rounded to the nearest fp16: half an ulp (normal), or of a subnormal
+        return tuple(parts[p].float().abs() * 2.0 ** -11 * (1 + 2.0 ** -10) + 2.0 ** -25 for p in ("keys", "values"))
+
 
 class Int8Codec(Codec):
     name = "int8"
@@ -252,6 +262,9 @@ class Int8Codec(Codec):
         k_q, k_scale = quantize_int8(keys, dim=-2)  # keys: [L, H, T, D], k_scale: [L, H, 1, D]
         v_q, v_scale = quantize_int8(values, dim=-1)  # values: [L, H, T, D], v_scale: [L, H, T, 1]
         return {"keys": k_q, "values": v_q, "k_scale": k_scale, "v_scale": v_scale}
+
+    def error_bound(self, parts, T):
+        return parts["k_scale"].float() / 2, parts["v_scale"].float() / 2
 
     def unpack(self, parts, device, dtype):
         if _on_host(device):  # numpy, for host_to's reason
@@ -314,6 +327,10 @@ class Int4Codec(Codec):
         v_q, v_scale, v_zero = quantize_asymmetric(values, dim=-1, levels=self.levels)  # v_scale: [L, H, T, 1]
         return {"keys": self._packed(k_q), "values": self._packed(v_q), "k_scale": k_scale.squeeze(3),
                 "k_zero": k_zero.squeeze(3), "v_scale": v_scale, "v_zero": v_zero}
+
+    def error_bound(self, parts, T):
+        k_scale = parts["k_scale"].float().repeat_interleave(self.key_group, dim=-2)[..., :T, :]  # per token
+        return k_scale / 2, parts["v_scale"].float() / 2
 
     def _packed(self, q: torch.Tensor) -> torch.Tensor:
         """q [L, H, T, D] (values < 2**bits) -> uint8 [L, ceil(H*T*D / per_byte)], the first value in the low bits."""
@@ -547,6 +564,9 @@ class CacheGenCodec(Codec):
         v_q, v_scale = quantize_per_token(values, bins[:, 1])
         return {"keys": _channel_major(k_q), "values": _channel_major(v_q), "k_scale": k_scale,  # [L, H, D, T]
                 "v_scale": v_scale}
+
+    def error_bound(self, parts, T):
+        return parts["k_scale"].float() / 2, parts["v_scale"].float() / 2
 
     def sections(self, keys, values):
         tables = self._tables()

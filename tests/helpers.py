@@ -121,16 +121,8 @@ def codec_error_bound(codec: str, kv: ChunkKV) -> tuple[torch.Tensor, torch.Tens
     [L, H, T, D]: half a quantisation step, from the scales the codec itself stores."""
     from store.codecs import get_codec
 
-    keys, values = kv.keys.float(), kv.values.float()
-    if codec == "int8":  # keys per channel over the tokens, values per token
-        return keys.abs().amax(dim=2, keepdim=True) / 127 / 2, values.abs().amax(dim=3, keepdim=True) / 127 / 2
     coder = get_codec(codec)
-    parts = coder.pack(kv.keys, kv.values)
-    if codec == "cachegen":  # one scale per (layer, token)
-        return parts["k_scale"].float() / 2, parts["v_scale"].float() / 2
-    T = keys.shape[2]  # int4: keys per channel over key_group tokens, values per token
-    k_scale = parts["k_scale"].float().repeat_interleave(coder.key_group, dim=2)[:, :, :T]
-    return k_scale / 2, parts["v_scale"].float() / 2
+    return coder.error_bound(coder.pack(kv.keys, kv.values), kv.keys.shape[2])
 
 
 def all_layers(entry) -> ChunkKV:

@@ -1,5 +1,5 @@
 """The GPU scripts' CPU smoke modes: bench/device_check.py end to end on a tiny model (its JSON and table), and
-bench/decode.py's CUDA form (eager vs graphs), where capture falls back to eager and says so."""
+bench/decode.py's CUDA form (eager vs graphs), where capture falls back to eager and says so; the store codecs part."""
 from __future__ import annotations
 
 import importlib.util
@@ -67,3 +67,17 @@ def test_decode_bench_cuda_form_records_each_part_and_the_graphs_fallback():
         assert row["eager"]["step_ms"] > 0 and row["graphs"]["step_ms"] > 0
         assert row["graphs_captured"] == 0 and row["graphs_fallback"].startswith("CUDA graph capture failed")
         assert row["same_tokens"]
+
+
+def test_device_check_codecs_part_reads_every_codec_within_its_bound(tmp_path):
+    # bfloat16, as on the GPU: each codec's bound plus the dtype's rounding
+    done = subprocess.run([sys.executable, str(REPO / "bench/device_check.py"), "--only", "codecs", "--tiny",
+                           "--device", "cpu", "--dtype", "bfloat16", "--repeats", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    codecs = json.loads((tmp_path / "device_check.json").read_text())["codecs"]
+    assert {"native", "fp16", "int8", "int4", "cachegen"} <= set(codecs)
+    for name, figures in codecs.items():
+        assert figures["within_bound"] and figures["decode_mb_s"] > 0, (name, figures)
+    assert codecs["cachegen"]["stored_mb"] < codecs["int4"]["stored_mb"] < codecs["int8"]["stored_mb"]
+    assert "codec cachegen" in done.stdout

@@ -11,6 +11,7 @@ on this sample code MuSiQue passages in 3.6% more bytes than tables fitted on ot
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 from blend import Blender, ChunkKV, PromptFormat
@@ -30,10 +31,13 @@ def sample_chunks(blender: Blender, prompt: PromptFormat) -> list[ChunkKV]:
     return [blender.precompute(prompt.text_passage_ids(text, title), head_ids, context=head) for title, text in passages]
 
 
-def tier_codecs(settings: StoreSettings, kv_dir: Path, blender: Blender, prompt: PromptFormat) -> dict[str, Codec]:
-    """Each tier's codec; cachegen's coding with this model's tables, from the shelf beside the store (a file
-    under `kv_dir`, and Redis when the store has it), fitted on the sample when none are there yet."""
-    names = settings.codecs()
+def tier_codecs(settings: StoreSettings, kv_dir: Path, blender: Blender, prompt: PromptFormat,
+                tiers: Iterable[str] | None = None) -> dict[str, Codec]:
+    """The codec of each of `tiers` (default: those the settings build: Redis only with a Redis URL); cachegen's
+    coding with this model's tables, from the shelf beside the store (a file under `kv_dir`, and Redis when the
+    store has it), fitted on the sample when none are there yet."""
+    wanted = set(tiers) if tiers is not None else {t for t in settings.codecs() if t != "redis" or settings.redis_url}
+    names = {tier: name for tier, name in settings.codecs().items() if tier in wanted}
     codecs: dict[str, Codec] = {tier: get_codec(name) for tier, name in names.items() if name != "cachegen"}
     if len(codecs) < len(names):
         shelf = TablesShelf(kv_dir / "cachegen-tables", settings.redis_url, settings.redis_password,

@@ -30,6 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from app.cachegen import tier_codecs  # noqa: E402
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
 from blend.controller import Calibration, ChunkCost, Source, overlap_share, plan_loading  # noqa: E402
@@ -109,7 +110,9 @@ def main() -> None:
         make = {"memory": lambda: MemoryTier(1 << 32), "disk": lambda: DiskTier(Path(tmp) / "disk", 1 << 32),
                 "redis": lambda: RedisTier(redis_server.url, timeout_s=10.0),
                 "limited": lambda: LimitedTier(args.bandwidth * 1e6)}
-        stores = {name: TieredStore([make[name]()], codec=settings.store.codec_of({"limited": "redis"}.get(name, name)),
+        tier_of = {name: {"limited": "redis"}.get(name, name) for name in names}  # limited: a remote store
+        codecs = tier_codecs(settings.store, Path(tmp), blender, kv_cache.prompt, tiers=tier_of.values())
+        stores = {name: TieredStore([make[name]()], codec=codecs[tier_of[name]],
                                     fingerprint=blender.fingerprint,
                                     placement=blender.backend.placement) for name in names}
         for store in stores.values():

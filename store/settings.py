@@ -36,7 +36,7 @@ class TierCodecs(BaseModel):
     gpu: CodecName = "native"
     memory: CodecName = "native"
     disk: CodecName = "int8"
-    redis: CodecName = "int8"
+    redis: CodecName = "cachegen"
 
 
 class StoreSettings(BaseModel):

@@ -87,3 +87,28 @@ def postgres_server():
 def postgres_url(postgres_server) -> str:
     """The URL of a new, empty PostgreSQL database."""
     return postgres_server.database()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real redis-server for the session (restartable: tests.servers.RedisServer)."""
+    import shutil
+
+    from tests.servers import RedisServer  # here: the GPU machine's blend tests need no redis package
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed (apt-get install redis-server)")
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """URL of a running, empty Redis (restarted if a previous test killed or froze it)."""
+    if redis_server.running:
+        redis_server.resume()
+    else:
+        redis_server.start()
+    with redis_server.client() as client:
+        client.flushall()
+    return redis_server.url

@@ -3,7 +3,6 @@ or recompute from the rates it was given, the cheapest of the tiers holding a ch
 real reads."""
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 
 import pytest
@@ -14,7 +13,6 @@ from blend.pipeline import LayerSource
 from store import CacheGenTables, DiskTier, MemoryTier, RedisTier, TieredStore, kv_key, register_tables
 from store.codecs import DEFAULT_BINS
 from tests.blend.conftest import random_ids, tiny_model
-from tests.servers import RedisServer
 
 HEAD, CHUNKS = random_ids(7, 1), [random_ids(40, 2), random_ids(40, 3)]
 LAYERS = 4
@@ -27,24 +25,14 @@ class Piece:
     kv: ChunkKV | LayerSource | None
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server not installed (apt-get install redis-server)")
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture
-def setup(tmp_path, redis_server):
+def setup(tmp_path, redis_url):
     """(blender, store: memory native, disk int4, Redis cachegen, the chunks' keys, their computed KV)."""
     blender = Blender(tiny_model("llama", num_hidden_layers=LAYERS), tokenizer=None, fingerprint="tiny-llama")
     head = blender.precompute(HEAD)
     kvs = [blender.precompute(ids, HEAD, context=head) for ids in CHUNKS]
     cachegen = register_tables(CacheGenTables.fit(kvs, DEFAULT_BINS))
-    with redis_server.client() as client:
-        client.flushall()
-    redis = RedisTier(redis_server.url, timeout_s=5.0)
+    redis = RedisTier(redis_url, timeout_s=5.0)
     store = TieredStore([MemoryTier(1 << 24), DiskTier(tmp_path / "kv", 1 << 24), redis],
                         codec={"memory": "native", "disk": "int4", "redis": cachegen}, fingerprint="tiny-llama")
     keys = [kv_key(kv.fingerprint, kv.context_hash, kv.token_ids) for kv in kvs]

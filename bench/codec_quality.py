@@ -77,6 +77,7 @@ def main() -> None:
     plans = json.loads(args.plans.read_text()) if args.plans else {}
     codecs = codecs_named(args.codecs.split(","), plans, settings.store.cachegen_bins.plan())
     items = load_dataset(args.dataset, args.start + args.limit)[args.start:]
+    commit = git_commit()  # the code measured: the checkout as the run starts
 
     parts = Components(settings)
     blender = parts.blender
@@ -101,7 +102,7 @@ def main() -> None:
                 kl, top1 = agreement(ref_logp, logp)
                 row["codecs"][name][mode.name] = {"kl": round(kl, 5), "top1": round(top1, 4)}
         questions.append(row)
-        report = summary(questions, codecs, modes, args, settings)
+        report = summary(questions, codecs, modes, args, settings) | {"commit": commit}
         if args.out:
             write_atomic(args.out, json.dumps(report, indent=1).encode())
         print(f"[codec_quality] question {index} ({n + 1}/{len(items)}): "
@@ -118,7 +119,7 @@ def summary(questions: list[dict], codecs: dict[str, Codec], modes: list[Mode], 
     return {"dataset": str(args.dataset), "questions": f"{args.start}..{args.start + len(questions) - 1}",
             "n": len(questions), "passages": args.passages, "selection": settings.blend.selection,
             "plans": {name: c.plan.as_dict() for name, c in codecs.items() if hasattr(c, "plan")},
-            "commit": git_commit(), "means": means, "per_question": questions}
+            "means": means, "per_question": questions}
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ def main() -> None:
 
         stores, controls = {}, {}
         for db, name in enumerate(codecs):  # one Redis database per codec: the same keys, apart
-            codec = tier_codecs(StoreSettings(codec=name), Path(tmp), blender, kv_cache.prompt, tiers=["redis"])["redis"]
+            (codec,) = tier_codecs(StoreSettings(codec=name), Path(tmp), blender, kv_cache.prompt, tiers=["redis"]).values()
             store = closing.enter_context(TieredStore([RedisTier(link.url(db), timeout_s=60.0)], codec=codec,
                                                       fingerprint=blender.fingerprint, placement=placement_of(blender)))
             log(f"storing the passages as {name} through the link")
@@ -221,7 +221,8 @@ def main() -> None:
                         plans[name] = decision
                     log(f"repeat {r + 1}/{args.repeats} {name:>8} {how:>5}: {seconds:.2f}s")
         with contextlib.ExitStack() as opened:
-            kv_mb = {name: sum(opened.enter_context(stores[name].open(k)).nbytes for k in keys) / 1e6 for name in codecs}
+            kv_mb = {name: sum(opened.enter_context(stores[name].open(k)).nbytes for k in keys) / 1e6
+                     for name in codecs}
 
     median = {run: statistics.median(t) for run, t in times.items()}
     full_s = median["full", "prefill"]

@@ -33,8 +33,8 @@ class TierCodecs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    gpu: CodecName = "native"
-    memory: CodecName = "native"
+    gpu: CodecName = "int8"
+    memory: CodecName = "int8"
     disk: CodecName = "int8"
     redis: CodecName = "cachegen"
 

@@ -74,7 +74,7 @@ def test_compare_report_and_resume(tmp_path, tiny_dataset, monkeypatch):
     assert report["model"]["fingerprint"] and report["commit"] and report["prompt"]["head_hash"]
     assert {k: report["config"][k] for k in ("ratios", "passages", "precompute", "codec", "check_layer",
                                              "deviation", "selections")} == {
-        "ratios": RATIOS, "passages": 3, "precompute": "head", "codec": "fp16", "check_layer": 1,
+        "ratios": RATIOS, "passages": 3, "precompute": "head", "codec": "int8", "check_layer": 1,
         "deviation": "value", "selections": ["query"]}
     assert [q["index"] for q in report["questions"]] == [0, 1]
     assert set(report["aggregate"]) == set(MODES)

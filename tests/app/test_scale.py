@@ -97,7 +97,7 @@ def test_redis_evicting_under_maxmemory_is_a_miss_recomputed_and_put_back(tmp_pa
     # three entries fit (Redis itself takes ~1 MB, and a SET's input buffer counts while it runs).
     with RedisServer(maxmemory="6mb") as redis_server:
         # A loaded machine may take longer than the default timeout to SET a passage: that is an outage, not this.
-        settings = make_settings(tmp_path / "data", store={"memory_bytes": 0, "disk_bytes": 0,
+        settings = make_settings(tmp_path / "data", store={"memory_bytes": 0, "disk_bytes": 0, "codec": "fp16",
                                                            "redis_url": redis_server.url, "redis_timeout_s": 10})
         parts = Components(settings)
         engine = RagEngine(settings, parts)

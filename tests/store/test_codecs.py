@@ -298,7 +298,7 @@ def test_each_tier_keeps_its_own_codec_and_a_promotion_keeps_the_bytes_it_found(
 def test_store_settings_take_one_codec_or_one_per_tier():
     assert StoreSettings(codec="int4").codecs() == dict.fromkeys(("gpu", "memory", "disk", "redis"), "int4")
     per_tier = StoreSettings(codec={"disk": "int4", "redis": "cachegen"})
-    assert per_tier.codec_of("memory") == "native" and per_tier.codec_of("redis") == "cachegen"
+    assert per_tier.codec_of("memory") == "int8" and per_tier.codec_of("redis") == "cachegen"
     for bad in ({"dsk": "int4"}, {"disk": "int2"}, "bf8"):
         with pytest.raises(ValueError):
             StoreSettings(codec=bad)

@@ -146,7 +146,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     item = json.loads(args.dataset.read_text())[args.question]
-    load_before = os.getloadavg()
+    load_before, commit = os.getloadavg(), git_commit()  # the checkout the run started from
 
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as redis_server, contextlib.ExitStack() as closing:
         link = ThrottledLink(("127.0.0.1", redis_server.port), args.throttle_mbit * 1e6)
@@ -236,7 +236,7 @@ def main() -> None:
                           "vs_full": {how: round(median[name, how] / full_s, 3) for how in ("fixed", "auto")},
                           "controller": plans.get(name)} for name in codecs},
         "auto_never_slower_than_full": all(median[name, "auto"] <= full_s for name in codecs),
-        "threads": torch.get_num_threads(), "commit": git_commit(),
+        "threads": torch.get_num_threads(), "commit": commit,
         "loadavg_before": [round(x, 2) for x in load_before],
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }, indent=2))

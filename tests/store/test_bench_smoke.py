@@ -1,6 +1,7 @@
 """The store's bench scripts run on the store's API: each with tiny sizes on the CPU, in a subprocess, printing
 the JSON it promises (bench/store.py: the tiers and codecs; bench/pipeline.py: TTFT per tier, on SmolLM2;
-bench/remote.py: TTFT per codec from Redis behind a throttled link)."""
+bench/remote.py: TTFT per codec from Redis behind a throttled link; bench/kv_bytes.py and bench/codec_quality.py:
+each codec's bytes and quality on SmolLM2)."""
 from __future__ import annotations
 
 import json
@@ -81,3 +82,21 @@ def test_bench_remote_reports_ttft_per_codec_behind_a_throttled_link(musique):
     assert report["codecs"]["cachegen"]["kv_mb"] < report["codecs"]["fp16"]["kv_mb"] / 4
     assert report["codecs"]["cachegen"]["controller"]["codec_decode_mb_s"]["cachegen"] > 0
     assert isinstance(report["auto_never_slower_than_full"], bool) and report["commit"]
+
+
+def test_bench_kv_bytes_and_codec_quality_measure_every_codec_on_smollm2(musique, tmp_path):
+    plans = tmp_path / "plans.json"
+    plans.write_text(json.dumps({"K16 V16": {"keys": [[0, 16]], "values": [[0, 16]]}}))
+    sizes = bench("kv_bytes.py", "--limit", "1", "--passages", "1", "--plans", str(plans))
+    codecs = sizes["codecs"]
+    assert {"native", "fp16", "int8", "int4", "cachegen:K16 V16"} <= set(codecs) and sizes["test_tokens"] > 0
+    assert codecs["cachegen:K16 V16"]["bytes_per_token"] < codecs["int4"]["bytes_per_token"] < codecs["int8"][
+        "bytes_per_token"]
+    quality = bench("codec_quality.py", "--limit", "1", "--passages", "1", "--codecs", "native,int8,int2,K16 V16",
+                    "--plans", str(plans))
+    means = quality["means"]
+    assert set(means) == {"native", "int8", "int2", "K16 V16"} and quality["n"] == 1 and quality["commit"]
+    for by_mode in means.values():
+        assert set(by_mode) == {"reuse", "query@0.15"}
+        assert all(m["kl"] >= 0 and 0 <= m["top1"] <= 1 for m in by_mode.values())
+    assert quality["plans"]["K16 V16"] == {"keys": [[0, 16]], "values": [[0, 16]]}

@@ -84,13 +84,13 @@ def main() -> None:
     selection = settings.blend.selection
     config = CompareConfig(str(args.dataset), args.passages, [0.0, args.ratio], settings.blend.precompute, "none",
                            settings.blend.check_layer, settings.blend.deviation, [selection], 32, 0, args.threads)
-    harness = Harness(blender, parts.prompt, config)
+    harness = Harness(blender, parts.runtime, parts.prompt, config)
     modes = [Mode("reuse", 0.0), Mode(f"{selection}@{args.ratio:g}", args.ratio, selection)]
     questions = []
     for n, item in enumerate(items):
         index, exact = args.start + n, harness.prepare(item)
         full = harness.timed(Mode("full", None), exact, seed=index)
-        ref = harness.answer(full.prefill)
+        ref, _ = harness.answer(full.prefill)
         ref_logp = torch.log_softmax(blender.teacher_force(full.prefill, ref), dim=-1)  # [A, V]
         row = {"index": index, "prompt_tokens": len(exact.full_ids), "reference_tokens": len(ref), "codecs": {}}
         for name, codec in codecs.items():

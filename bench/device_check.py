@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from blend import BLEND_ATTENTION, Blender, DecodeRuntime, SamplingParams  # noqa: E402
 from common import git_commit  # noqa: E402
+from common.placement import Placement  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=65536,

@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from app.cachegen import tier_codecs  # noqa: E402
-from app.components import Components, placement_of  # noqa: E402
+from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
 from app.loading import LoadingControl  # noqa: E402
 from blend import ChunkKV  # noqa: E402
@@ -169,7 +169,7 @@ def main() -> None:
             settings_as = StoreSettings(codec=name)
             (codec,) = tier_codecs(settings_as, Path(tmp), blender, kv_cache.prompt, tiers=["redis"]).values()
             store = closing.enter_context(TieredStore([RedisTier(link.url(db), timeout_s=60.0)], codec=codec,
-                                                      fingerprint=blender.fingerprint, placement=placement_of(blender)))
+                                                      fingerprint=blender.fingerprint, placement=blender.backend.placement))
             log(f"storing the passages as {name} through the link")
             for key, kv in zip(keys, kvs):
                 store.put(key, kv)

@@ -28,7 +28,8 @@ def sample_chunks(blender: Blender, prompt: PromptFormat) -> list[ChunkKV]:
     head_ids = prompt.head_ids
     head = blender.precompute(head_ids)
     passages = [block.strip().split("\n", 1) for block in SAMPLE.read_text().split("\n---\n")]
-    return [blender.precompute(prompt.text_passage_ids(text, title), head_ids, context=head) for title, text in passages]
+    return [blender.precompute(prompt.text_passage_ids(text, title), head_ids, context=head)
+            for title, text in passages]
 
 
 def tier_codecs(settings: StoreSettings, kv_dir: Path, blender: Blender, prompt: PromptFormat,

@@ -83,7 +83,8 @@ def measure(codec, kvs: list[ChunkKV]) -> dict:
     values = sum(2 * kv.keys.numel() for kv in kvs)
     datas = [encode(kv, codec) for kv in kvs]
     payload = sum(payload_bytes(d) for d in datas)
-    return {"bytes_per_token": round(payload / tokens, 1), "bits_per_value": round((payload - 8 * tokens) * 8 / values, 3),
+    return {"bytes_per_token": round(payload / tokens, 1),
+            "bits_per_value": round((payload - 8 * tokens) * 8 / values, 3),
             **errors(kvs, [decode(d) for d in datas])}
 
 
@@ -118,7 +119,8 @@ def main() -> None:
     shape = list(test_kvs[0].keys.shape)
     print(json.dumps({"model": parts.llm.name, "shape_lhd": [shape[0], shape[1], shape[3]],
                       "test_tokens": sum(kv.num_tokens for kv in test_kvs),
-                      "fit": args.fit, "fit_tokens": sum(kv.num_tokens for kv in fit_kvs), "codecs": results}, indent=1))
+                      "fit": args.fit, "fit_tokens": sum(kv.num_tokens for kv in fit_kvs), "codecs": results},
+                     indent=1))
 
 
 if __name__ == "__main__":

@@ -166,10 +166,11 @@ def main() -> None:
 
         stores, controls = {}, {}
         for db, name in enumerate(codecs):  # one Redis database per codec: the same keys, apart
-            settings_as = StoreSettings(codec=name)
-            (codec,) = tier_codecs(settings_as, Path(tmp), blender, kv_cache.prompt, tiers=["redis"]).values()
+            (codec,) = tier_codecs(StoreSettings(codec=name), Path(tmp), blender, kv_cache.prompt,
+                                   tiers=["redis"]).values()
             store = closing.enter_context(TieredStore([RedisTier(link.url(db), timeout_s=60.0)], codec=codec,
-                                                      fingerprint=blender.fingerprint, placement=blender.backend.placement))
+                                                      fingerprint=blender.fingerprint,
+                                                      placement=blender.backend.placement))
             log(f"storing the passages as {name} through the link")
             for key, kv in zip(keys, kvs):
                 store.put(key, kv)

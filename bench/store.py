@@ -126,8 +126,8 @@ def make_tiers(name: str, root: Path, redis_url: str | None, placement: Placemen
 def tier_times(name: str, codec: Codec, chunks: list, root: Path, redis_url: str | None, placement: Placement,
                repeats: int) -> dict[str, float]:
     """Timings of one tier as the only tier, every figure once per repeat, interleaved."""
-    stores = {threads: TieredStore(make_tiers(name, root / f"{codec.name}-{threads}", redis_url, placement), codec=codec,
-                                   fingerprint=FINGERPRINT, placement=placement, read_threads=threads)
+    stores = {threads: TieredStore(make_tiers(name, root / f"{codec.name}-{threads}", redis_url, placement),
+                                   codec=codec, fingerprint=FINGERPRINT, placement=placement, read_threads=threads)
               for threads in (0, 4)}
     for store in stores.values():
         for key, kv in chunks:

@@ -274,7 +274,8 @@ def test_a_damaged_cachegen_layer_is_recomputed_with_correct_logits(tmp_path, la
 
 def test_each_tier_keeps_its_own_codec_and_a_promotion_keeps_the_bytes_it_found(tmp_path, redis_url, cachegen):
     codecs = {"memory": "native", "disk": "int4", "redis": cachegen}
-    tiers = lambda: [MemoryTier(1 << 24), DiskTier(tmp_path / "kv", 1 << 24), RedisTier(redis_url, timeout_s=5.0)]  # noqa: E731
+    def tiers():
+        return [MemoryTier(1 << 24), DiskTier(tmp_path / "kv", 1 << 24), RedisTier(redis_url, timeout_s=5.0)]
     key, kv = random_kv(20, context=[1])
     with TieredStore(tiers(), codec=codecs, fingerprint="model-a") as store:
         assert store.codecs == {"memory": "native", "disk": "int4", "redis": "cachegen"} and store.codec == "native"

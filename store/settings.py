@@ -36,7 +36,7 @@ class TierCodecs(BaseModel):
     gpu: CodecName = "int8"
     memory: CodecName = "int8"
     disk: CodecName = "int8"
-    redis: CodecName = "cachegen"
+    redis: CodecName = "int8"
 
 
 class StoreSettings(BaseModel):

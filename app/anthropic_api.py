@@ -279,8 +279,11 @@ async def messages(request: Request, svc: Service = Depends(service)):
     await asyncio.to_thread(check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
     params = svc.query_params(texts[-1], top_k=body.top_k, max_tokens=body.max_tokens,
                               temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
-                              stop=tuple(s for s in body.stop_sequences if s), seed=body.seed, system=system,
-                              turns=tuple((m.role, t) for m, t in zip(body.messages[:-1], texts[:-1])),
+                              stop=tuple(s for s in body.stop_sequences if s), seed=body.seed,
+                              # each message a piece, indexed as in body.messages (the system text, which joins
+                              # the head wherever it stands, goes last so the indices stay the client's)
+                              messages=tuple({"role": m.role, "content": t} for m, t in zip(body.messages, texts))
+                              + (({"role": "system", "content": system},) if system else ()),
                               retrieve=body.retrieval, remember=True)
     run = await QueryRun.start(svc, params, request, "messages")
     head = {"id": f"msg_{uuid.uuid4().hex}", "model": body.model}

@@ -105,7 +105,8 @@ class QueryRequest(StrictBody):
     question: NonBlank = Field(min_length=1)
     top_k: int | None = Field(None, ge=1, description="Passages to retrieve (default: retrieval.top_k).")
     mode: Mode = Field("blend", description="blend: cached chunk KV + selective recompute; full: plain "
-                                            "prefill; reuse: cached chunk KV, nothing recomputed.")
+                                            "prefill; reuse: cached chunk KV, nothing recomputed; prefix: only "
+                                            "the exact prefix reused, the rest computed (prefix caching).")
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False,
                                           description="Share of cached tokens recomputed (default: blend.ratio).")
     selection: Literal[tuple(sorted(POLICIES))] | None = Field(  # type: ignore[valid-type]
@@ -134,14 +135,82 @@ class TextPart(OpenAIBody):
     text: Text | None = None
 
 
+class FunctionCall(OpenAIBody):
+    name: Annotated[str, Field(min_length=1, max_length=256, pattern=ONE_LINE_NOT_BLANK)]
+    arguments: Text = Field(description="The call's arguments, as the model wrote them (JSON text).")
+
+
+class ToolCall(OpenAIBody):
+    id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=ONE_LINE_NOT_BLANK)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(OpenAIBody):
+    name: Annotated[str, Field(min_length=1, max_length=256, pattern=ONE_LINE_NOT_BLANK)]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(OpenAIBody):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+# ChatMessage's rules across fields, in JSON Schema: a tool message names its call, a function message its
+# function, and only an assistant message has tool calls.
+_MESSAGE_RULES = {"allOf": [
+    {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+     "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}},
+    {"if": {"properties": {"role": {"const": "function"}}, "required": ["role"]},
+     "then": {"required": ["name"], "properties": {"name": {"type": "string"}}}},
+    {"if": {"properties": {"tool_calls": {"type": "array", "minItems": 1}}, "required": ["tool_calls"]},
+     "then": {"properties": {"role": {"const": "assistant"}}}}]}
+
+
 class ChatMessage(OpenAIBody):
+    """A chat message. Every one goes into the prompt, rendered by the model's chat template: tool results
+    (role tool, with the `tool_call_id` they answer) and an assistant's `tool_calls` included."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_MESSAGE_RULES)
+
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Text | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls.")
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = Field(
+        None, description="Required on a tool message: the call it answers.")
+    name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.role == "function" and self.name is None:
+            raise ValueError("a function message needs name")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: keep the text ones
             return "\n".join(p.text for p in self.content if p.type == "text" and p.text)
         return self.content or ""
+
+    def budget_text(self) -> str:
+        """What counts against the token budgets: its text and its calls."""
+        calls = [f"{c.function.name} {c.function.arguments}" for c in self.tool_calls or []]
+        return "\n".join([self.text(), *calls])
+
+    def as_prompt(self) -> dict[str, Any]:
+        """The message as the engine renders it (an OpenAI/HF chat-template dict); a legacy function message
+        is a tool message."""
+        message: dict[str, Any] = {"role": "tool" if self.role == "function" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
 
 class StreamOptions(OpenAIBody):
@@ -181,10 +250,15 @@ class ChatCompletionRequest(OpenAIBody):
     prompt_cache_retention: Literal["in_memory", *RETENTION_TTL_S] | None = Field(  # type: ignore[valid-type]
         None, description="in_memory (the default): the prompt's KV stays under plain LRU; 24h: it is leased for "
                           "24 h (renewed by each hit), see the response's `lease` and x-ragblend-lease header.")
+    tools: list[Tool] | None = Field(None, description="Functions the model may call: rendered into the prompt "
+                                                      "through the model's chat template.")
     # ragblend extras
     top_k: int | None = Field(None, ge=1)
     mode: Mode = "blend"
     recompute_ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    retrieval: bool | None = Field(None, description=(
+        "ragblend extra (the openai client: extra_body): false answers from the messages alone, no passages "
+        "retrieved; default true, false under the served name `<model>-chat` (GET /v1/models lists both)."))
 
     @field_validator("stop")
     @classmethod
@@ -218,7 +292,10 @@ class Choice(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int
+    cached_tokens: int = Field(description="Prompt tokens whose KV was read from the store.")
+    exact_tokens: int = Field(0, description="ragblend extra: of those, the exact prefix (used as is).")
+    recomputed_tokens: int = Field(0, description="ragblend extra: of those, recomputed by the blend (the rest "
+                                                  "at new positions was RoPE-shifted and reused).")
 
 
 class Usage(BaseModel):
@@ -371,7 +448,10 @@ _STATED_LIMITS = {("QueryRequest", "question"): ("maxLength", "max_question_char
                   ("QueryRequest", "max_tokens"): ("maximum", "max_new_tokens"),
                   ("ChatCompletionRequest", "top_k"): ("maximum", "max_top_k"),
                   ("ChatCompletionRequest", "max_tokens"): ("maximum", "max_new_tokens"),
-                  ("ChatCompletionRequest", "max_completion_tokens"): ("maximum", "max_new_tokens")}
+                  ("ChatCompletionRequest", "max_completion_tokens"): ("maximum", "max_new_tokens"),
+                  ("ChatCompletionRequest", "messages"): ("maxItems", "max_messages"),
+                  ("LookupRequest", "messages"): ("maxItems", "max_messages"),
+                  ("LookupRequest", "prompt"): ("maxLength", "max_question_chars")}
 
 
 def state_limits(openapi: dict[str, Any], limits: LimitsSettings) -> None:
@@ -384,7 +464,7 @@ def state_limits(openapi: dict[str, Any], limits: LimitsSettings) -> None:
     limited.append(("ChatCompletionRequest", "seed", "maximum", MAX_SEED))
     for model, name, keyword, value in limited:
         prop = schemas[model]["properties"][name]
-        typed = next(s for s in prop.get("anyOf", [prop]) if s.get("type") in ("integer", "string"))
+        typed = next(s for s in prop.get("anyOf", [prop]) if s.get("type") in ("integer", "string", "array"))
         typed[keyword] = value
     budget = (f"At most {limits.max_message_tokens} tokens a message (limits.max_message_tokens) and "
               f"{limits.max_prompt_tokens} in the whole prompt, passages included (limits.max_prompt_tokens).")

@@ -1,5 +1,6 @@
-"""The cache endpoint: what the KV store holds and leases (GET /v1/cache), and dropping a lease family
-(DELETE /v1/cache?prompt_cache_key=...). Behind the API key like every /v1 route.
+"""The cache endpoint: what the KV store holds and leases (GET /v1/cache), dropping a lease family
+(DELETE /v1/cache?prompt_cache_key=...), and what a prompt would find cached (POST /v1/cache/lookup).
+Behind the API key like every /v1 route.
 
 A family is named by the client's `prompt_cache_key` and listed by its id (store.family_id: a hash), so no
 client's text is ever shown to another; a client finds its own with `?prompt_cache_key=`. Figures per
@@ -8,14 +9,17 @@ them); leases are every replica's (from the metadata database, at most `store.le
 """
 from __future__ import annotations
 
-from typing import Annotated, Any
+import asyncio
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from app.api_models import ERRORS, MAX_CACHE_KEY_CHARS
+from app.api_models import (ERRORS, MAX_CACHE_KEY_CHARS, USER_TEXT, ChatCompletionRequest, ChatMessage, NonBlank,
+                            check_budget, check_limits)
 from app.components import Serving
-from app.service import serving
+from app.query_routes import chat_params
+from app.service import Service, service, serving
 from app.validation import valid_unicode
 from store import family_id
 
@@ -95,3 +99,73 @@ def _tier(name: str, tier: dict[str, Any], leases: dict[str, Any]) -> TierCache:
 
 def _rate(hits: int, misses: int) -> float | None:
     return round(hits / (hits + misses), 4) if hits + misses else None
+
+
+# ---- POST /v1/cache/lookup -----------------------------------------------------------------------
+
+# Exactly one of messages (with a user message with text, as a chat needs) and prompt, in JSON Schema.
+_ONE_PROMPT = {"oneOf": [
+    {"required": ["messages"], "properties": {"messages": {"type": "array", "contains": USER_TEXT},
+                                              "prompt": {"type": "null"}}},
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}}]}
+
+
+class LookupRequest(ChatCompletionRequest):
+    """A chat completions request (its `messages`, `tools`, `retrieval`, `model`, `top_k`), or a /v1/query
+    question as `prompt`: what its prompt would read from the store, looked up, nothing computed."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_ONE_PROMPT)
+    messages: list[ChatMessage] | None = Field(None, description="A chat's messages (or give `prompt`).")  # type: ignore[assignment]
+    prompt: NonBlank | None = Field(None, description="A /v1/query question (or give `messages`).")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> LookupRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of messages and prompt")
+        return self
+
+
+class LookupPiece(BaseModel):
+    kind: Literal["head", "message", "opening", "passage"] = Field(
+        description="The system turn, a chat message, the passages' turn opening, or a retrieved passage.")
+    message: int | None = Field(description="A message piece: its index in `messages`.")
+    tokens: int
+    cached: Literal["exact", "blendable"] | None = Field(
+        description="exact: stored after exactly the tokens before it, used as is; blendable: stored, reused "
+                    "at this position by RoPE shift and blend; null: not stored, to be computed.")
+    tier: str | None = Field(description="The tier that holds it (gpu, memory, disk, redis).")
+
+
+class LookupReport(BaseModel):
+    object: Literal["cache.lookup"] = "cache.lookup"
+    prompt_tokens: int
+    cached_tokens: int = Field(description="Tokens whose KV the store holds (exact + blendable).")
+    exact_tokens: int = Field(description="Of those, the exact prefix.")
+    blendable_tokens: int
+    pieces: list[LookupPiece] = Field(description="The prompt's pieces in order (the question, always computed, "
+                                                  "is left out).")
+
+
+@router.post("/v1/cache/lookup", response_model=LookupReport, responses=ERRORS)
+async def cache_lookup(body: LookupRequest, svc: Service = Depends(service)) -> LookupReport:
+    """How many of a prompt's tokens the store holds, exact or blendable, and where: from the same plan the
+    request would run (app.engine.RagEngine.lookup), as it would be laid out now."""
+    if body.prompt is not None:
+        check_limits(svc.settings.limits, question=body.prompt, top_k=body.top_k, question_field="prompt",
+                     max_tokens={"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens})
+        await asyncio.to_thread(check_budget, svc.settings.limits, [("prompt", body.prompt)], svc.count_tokens,
+                                "prompt")
+        params = svc.query_params(body.prompt, top_k=body.top_k, max_tokens=body.new_tokens(), mode=body.mode)
+    else:
+        params = await chat_params(body, svc)  # type: ignore[arg-type]
+    plan = await asyncio.to_thread(svc.serving.engine.lookup, params)
+    pieces, before, exact = [], [], True
+    for piece in plan.pieces:  # exact: stored after exactly what precedes it, and so is all before it
+        exact = exact and piece.tier is not None and piece.entry_context == before
+        cached = None if piece.tier is None else "exact" if exact else "blendable"
+        pieces.append(LookupPiece(kind=piece.kind, message=piece.message, tokens=len(piece.ids), cached=cached,
+                                  tier=piece.tier))
+        before = before + piece.ids
+    tokens = {kind: sum(p.tokens for p in pieces if p.cached == kind) for kind in ("exact", "blendable")}
+    return LookupReport(prompt_tokens=len(before) + len(plan.suffix), cached_tokens=sum(tokens.values()),
+                        exact_tokens=tokens["exact"], blendable_tokens=tokens["blendable"], pieces=pieces)

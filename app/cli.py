@@ -59,15 +59,15 @@ def serve(host: Optional[str] = typer.Option(None), port: Optional[int] = typer.
 
 @cli.command()
 def ask(question: str, top_k: Optional[int] = typer.Option(None, min=1),
-        mode: str = typer.Option("blend", help="blend | full | reuse"),
+        mode: str = typer.Option("blend", help="blend | full | reuse | prefix"),
         ratio: Optional[float] = typer.Option(None, min=0.0, max=1.0, help="Recompute ratio."),
         max_tokens: Optional[int] = typer.Option(None, min=1),
         config: Optional[Path] = ConfigOpt) -> None:
     """Answer one question with the same engine as the API, without HTTP."""
     from app.commands import run_ask
 
-    if mode not in ("blend", "full", "reuse"):
-        fail(f"unknown mode {mode!r}: use blend, full or reuse")
+    if mode not in ("blend", "full", "reuse", "prefix"):
+        fail(f"unknown mode {mode!r}: use blend, full, reuse or prefix")
     settings = _settings(config)
     try:
         code = run_ask(settings, question, top_k=top_k, mode=mode, ratio=ratio, max_tokens=max_tokens)

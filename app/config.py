@@ -81,8 +81,9 @@ class LimitsSettings(BaseModel):
     max_body_bytes: int = Field(10 << 20, ge=1)
     max_document_chars: int = Field(1_000_000, ge=1)
     max_explain_tokens: int = Field(4096, ge=1)  # prompt tokens an `explain: true` response lists
-    max_prompt_tokens: int = Field(4096, ge=1)  # a request's prompt: messages, passages and question (else 4xx)
+    max_prompt_tokens: int = Field(7680, ge=1)  # a request's prompt: messages, passages and question (else 4xx)
     max_message_tokens: int = Field(2048, ge=1)  # one message of a chat, or a query's question (else 422)
+    max_messages: int = Field(512, ge=1)  # messages of one chat request (else 422)
 
 
 class Settings(BaseSettings):

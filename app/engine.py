@@ -7,12 +7,22 @@ retrieval and store reads offloaded to another thread, one slice per prefill lay
 one DecodeStep per token (batched with the other requests'). `stream()` runs one program alone through the
 same driver, in one slot (the CLI, tests), and `answer()` collects it.
 
-The prompt: head | conversation | passages | question (blend.prompt). A chat request's earlier turns
-form the conversation, an exact prefix whose KV is stored per exchange: after sending its answer, the
-program stores the KV of the exchange it just had, so the next turn reads its whole conversation from
-the store and computes only its passages' repair and the new question.
-When the conversation does not fit the context, its oldest exchanges are dropped first (app.conversation);
-with blend.ratio auto the loading controller (app.loading) picks the ratio.
+The prompt of a query: head | passages | question (blend.prompt). Of a chat, every message is a piece:
+    head (system turn) | message | message | ... | [user turn opening | passages | question]
+the bracket only with retrieval (then the last user message is the question, after its passages), else the
+assistant turn's opening alone. Each message piece has two store entries, both keyed by content alone
+(model, the tokens it was computed after, its tokens), so nothing of one request's context reaches another's:
+    exact      computed in place, after exactly the tokens before it: where it reappears after the same
+               tokens it is an exact prefix, used as is
+    blendable  computed after the prompt head only, as passages are: anywhere else it is RoPE-shifted and
+               blended (the request's selection policy and ratio)
+A message never seen is computed in place (exact) while everything before it is exact; new messages at the
+end of the prompt are computed with the question, in the prefill. After the answer is sent the program
+stores what the next request may need: every message as this prompt had it, under the tokens before it (the
+same prefix again is an exact prefix: the KV this answer was computed from), the blendable form of every
+message that lacks one, and (chat) the exchange just answered, in place, so the next turn is an exact prefix.
+When the messages do not fit the context, the oldest are dropped first; with blend.ratio auto the loading
+controller (app.loading) picks the ratio.
 """
 from __future__ import annotations
 
@@ -21,19 +31,23 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Generator, Iterator, Literal
 
+import torch
+
 from app.components import Components
 from app.config import Settings
-from app.conversation import fit_conversation
+from app.conversation import CHARS_PER_TOKEN_BOUND
 from app.explain import Explain, explain_prompt
-from blend import ChunkKV, Prefill, SamplingParams, TextStream
+from app.usage import COMPUTED
+from blend import ChunkKV, Prefill, SamplingParams, TextStream, hash_ids
 from blend.controller import Calibration
 from blend.decode import decode_loop
 from blend.driver import Driver, Offload
 from blend.pipeline import LayerSource
+from blend.prompt import ChatTemplateError
 from blend.selection import get_policy
 from retrieval.retriever import Hit
 
-Mode = Literal["blend", "full", "reuse"]
+Mode = Literal["blend", "full", "reuse", "prefix"]  # prefix: the exact prefix reused, everything after it computed
 
 
 class RequestError(ValueError):
@@ -53,11 +67,13 @@ class QueryParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     explain_tokens: int = 0  # > 0: attach an Explain of the prompt, listing at most this many tokens
-    # A chat: the client's system message, the earlier turns as (role, text), role "user" or "assistant",
-    # oldest first, and the text to retrieve with (default: the question).
-    system: str | None = None
-    turns: tuple[tuple[str, str], ...] = ()
+    # A chat: its messages as OpenAI/HF dicts (role, content, tool_calls, tool_call_id, name), every one,
+    # system ones included (an index into them names a message), the tools they may call, and the text to
+    # retrieve with (default: the question).
+    messages: tuple[dict, ...] = ()
+    tools: tuple[dict, ...] = ()
     retrieval_query: str | None = None
+    retrieve: bool = True  # False: no passages, the prompt is the conversation alone
     remember: bool = False  # store this exchange's KV for the next turn (chat)
     retrieve: bool = True  # False: no passages, the prompt is the conversation alone (/v1/messages)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
@@ -82,15 +98,19 @@ class QueryStats:
     prefill_ms: float = 0.0
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV was read from the store (not computed for this request)
-    recomputed_tokens: int = 0
+    exact_tokens: int = 0  # of those, the exact prefix: used as is, never recomputed
+    recomputed_tokens: int = 0  # cached tokens at a new position that the blend recomputed
     recompute_ratio: float = 1.0
     selection: str | None = None
     completion_tokens: int = 0
     store_hits: dict[str, int] = field(default_factory=dict)  # passages per tier they came from; "computed" = miss
     fallback: str | None = None  # why a blend ran as full prefill
     queue_ms: float = 0.0  # time waiting for a slot on the model thread (set by the server)
-    conversation_tokens: int = 0  # earlier turns in the prompt
+    conversation_tokens: int = 0  # chat messages in the prompt (the question after passages not counted)
     conversation_cached_tokens: int = 0  # of those, read from the store
+    message_kv: list[str] = field(default_factory=list)  # per message piece, in prompt order: "exact" (stored,
+    # same tokens before it), "blended" (stored, at a new position), "computed" (here, before the prefill) or
+    # "fresh" (new at the end: computed in the prefill, with the question)
     dropped_messages: int = 0  # earlier messages left out: the conversation did not fit the context
     load_wait_ms: float = 0.0  # prefill time spent waiting for chunk KV layers (loading not hidden by compute)
     loading: dict | None = None  # blend.ratio auto: the controller's ratio, chunks recomputed from text, and why
@@ -98,9 +118,9 @@ class QueryStats:
 
 @dataclass(frozen=True)
 class KeyUse:
-    """A store key the request's prompt read or wrote: its tokens and the chat message it belongs to (None for
-    the head and passages; a conversation piece, one exchange today: the index in `QueryParams.turns` of its
-    last turn). `cached`: read from the store, not computed for this request."""
+    """A store key the request's prompt read or wrote: its tokens and the chat message it belongs to (its index
+    in `QueryParams.messages`; None for the head, the passages' turn opening and passages). `cached`: read from
+    the store, not computed for this request."""
 
     key: str
     tokens: int
@@ -121,25 +141,65 @@ class QueryResult:
         return asdict(self)
 
 
+KVSource = Literal["exact", "blended", "computed", "fresh"]
+
+
 @dataclass
 class _Piece:
-    """One cached piece of the prompt: its tokens, the tokens it is computed after, its KV once known."""
+    """One cached piece of the prompt: its tokens, the tokens it is computed after, its KV once known.
+    A message piece (or the passages' turn opening) is read exact (after `context_ids`, the tokens before it
+    here) or blendable (after `blend_context`, the prompt head passages are computed after)."""
 
-    kind: Literal["head", "conversation", "passage"]
+    kind: Literal["head", "message", "opening", "passage"]
     ids: list[int]
     context_ids: list[int]
     kv: ChunkKV | LayerSource | None = None  # a passage's stored KV may be opened layer by layer
     tier: str | None = None  # where the KV came from; None until read, "computed" if computed here
-    message: int | None = None  # a conversation piece: its last turn's index in QueryParams.turns
+    message: int | None = None  # a message piece: its index in QueryParams.messages
+    blend_context: list[int] | None = None  # a message piece's blendable form is computed after these
+    source: KVSource | None = None  # a message piece: how its KV was had (QueryStats.message_kv)
+    entry_context: list[int] | None = None  # the context of the entry it read or is stored under
+
+    def __post_init__(self) -> None:
+        if self.entry_context is None:
+            self.entry_context = self.context_ids
+
+    @property
+    def in_place(self) -> bool:
+        """Computed (or to be) after exactly the tokens before it here, not after the head alone."""
+        return self.kind != "passage" and self.entry_context == self.context_ids
+
+
+@dataclass
+class _Chat:
+    """A chat's layout inputs, for remembering the exchange after the answer."""
+    system: str | None
+    kept: list[dict]      # the messages in the prompt as pieces, oldest first
+    tools: tuple[dict, ...]
+    question: dict | None  # with retrieval: the question's message (after the passages, not a piece)
 
 
 @dataclass
 class _Plan:
     hits: list[Hit]
     pieces: list[_Piece]
-    suffix: list[int]
-    turns: tuple[tuple[str, str], ...]  # the turns kept in the prompt
+    suffix: list[int]   # the question (and the assistant turn's opening); fresh pieces run before it
     dropped: int
+    chat: _Chat | None = None
+    blends: bool = True  # False in mode prefix: no blendable forms are stored
+
+    @property
+    def segments(self) -> list[_Piece]:
+        """The pieces whose KV the prefill reads (fresh ones run with the suffix)."""
+        return [p for p in self.pieces if p.source != "fresh"]
+
+    @property
+    def fresh(self) -> list[_Piece]:
+        return [p for p in self.pieces if p.source == "fresh"]
+
+    @property
+    def prefill_suffix(self) -> list[int]:
+        return [i for p in self.fresh for i in p.ids] + self.suffix
 
 
 class RagEngine:
@@ -169,48 +229,7 @@ class RagEngine:
         parts, start = self.parts, time.perf_counter()
         stats = QueryStats(mode=params.mode)
         max_tokens = params.max_tokens or self.settings.limits.default_max_new_tokens
-
-        # 1. Off the model thread: retrieve, lay the prompt out as token pieces, read their KV from the store.
-        plan: _Plan = yield Offload(lambda: self._plan(params, max_tokens, stats))
-
-        # 2. On it: compute the pieces the store lacked, one slice each. (Look again first: the previous
-        #    turn stores its exchange on this thread after answering, perhaps after our look.)
-        t = time.perf_counter()
-        if params.mode != "full":
-            for i, piece in enumerate(plan.pieces):
-                if piece.kv is None:
-                    piece.kv, piece.tier = parts.kv_cache.lookup(piece.ids, piece.context_ids)
-                if piece.kv is None:
-                    before = [p.kv for p in plan.pieces[:i]] if piece.kind == "conversation" else []
-                    piece.kv, piece.tier = parts.kv_cache.compute(piece.ids, piece.context_ids, before), "computed"
-                    yield
-        stats.kv_load_ms += _ms(t)
-
-        # 3. Prefill, a layer per slice.
-        t = time.perf_counter()
-        if params.mode == "full":
-            prompt_ids = [i for p in plan.pieces for i in p.ids] + plan.suffix
-            prefill = yield from parts.blender.prefill_steps([], prompt_ids, 1.0)
-        else:
-            ratio = 0.0 if params.mode == "reuse" else params.ratio
-            if ratio is None and self.settings.blend.ratio == "auto":
-                ratio, stats.loading = yield from parts.loading.ratio(plan.pieces, len(plan.suffix), params.selection,
-                                                                      self._recompute)
-            elif ratio is None:
-                ratio = self.settings.blend.ratio
-            prefill = yield from parts.blender.prefill_steps(
-                [p.kv for p in plan.pieces], plan.suffix, ratio, selection=params.selection,
-                pipeline=self.settings.blend.pipeline, recompute=lambda i: self._recompute(plan.pieces[i]))
-            stats.selection = params.selection or parts.blender.selection
-            passages = [p for p in plan.pieces if p.kind == "passage"]
-            stats.store_hits = dict(Counter(p.tier for p in passages))
-            for piece in passages:  # where each retrieved chunk's KV came from (app.usage)
-                parts.kv_cache.served(piece.ids, piece.tier)
-        stats.prefill_ms = _ms(t)
-        _fill_prefill_stats(stats, prefill, params.mode, plan)
-        if params.mode == "blend" and prefill.stats.fallback is None:  # live compute cost, for the controller
-            tokens = (prefill.stats.recomputed_tokens + len(plan.suffix)) * parts.blender.num_layers
-            parts.loading.observe(tokens, (stats.prefill_ms - stats.load_wait_ms) / 1000)
+        plan, prefill = yield from self.prefill(params, max_tokens, stats)
 
         # 4. Decode in a KV pool slot: one token per DecodeStep, batched by the driver with the other
         #    requests' (blend.decode.decode_loop, the loop every answer runs). Closing the program
@@ -235,53 +254,187 @@ class RagEngine:
             explain = self._explain(plan, prefill, params.explain_tokens)
         yield QueryResult(answer, sources, stats, finish, explain, self._key_uses(plan, params.mode))
 
-        # 5. After the answer is out: this exchange's KV, for the next turn (a few dozen tokens).
-        if params.remember and params.mode != "full" and finish != "cancelled":
-            self._remember(params, plan, answer)
+        # 5. After the answer is out: what the next request may need (module docstring).
+        if params.mode != "full" and finish != "cancelled":
+            yield from self.store_after(plan, prefill, answer if params.remember else None)
+
+    def prefill(self, params: QueryParams, max_tokens: int, stats: QueryStats
+                ) -> Generator[Any, Any, tuple[_Plan, Prefill]]:
+        """Steps 1-3 of a request: its plan and its prefill (the benchmarks score the prefill)."""
+        parts = self.parts
+        # 1. Off the model thread: retrieve, lay the prompt out as token pieces, read their KV from the store.
+        plan: _Plan = yield Offload(lambda: self._plan(params, max_tokens, stats))
+
+        # 2. On it: compute the pieces the store lacked, one slice each. (Look again first: the previous
+        #    turn stores its exchange on this thread after answering, perhaps after our look.)
+        t = time.perf_counter()
+        if params.mode != "full":
+            for i, piece in enumerate(plan.pieces):
+                if piece.kv is None and piece.source != "fresh":
+                    piece.kv, piece.tier = parts.kv_cache.lookup(piece.ids, piece.entry_context)
+                if piece.kv is None and piece.source != "fresh":
+                    before = [p.kv for p in plan.pieces[:i]] if piece.in_place else []
+                    piece.kv = parts.kv_cache.compute(piece.ids, piece.entry_context, before)
+                    piece.tier = COMPUTED
+                    yield
+        stats.kv_load_ms += _ms(t)
+
+        # 3. Prefill, a layer per slice.
+        t = time.perf_counter()
+        if params.mode == "full":
+            prompt_ids = [i for p in plan.pieces for i in p.ids] + plan.suffix
+            prefill = yield from parts.blender.prefill_steps([], prompt_ids, 1.0)
+        else:
+            ratio = 0.0 if params.mode in ("reuse", "prefix") else params.ratio
+            segments = plan.segments
+            if ratio is None and self.settings.blend.ratio == "auto":
+                ratio, stats.loading = yield from parts.loading.ratio(segments, len(plan.prefill_suffix),
+                                                                      params.selection, self._recompute)
+            elif ratio is None:
+                ratio = self.settings.blend.ratio
+            prefill = yield from parts.blender.prefill_steps(
+                [p.kv for p in segments], plan.prefill_suffix, ratio, selection=params.selection,
+                pipeline=self.settings.blend.pipeline, recompute=lambda i: self._recompute(segments[i]))
+            stats.selection = params.selection or parts.blender.selection
+            passages = [p for p in plan.pieces if p.kind == "passage"]
+            stats.store_hits = dict(Counter(p.tier for p in passages))
+            for piece in passages:  # where each retrieved chunk's KV came from (app.usage)
+                parts.kv_cache.served(piece.ids, piece.tier)
+        stats.prefill_ms = _ms(t)
+        _fill_prefill_stats(stats, prefill, params.mode, plan)
+        if params.mode == "blend" and prefill.stats.fallback is None:  # live compute cost, for the controller
+            tokens = (prefill.stats.recomputed_tokens + len(plan.prefill_suffix)) * parts.blender.num_layers
+            parts.loading.observe(tokens, (stats.prefill_ms - stats.load_wait_ms) / 1000)
+        return plan, prefill
 
     # ---- the plan, off the model thread ------------------------------------------------------------
 
-    def _plan(self, params: QueryParams, max_tokens: int, stats: QueryStats) -> _Plan:
+    def lookup(self, params: QueryParams) -> _Plan:
+        """The request's plan as its program would make it, each piece's `tier` and `source` saying where its KV
+        is (nothing read, nothing computed): POST /v1/cache/lookup."""
+        max_tokens = params.max_tokens or self.settings.limits.default_max_new_tokens
+        return self._plan(params, max_tokens, QueryStats(mode=params.mode), read=False)
+
+    def _plan(self, params: QueryParams, max_tokens: int, stats: QueryStats, read: bool = True) -> _Plan:
         parts, t = self.parts, time.perf_counter()
         hits = parts.retriever.search(params.retrieval_query or params.question,
                                       params.top_k or self.settings.retrieval.top_k) if params.retrieve else []
-        head = parts.prompt.head_ids_for(params.system)
         passages = [parts.kv_cache.passage_ids(h.chunk.token_ids, h.title) for h in hits]
-        suffix = parts.prompt.suffix_ids(params.question)
         stats.retrieve_ms = _ms(t)
-        fixed = len(head) + sum(map(len, passages)) + len(suffix) + max_tokens
-        self._check_length(fixed - max_tokens, max_tokens)
-        turns, conversation = fit_conversation(parts.prompt, params.turns, params.system, fixed, self._context_limit())
-        prompt_tokens, budget = fixed - max_tokens + sum(map(len, conversation)), self.settings.limits.max_prompt_tokens
+        if params.messages:
+            try:
+                pieces, suffix, chat, dropped = self._chat_pieces(params, passages, max_tokens)
+            except ChatTemplateError as exc:
+                raise RequestError(str(exc)) from exc
+        else:
+            head = parts.prompt.head_ids
+            pieces, suffix, chat, dropped = [_Piece("head", head, [])], parts.prompt.suffix_ids(params.question), \
+                None, 0
+        pieces += [_Piece("passage", ids, parts.kv_cache.context_ids) for ids in passages]
+        prompt_tokens = sum(len(p.ids) for p in pieces) + len(suffix)
+        self._check_length(prompt_tokens, max_tokens)
+        budget = self.settings.limits.max_prompt_tokens
         if prompt_tokens > budget:  # the route checked the messages; the passages are known only now
             raise RequestError(f"prompt of {prompt_tokens} tokens (messages, passages and question) exceeds "
                                f"limits.max_prompt_tokens ({budget}); lower top_k or shorten the messages")
 
         t = time.perf_counter()
-        pieces, before = [_Piece("head", head, [])], list(head)
-        for ids, message in zip(conversation, _last_turns(turns, len(conversation), len(params.turns) - len(turns))):
-            pieces.append(_Piece("conversation", ids, before, message=message))
-            before = before + ids
-        pieces += [_Piece("passage", ids, parts.kv_cache.context_ids) for ids in passages]
+        plan = _Plan(hits, pieces, suffix, dropped, chat, blends=params.mode != "prefix")
         if params.mode != "full":
-            for piece in pieces:  # passages opened layer-wise when pipelined (the prefill reads and closes them)
-                read = parts.kv_cache.open if piece.kind == "passage" and self.settings.blend.pipeline \
-                    else parts.kv_cache.lookup
-                piece.kv, piece.tier = read(piece.ids, piece.context_ids)
+            self._find_kv(plan, read, prefix_only=params.mode == "prefix")
         stats.kv_load_ms = _ms(t)
-        return _Plan(hits, pieces, suffix, turns, len(params.turns) - len(turns))
+        return plan
 
-    def _key_uses(self, plan: _Plan, mode: str) -> list[KeyUse]:
-        """Every store key the prompt read or wrote (a full prefill reads and writes none)."""
-        if mode == "full":
-            return []
-        key = self.parts.kv_cache.piece_key
-        return [KeyUse(key(p.ids, p.context_ids), len(p.ids), p.message, p.tier != "computed") for p in plan.pieces]
+    def _chat_pieces(self, params: QueryParams, passages: list[list[int]], max_tokens: int
+                     ) -> tuple[list[_Piece], list[int], _Chat, int]:
+        """A chat's head and message pieces (the newest messages that fit the context), its suffix."""
+        prompt, template = self.parts.prompt, self.parts.prompt.chat
+        system = "\n\n".join(_text(m) for m in params.messages
+                             if m["role"] in SYSTEM_ROLES and _text(m)) or None
+        indexed = [(i, m) for i, m in enumerate(params.messages) if m["role"] not in SYSTEM_ROLES]
+        question = None
+        if params.retrieve:  # the last user message with text is the question, after its passages
+            q = max((k for k, (_, m) in enumerate(indexed) if m["role"] == "user" and _text(m)), default=None)
+            if q is None:
+                raise RequestError("retrieval needs a user message with text (the question)")
+            question = indexed.pop(q)[1]
+        opening = template.opening_ids(system) if params.retrieve else []
+        keep = 0 if params.retrieve else 1  # without retrieval the last message is what is answered
+        limit = self._context_limit()
+        start = _within_chars(indexed, limit, keep)
+        layout = template.layout([m for _, m in indexed[start:]], params.tools, system)
+        suffix = prompt.suffix_ids(_text(question), system) if question else layout.tail
+        fixed = len(opening) + sum(map(len, passages)) + len(suffix) + max_tokens
+        while limit and len(layout.head) + sum(map(len, layout.messages)) + fixed > limit \
+                and start < len(indexed) - keep:  # drop the oldest messages, as many as the excess
+            excess, drop = len(layout.head) + sum(map(len, layout.messages)) + fixed - limit, 0
+            while excess > 0 and drop < min(len(layout.messages), len(indexed) - keep - start):
+                excess, drop = excess - len(layout.messages[drop]), drop + 1
+            start += max(drop, 1)
+            layout = template.layout([m for _, m in indexed[start:]], params.tools, system)
+        kept = indexed[start:]
+        blend_context = self.parts.kv_cache.context_ids
+        pieces, before = [_Piece("head", layout.head, [])], list(layout.head)
+        numbers = [i for i, _ in kept] if layout.split else [kept[-1][0]] * len(layout.messages)
+        for ids, number in zip(layout.messages, numbers):
+            pieces.append(_Piece("message", ids, before, message=number, blend_context=blend_context))
+            before = before + ids
+        if opening:
+            pieces.append(_Piece("opening", opening, before, blend_context=blend_context))
+        chat = _Chat(system, [m for _, m in kept], params.tools, question)
+        return pieces, suffix, chat, start
+
+    def _find_kv(self, plan: _Plan, read: bool, prefix_only: bool = False) -> None:
+        """Each piece's KV (`read`: else only the tier that holds it) and how it is had: an exact entry while
+        everything before it is exact, else its blendable form; a piece with neither is computed in place
+        while the prefix is exact, else its blendable form is; new pieces at the end run with the question.
+        `prefix_only` (mode prefix, what prefix caching does): everything after the exact prefix runs with the
+        question."""
+        exact, before, pipeline = True, [], self.settings.blend.pipeline
+        for piece in plan.pieces:
+            exact = exact and (piece.kind != "passage" or piece.context_ids == before)
+            before = before + piece.ids if exact else before
+            if prefix_only and not exact:
+                piece.source, piece.tier = "fresh", COMPUTED
+                continue
+            if piece.kind == "passage":  # opened layer-wise when pipelined (the prefill reads and closes it)
+                piece.kv, piece.tier = self._read(piece.ids, piece.context_ids, read, open_=pipeline)
+                exact = exact and piece.tier is not None
+                continue
+            if exact:
+                piece.kv, piece.tier = self._read(piece.ids, piece.context_ids, read)
+                if piece.tier is not None:
+                    piece.source = "exact"
+                    continue
+            if piece.blend_context is not None and not prefix_only:
+                piece.kv, piece.tier = self._read(piece.ids, piece.blend_context, read)
+                if piece.tier is not None:
+                    piece.source, piece.entry_context, exact = "blended", piece.blend_context, False
+                    continue
+            piece.source = "computed"  # in place while the prefix is exact, else its blendable form
+            if not exact:
+                piece.entry_context = piece.blend_context
+        # New pieces at the very end (no passage after them) are computed with the question, in the prefill;
+        # so is the last message when nothing else would be (a template whose chat ends without an opening).
+        for piece in reversed(plan.pieces):
+            if piece.kind not in ("message", "opening") or piece.source != "computed":
+                break
+            piece.source = "fresh"
+        if not plan.prefill_suffix and plan.pieces[-1].kind == "message":
+            plan.pieces[-1].source = "fresh"
+        _compute_a_short_blend_with_the_end(plan.pieces)
+
+    def _read(self, ids: list[int], context_ids: list[int], read: bool, open_: bool = False
+              ) -> tuple[ChunkKV | LayerSource | None, str | None]:
+        cache = self.parts.kv_cache
+        if not read:
+            return None, cache.tier_of(ids, context_ids)
+        return (cache.open if open_ else cache.lookup)(ids, context_ids)
 
     def _recompute(self, piece: _Piece) -> ChunkKV:
         """A piece whose stored KV failed to load mid-prefill (damaged, gone): computed (and stored) afresh."""
-        piece.tier = "computed"
-        return self.parts.kv_cache.compute(piece.ids, piece.context_ids)
+        piece.tier = COMPUTED
+        return self.parts.kv_cache.compute(piece.ids, piece.entry_context)
 
     def _check_length(self, prompt_len: int, max_tokens: int) -> None:
         limit = self._context_limit()
@@ -295,12 +448,20 @@ class RagEngine:
         model = getattr(self.parts.llm.model.config, "max_position_embeddings", None)
         return min(x for x in (model, self.parts.runtime.max_len) if x)
 
-    # ---- after the answer: the next turn's conversation KV -----------------------------------------
+    def _key_uses(self, plan: _Plan, mode: str) -> list[KeyUse]:
+        """Every store key the prompt read or wrote (a full prefill reads and writes none)."""
+        if mode == "full":
+            return []
+        key = self.parts.kv_cache.piece_key
+        return [KeyUse(key(p.ids, p.entry_context), len(p.ids), p.message,
+                       p.tier not in (COMPUTED, None) and p.source != "fresh") for p in plan.pieces]
+
+    # ---- after the answer ----------------------------------------------------------------------------
 
     def _explain(self, plan: _Plan, prefill: Prefill, max_tokens: int) -> Explain:
-        head = [i for p in plan.pieces if p.kind != "passage" for i in p.ids]  # the head and any conversation
+        head = [i for p in plan.segments if p.kind != "passage" for i in p.ids]  # the head and any messages
         passages = [p.ids for p in plan.pieces if p.kind == "passage"]
-        return explain_prompt(self.parts.tokenizer, head, passages, plan.suffix, prefill,
+        return explain_prompt(self.parts.tokenizer, head, passages, plan.prefill_suffix, prefill,
                               score=self._score_meaning(prefill), max_tokens=max_tokens)
 
     def _score_meaning(self, prefill: Prefill) -> str:
@@ -310,26 +471,97 @@ class RagEngine:
         detail = f" (the {b.deviation}s at layer {b.check_layer})" if policy.deviation else ""
         return f"{policy.name}: {policy.doc}{detail}"
 
-    def _remember(self, params: QueryParams, plan: _Plan, answer: str) -> None:
-        """Store the KV of the exchange just answered, laid out as the next turn will lay it out: after
-        the head and this turn's conversation, whose KV is at hand. Runs on the model thread."""
-        turns = plan.turns + (("user", params.question), ("assistant", answer))
-        pieces = self.parts.prompt.conversation_ids(turns, params.system)
-        known = [p for p in plan.pieces if p.kind in ("head", "conversation")]
-        if [p.ids for p in known[1:]] != pieces[:-1]:
-            return  # the template re-rendered earlier turns differently (a transcript): nothing to extend
+    def store_after(self, plan: _Plan, prefill: Prefill, answer: str | None) -> Generator[None, None, None]:
+        """Step 5, on the model thread after the answer, a slice each: every message piece not read exact here
+        stored as this prompt had it (cut from the prefill's cache) under the tokens before it, so the same
+        prefix again is an exact prefix (an agent that appends); with `answer` (a chat that remembers) the
+        exchange just answered, computed in place after them, for the next turn; then every message's
+        blendable form it lacks (not in mode prefix, which never blends)."""
+        cache = self.parts.kv_cache
+        before: list[int] = []
+        for piece in plan.segments + plan.fresh:  # the prompt's order (fresh pieces ran last)
+            if _stored_as_prompted(piece):
+                piece.kv = cache.put(piece.ids, before, _span_kv(prefill, before, piece.ids, cache.blender.fingerprint))
+            before = before + piece.ids
+        known = [p for p in plan.pieces if p.kind in ("head", "message")]
+        if answer is not None and plan.chat is not None:
+            yield from self._remember(plan, known, answer)  # first: the next turn may be on its way
+        for piece in plan.pieces if plan.blends else ():
+            if piece.blend_context is not None and piece.source != "blended" \
+                    and cache.tier_of(piece.ids, piece.blend_context) is None:
+                cache.compute(piece.ids, piece.blend_context)
+                yield
+
+    def _remember(self, plan: _Plan, known: list[_Piece], answer: str) -> Generator[None, None, None]:
+        """The exchange just answered, laid out as the next turn will lay it out and computed in place after
+        this prompt's messages (whose exact KV is at hand): the next turn finds its whole chat an exact prefix."""
+        chat, cache = plan.chat, self.parts.kv_cache
+        new = [chat.question] * (chat.question is not None) + [{"role": "assistant", "content": answer}]
+        layout = self.parts.prompt.chat.layout(chat.kept + new, chat.tools, chat.system)
+        if not layout.split or [layout.head, *layout.messages[:len(known) - 1]] != [p.ids for p in known]:
+            return  # the template renders the earlier messages otherwise now: nothing to extend
+        before = [p.kv for p in known]
         context_ids = [i for p in known for i in p.ids]
-        if self.parts.kv_cache.lookup(pieces[-1], context_ids)[0] is None:
-            self.parts.kv_cache.compute(pieces[-1], context_ids, [p.kv for p in known])
+        for ids in layout.messages[len(known) - 1:]:
+            kv = cache.lookup(ids, context_ids)[0]
+            if kv is None:
+                kv = cache.compute(ids, context_ids, before)
+                yield
+            before, context_ids = before + [kv], context_ids + ids
 
 
-def _last_turns(turns: tuple[tuple[str, str], ...], pieces: int, dropped: int) -> list[int]:
-    """Each conversation piece's last turn, as an index into the request's turns (`dropped` left out before
-    `turns`): a piece per exchange, ending at each assistant reply and at the end; one transcript piece
-    when the template does not extend (blend.PromptFormat.conversation_ids)."""
-    ends = [i for i, (role, _) in enumerate(turns) if role == "assistant"]
-    ends += [len(turns) - 1] if turns and (not ends or ends[-1] != len(turns) - 1) else []
-    return [dropped + end for end in (ends if len(ends) == pieces else [len(turns) - 1] * pieces)]
+SYSTEM_ROLES = ("system", "developer")  # their text joins the system turn (the head)
+
+
+def _within_chars(indexed: list[tuple[int, dict]], limit: int | None, keep: int) -> int:
+    """The first message worth rendering: the older ones cannot fit a `limit`-token context on their text
+    alone (no token holds more than CHARS_PER_TOKEN_BOUND characters). The last `keep` are always kept."""
+    chars = 0
+    for start in range(len(indexed) - 1, -1, -1):
+        chars += len(_text(indexed[start][1]))
+        if limit and chars > CHARS_PER_TOKEN_BOUND * limit and start < len(indexed) - keep:
+            return start + 1
+    return 0
+
+
+def _text(message: dict | None) -> str:
+    return ((message or {}).get("content") or "").strip()
+
+
+def _compute_a_short_blend_with_the_end(pieces: list[_Piece]) -> None:
+    """Blended messages between the exact prefix and the new end, no more tokens than the new end (a message
+    repeated just before a new one: an agent's same call again): computed with the end instead. So few tokens
+    are not worth the blend's selection pass and repair, and the exact prefix then runs to the end (stored so
+    for the next turn)."""
+    fresh = [i for i, p in enumerate(pieces) if p.source == "fresh"]
+    if not fresh:
+        return
+    start = fresh[0]
+    while start > 0 and pieces[start - 1].source == "blended" and pieces[start - 1].kind != "passage":
+        start -= 1
+    run = pieces[start:fresh[0]]
+    before = pieces[start - 1] if start else None
+    exact_before = before is None or before.source == "exact" or before.kind == "head" or (
+        before.source == "computed" and before.in_place)
+    if run and exact_before and sum(len(p.ids) for p in run) <= sum(len(pieces[i].ids) for i in fresh):
+        for piece in run:
+            piece.source, piece.kv, piece.tier, piece.entry_context = "fresh", None, None, piece.context_ids
+
+
+def _stored_as_prompted(piece: _Piece) -> bool:
+    """A message piece whose KV in this prompt is not its exact entry yet (blended, computed after the head, or
+    fresh), or in mode prefix a passage computed in place."""
+    if piece.kind == "passage":
+        return piece.source == "fresh"
+    return piece.kind != "head" and (piece.source in ("blended", "fresh") or not piece.in_place)
+
+
+def _span_kv(prefill: Prefill, before: list[int], ids: list[int], fingerprint: str) -> ChunkKV:
+    """The KV of `ids`, right after `before` in the prefill's cache, as a piece stored after `before`."""
+    start, end = len(before), len(before) + len(ids)
+    keys = torch.stack([layer.keys[0, :, start:end] for layer in prefill.cache.layers]).clone()   # [L, H, T, D]
+    values = torch.stack([layer.values[0, :, start:end] for layer in prefill.cache.layers]).clone()
+    return ChunkKV(keys, values, torch.tensor(ids), start, hash_ids(before), fingerprint)
 
 
 def _fill_prefill_stats(stats: QueryStats, prefill: Prefill, mode: str, plan: _Plan) -> None:
@@ -339,13 +571,21 @@ def _fill_prefill_stats(stats: QueryStats, prefill: Prefill, mode: str, plan: _P
     stats.recompute_ratio = 1.0 if mode == "full" else s.ratio
     stats.fallback = s.fallback
     stats.load_wait_ms = s.load_wait_ms
-    conversation = [p for p in plan.pieces if p.kind == "conversation"]
-    stats.conversation_tokens = sum(len(p.ids) for p in conversation)
+    messages = [p for p in plan.pieces if p.kind == "message"]
+    stats.conversation_tokens = sum(len(p.ids) for p in messages)
     stats.dropped_messages = plan.dropped
+    if mode != "full":
+        stats.message_kv = [p.source for p in messages]
     if mode != "full" and s.fallback is None:  # only KV read from the store counts as cached
-        stored = [p for p in plan.pieces if p.tier != "computed"]
+        stored = [p for p in plan.segments if p.tier != COMPUTED]
         stats.cached_tokens = sum(len(p.ids) for p in stored)
-        stats.conversation_cached_tokens = sum(len(p.ids) for p in stored if p.kind == "conversation")
+        exact, stats.exact_tokens = s.exact_tokens, 0
+        for piece in plan.segments:  # the exact prefix's pieces that came from the store
+            if exact < len(piece.ids):
+                break
+            exact -= len(piece.ids)
+            stats.exact_tokens += len(piece.ids) * (piece.tier != COMPUTED)
+        stats.conversation_cached_tokens = sum(len(p.ids) for p in stored if p.kind == "message")
 
 
 def _ms(since: float) -> float:

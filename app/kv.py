@@ -123,6 +123,15 @@ class ChunkKVCache:
             kv = self.blender.precompute(ids, context_ids, context=context)
         return self.store.put(self.piece_key(ids, context_ids), kv)  # as a later hit will read it back
 
+    def put(self, ids: Sequence[int], context_ids: Sequence[int], kv: ChunkKV) -> ChunkKV:
+        """Store a piece's KV computed elsewhere (a prefill's fresh tokens) under its key."""
+        return self.store.put(self.piece_key(ids, context_ids), kv)
+
+    def tier_of(self, ids: Sequence[int], context_ids: Sequence[int]) -> str | None:
+        """The first tier holding the KV of `ids` after `context_ids`, without reading it; None if none does."""
+        key = self.piece_key(ids, context_ids)
+        return next((tier.name for tier in self.store.tiers if tier.contains(key)), None)
+
     def _load(self, ids: list[int], context_ids: list[int]) -> tuple[ChunkKV, str]:
         kv, tier = self.lookup(ids, context_ids)
         if kv is not None:

@@ -13,7 +13,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.api_models import (ERRORS, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Choice,
                             ChunkChoice, Delta, ModelCard, ModelList, PromptTokensDetails, QueryRequest, QueryResponse,
-                            Usage, check_budget, check_limits)
+                            LimitError, Usage, check_budget, check_limits)
 from app.conversation import Conversation
 from app.engine import QueryParams, QueryResult
 from app.prompt_cache import DEFAULT_FAMILY, RETENTION_TTL_S, LeaseNote, lease, lease_headers
@@ -32,6 +32,7 @@ class QueryRun:
 
     def __init__(self, svc: Service, job: Job, first: str | QueryResult, rest: AsyncIterator[str | QueryResult]):
         self.svc, self.job, self._first, self._rest = svc, job, first, rest
+        self.answered = False  # the result is out: the program's work after it (storing KV) is left to finish
 
     @classmethod
     async def start(cls, svc: Service, params: QueryParams, request: Request, kind: str) -> QueryRun:
@@ -45,12 +46,13 @@ class QueryRun:
 
     async def events(self) -> AsyncIterator[str | QueryResult]:
         """Text deltas, then the QueryResult (recorded in the metrics). The program may work on after its
-        result (storing a chat turn's KV); the client need not wait for that."""
+        result (storing a chat's KV, a slice at a time); the client need not wait for that."""
         try:
             async for event in self._all():
                 if isinstance(event, QueryResult):
                     if event.finish_reason == "cancelled":
                         break  # cut short: never passed off as a whole answer
+                    self.answered = True
                     yield event
                     self.svc.metrics.observe_query(event.stats, self.job.queue_s)
                     return
@@ -73,8 +75,10 @@ class QueryRun:
         return await until_done(request, self.job, last())
 
     def cancel(self) -> None:
-        """Stop the generation (a no-op once it is done)."""
-        self.job.cancel()
+        """Stop the generation (a no-op once it is done, or answered: what it stores after is for the next
+        request, and the scheduler's shutdown still ends it)."""
+        if not self.answered:
+            self.job.cancel()
 
     def response(self, result: QueryResult) -> QueryResponse:
         result.stats.queue_ms = round(self.job.queue_s * 1000, 2)
@@ -102,9 +106,15 @@ def sse(run: QueryRun, events: AsyncIterator[ServerSentEvent]) -> EventSourceRes
                                shutdown_grace_period=grace)
 
 
+NO_RETRIEVAL = "-chat"  # a served name with this suffix: the chat model without retrieval
+
+
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 def models(svc: Service = Depends(service)) -> ModelList:
-    return ModelList(data=[ModelCard(id=svc.model_name, created=svc.created)])
+    """The model with retrieval (RAG over the documents) and, named `<model>-chat`, without (a plain chat model
+    whose messages' KV is reused wherever it reappears): a client picks one by `model`."""
+    return ModelList(data=[ModelCard(id=name, created=svc.created)
+                           for name in (svc.model_name, svc.model_name + NO_RETRIEVAL)])
 
 
 @router.post("/v1/query", response_model=QueryResponse, responses={200: SSE, **ERRORS})
@@ -135,21 +145,15 @@ async def query_events(run: QueryRun) -> AsyncIterator[ServerSentEvent]:
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses={200: SSE, **ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response,
                            svc: Service = Depends(service)):
-    """The whole conversation goes into the prompt (app.conversation: system message, earlier turns, the
-    new question; retrieval with the question made self-contained); the conversation's KV is reused
-    from turn to turn (usage.prompt_tokens_details.cached_tokens counts it)."""
-    body.question()  # 422 without a user message
-    chat = Conversation.from_messages(body.messages)
-    check_limits(svc.settings.limits, question=chat.question, top_k=body.top_k, question_field="messages",
-                 max_tokens={"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens})
-    messages = [(f"messages.{i}", message.text()) for i, message in enumerate(body.messages)]
-    await asyncio.to_thread(check_budget, svc.settings.limits, messages, svc.count_tokens, "messages")
-    params = svc.query_params(chat.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
-                              max_tokens=body.new_tokens(), temperature=body.temperature or 0.0,
-                              top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed, system=chat.system,
-                              turns=chat.turns, retrieval_query=chat.retrieval_query(), remember=True)
+    """Every message goes into the prompt through the model's chat template (tool calls and results too), each
+    a piece whose KV is reused wherever it reappears: as an exact prefix after the same tokens, else shifted and
+    blended (usage.prompt_tokens_details). With retrieval (the default; `retrieval: false` or the model
+    `<model>-chat` turn it off) the last user message is the question, asked over the passages retrieved for it
+    (app.conversation makes a follow-up self-contained for the search)."""
+    params = await chat_params(body, svc)
     run = await QueryRun.start(svc, params, request, "chat")
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": svc.model_name}
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+            "model": svc.model_name + ("" if params.retrieve else NO_RETRIEVAL)}
 
     async def retain(result: QueryResult) -> LeaseNote | None:
         """prompt_cache_retention 24h: the prompt's KV leased to the prompt_cache_key (app.prompt_cache)."""
@@ -168,6 +172,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
                           dropped_messages=result.stats.dropped_messages, lease=note,
                           choices=[Choice(message=ChatMessageOut(content=result.answer),
                                           finish_reason=_finish_reason(result))])
+
+
+async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
+    """A chat request's engine parameters, its limits checked (LimitError: 422 naming the field)."""
+    body.question()  # 422 without a user message
+    limits = svc.settings.limits
+    if len(body.messages) > limits.max_messages:
+        raise LimitError("messages", f"at most {limits.max_messages} messages (got {len(body.messages)})")
+    chat = Conversation.from_messages(body.messages)
+    check_limits(limits, question=chat.question, top_k=body.top_k, question_field="messages",
+                 max_tokens={"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens})
+    texts = [(f"messages.{i}", message.budget_text()) for i, message in enumerate(body.messages)]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    texts += [("tools", json.dumps(tools))] if tools else []
+    await asyncio.to_thread(check_budget, limits, texts, svc.count_tokens, "messages")
+    retrieve = body.retrieval if body.retrieval is not None else body.model != svc.model_name + NO_RETRIEVAL
+    return svc.query_params(chat.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
+                            max_tokens=body.new_tokens(), temperature=body.temperature or 0.0,
+                            top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed,
+                            messages=tuple(m.as_prompt() for m in body.messages), tools=tuple(tools),
+                            retrieve=retrieve, retrieval_query=chat.retrieval_query(), remember=True)
 
 
 async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool,
@@ -195,7 +220,8 @@ def _usage(result: QueryResult) -> Usage:
     s = result.stats
     return Usage(prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
                  total_tokens=s.prompt_tokens + s.completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=s.cached_tokens))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=s.cached_tokens, exact_tokens=s.exact_tokens,
+                                                           recomputed_tokens=s.recomputed_tokens))
 
 
 def _finish_reason(result: QueryResult) -> str:

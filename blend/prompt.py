@@ -1,15 +1,12 @@
-"""The RAG prompt, cut into cacheable pieces: head | conversation | passage | passage | ... | suffix.
+"""The RAG prompt, cut into cacheable pieces: head | passage | passage | ... | suffix, and a chat's messages.
 
 Rendered through the model's own chat template, so any chat model works:
-    head    = <system turn> + <user turn opening>           (same for every request: cached once;
-                                                             a client's system message makes another head)
-    conversation = earlier turns, one piece per exchange:   (an exact prefix, cached from turn to turn)
-              "{user message}" + <turn end> + <assistant turn> + "{reply}" + <turn end> + <user turn opening>
+    head    = <system turn> + <user turn opening>           (same for every request: cached once)
     passage = "{title}\n" + chunk + "\n\n"                   (one per chunk: KV precomputed at ingest)
     suffix  = instruction + "Question: {question}" + <turn end, assistant opening>   (always fresh)
-The conversation pieces are cut from renders of the whole conversation: piece j is what the render
-of the first j exchanges adds to the render of the first j - 1, so head + pieces is exactly the
-template's own rendering of the conversation, ending where the new user message begins.
+A chat (ChatTemplate) is <system turn> | one piece per message | <assistant opening>: piece j is what the
+render of the first j + 1 messages adds to the render of the first j, so the pieces are exactly the
+template's own rendering of the whole chat (checked on the token ids), tool calls and results included.
 The instruction sits after the passages, next to the question: small models follow it far
 better there than in the system turn alone.
 Each piece is tokenized on its own; a passage reuses its chunk's stored token ids between the
@@ -19,6 +16,7 @@ same tokens.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -35,14 +33,13 @@ class PromptFormat:
     system_prompt: str
     head_text: str = field(init=False)
     tail_text: str = field(init=False)
-    _heads: dict[str, list[int]] = field(init=False, default_factory=dict, repr=False)  # system message -> head ids
 
     def __post_init__(self) -> None:
         self.head_text, self.tail_text = self._split_template()
 
-    def _split_template(self, system: str | None = None, turns: Sequence[tuple[str, str]] = ()) -> tuple[str, str]:
+    def _split_template(self, system: str | None = None) -> tuple[str, str]:
         """The chat template rendered around a placeholder user message, cut at the placeholder."""
-        messages = [{"role": role, "content": text} for role, text in turns] + [{"role": "user", "content": _SLOT}]
+        messages = [{"role": "user", "content": _SLOT}]
         try:
             text = self.tokenizer.apply_chat_template([{"role": "system", "content": self.system_text(system)},
                                                        *messages], tokenize=False, add_generation_prompt=True)
@@ -64,39 +61,6 @@ class PromptFormat:
     def head_ids(self) -> list[int]:
         return self.encode(self.head_text)
 
-    def head_ids_for(self, system: str | None = None) -> list[int]:
-        """The head with the client's system message in the system turn (`head_ids` without one)."""
-        if not system or not system.strip():
-            return self.head_ids
-        key = system.strip()
-        if key not in self._heads:
-            if len(self._heads) >= 64:  # a bounded memo: clients usually send one of a few system prompts
-                self._heads.pop(next(iter(self._heads)))
-            self._heads[key] = self.encode(self._split_template(key)[0])
-        return self._heads[key]
-
-    def conversation_ids(self, turns: Sequence[tuple[str, str]], system: str | None = None) -> list[list[int]]:
-        """Earlier turns — (role, text), role "user" or "assistant", oldest first — as token pieces that
-        follow `head_ids_for(system)`: one per exchange (user messages, then the assistant's reply), the
-        last ending with the new user turn's opening. A template whose renders do not extend one another
-        gets one plain-text transcript piece instead."""
-        turns = [(role, text.strip()) for role, text in turns]
-        if not turns:
-            return []
-        cuts = [i + 1 for i, (role, _) in enumerate(turns) if role == "assistant"]
-        cuts += [len(turns)] if not cuts or cuts[-1] != len(turns) else []
-        before, texts = self._split_template(system)[0], []
-        for cut in cuts:
-            try:
-                prefix = self._split_template(system, turns[:cut])[0]
-            except Exception:  # e.g. a template that insists on alternating roles
-                prefix = ""
-            if not prefix.startswith(before):
-                return [self.encode(_transcript(turns))]
-            texts.append(prefix[len(before):])
-            before = prefix
-        return [self.encode(text) for text in texts]
-
     @cached_property
     def separator_ids(self) -> list[int]:
         return self.encode("\n\n")
@@ -110,16 +74,133 @@ class PromptFormat:
         """`passage_ids` of a raw text (the compare harness's dataset passages)."""
         return self.passage_ids(self.encode(text.strip()), title)
 
-    def suffix_ids(self, question: str) -> list[int]:
-        return self.encode(f"{INSTRUCTION}\nQuestion: {question.strip()}{self.tail_text}")
+    def suffix_ids(self, question: str, system: str | None = None) -> list[int]:
+        """Instruction, question, the user turn's end and the assistant turn's opening."""
+        tail = self.tail_text if not system or not system.strip() else self._split_template(system)[1]
+        return self.encode(f"{INSTRUCTION}\nQuestion: {question.strip()}{tail}")
+
+    @cached_property
+    def chat(self) -> ChatTemplate:
+        """A chat's messages through this model's template, one token span per message."""
+        return ChatTemplate(self)
 
 
-def _transcript(turns: Sequence[tuple[str, str]]) -> str:
-    lines = [f"{'User' if role == 'user' else 'Assistant'}: {text}" for role, text in turns]
-    return "Earlier in this conversation:\n" + "\n".join(lines) + "\n\n"
+# ---- a chat's messages as pieces: one token span per message ------------------------------------
+
+_PROBE = "ragblend_probe_tool"
 
 
-def exchange_starts(turns: Sequence[tuple[str, str]]) -> list[int]:
-    """Index of the first message of each exchange in `turns` (an exchange ends with an assistant reply):
-    dropping the oldest exchanges means starting the conversation at one of these."""
-    return [0] + [i + 1 for i, (role, _) in enumerate(turns[:-1]) if role == "assistant"]
+@dataclass
+class ChatLayout:
+    """A chat rendered through the chat template and cut into token spans: `head` (the system turn) +
+    `messages` (one span per message, in order) + `tail` (the assistant turn's opening) are exactly the
+    template's own rendering of the whole chat, tokenized (`split`: False when the template's renders do not
+    extend one another or the spans do not tokenize as the whole does: then `messages` holds one span of
+    every message, the last message's)."""
+
+    head: list[int]
+    messages: list[list[int]]
+    tail: list[int]
+    split: bool = True
+
+
+class ChatTemplate:
+    """Renders chat messages (OpenAI/HF dicts: role, content, tool_calls, tool_call_id, name) and `tools`
+    through the model's chat template. A template that ignores tools or tool calls (SmolLM2's, say) gets them
+    as text instead, in the Hermes form many models are trained on: the tools in the system turn, each call
+    as `<tool_call>{json}</tool_call>` in its assistant message, so no token of the request is lost."""
+
+    def __init__(self, prompt: PromptFormat):
+        self.prompt = prompt
+        self.native_tool_calls = self._probe_renders([
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": [_call("c", _PROBE, "{}")]}])
+        tool = {"type": "function", "function": {"name": _PROBE, "description": "", "parameters": {}}}
+        self.native_tools = self._probe_renders([{"role": "user", "content": "x"}], [tool])
+
+    def _probe_renders(self, messages: list[dict], tools: list[dict] | None = None) -> bool:
+        try:
+            return _PROBE in self.prompt.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that refuses them does not render them
+            return False
+
+    def system_message(self, system: str | None, tools: Sequence[dict] | None) -> dict:
+        text = self.prompt.system_text(system)
+        if tools and not self.native_tools:
+            listed = "\n".join(json.dumps(t, sort_keys=True) for t in tools)
+            text += f"\n\nYou may call these tools:\n<tools>\n{listed}\n</tools>"
+        return {"role": "system", "content": text}
+
+    def normalized(self, message: dict) -> dict:
+        """The message as the template takes it: text content, tool calls as text where it cannot render them."""
+        out = {k: v for k, v in message.items() if v is not None}
+        out["content"] = (message.get("content") or "").strip()
+        calls = message.get("tool_calls") or []
+        if calls and not self.native_tool_calls:
+            texts = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+                     for c in calls]
+            out["content"] = "\n".join([out["content"]] * bool(out["content"])
+                                       + [f"<tool_call>\n{t}\n</tool_call>" for t in texts])
+            del out["tool_calls"]
+        return out
+
+    def render(self, system: dict, messages: Sequence[dict], tools: Sequence[dict] | None,
+               generation: bool) -> str:
+        return self.prompt.tokenizer.apply_chat_template(
+            [system, *messages], tools=list(tools) if tools and self.native_tools else None, tokenize=False,
+            add_generation_prompt=generation)
+
+    def layout(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+               system: str | None = None) -> ChatLayout:
+        """`messages` (no system ones: `system` is the client's system text) as a ChatLayout. The span of a
+        message is what rendering it adds to the render of the messages before it: each message is rendered
+        after the system turn alone (linear in the chat), and only where that does not give the whole chat's
+        rendering (a template that renders a message by its neighbours) after every message before it."""
+        sys_message, chat = self.system_message(system, tools), [self.normalized(m) for m in messages]
+        render = lambda part, generation=False: self.render(sys_message, part, tools, generation)  # noqa: E731
+        try:
+            base, body, whole = render([]), render(chat), render(chat, True)
+        except Exception as exc:  # noqa: BLE001 - the template's own rules (alternating roles, say)
+            raise ChatTemplateError(f"the model's chat template refuses these messages: {exc}") from exc
+        texts = _spans(render, base, body, chat)
+        encode = self.prompt.encode
+        tail_text = whole[len(body):] if whole.startswith(body) else ""
+        if texts is not None and body.startswith(base) and tail_text:
+            head, spans, tail = encode(base), [encode(t) for t in texts], encode(tail_text)
+            if head + [i for s in spans for i in s] + tail == encode(whole):
+                return ChatLayout(head, spans, tail)
+        # One span for every message (the template renders nothing as a sum of messages, or tokens merge
+        # across a boundary): still the template's own rendering, cached as one piece.
+        head = encode(base) if whole.startswith(base) else []
+        rest = encode(whole[len(base):] if head else whole)
+        return ChatLayout(head, [rest] if messages else [], [] if messages else rest, split=False)
+
+    def opening_ids(self, system: str | None = None) -> list[int]:
+        """The user turn's opening (what precedes a user message's text): the passages' turn opens with it."""
+        head, rest = self.prompt._split_template(system)
+        full = self.render(self.system_message(system, None), [], None, False)
+        return self.prompt.encode(head[len(full):]) if head.startswith(full) else self.prompt.encode(head)
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template cannot render these messages."""
+
+
+def _spans(render, base: str, body: str, chat: list[dict]) -> list[str] | None:
+    """Each message's text in the whole chat's render `body`: rendered after the system turn alone where that
+    adds up to `body`, else after every message before it (a template that renders a message by its
+    neighbours); None where the renders do not extend one another."""
+    try:
+        texts = [render([m])[len(base):] for m in chat]
+        if base + "".join(texts) == body:
+            return texts
+        renders = [base] + [render(chat[:k]) for k in range(1, len(chat))] + [body]
+    except Exception:  # noqa: BLE001 - a part of the chat the template will not render alone
+        return None
+    if not all(b.startswith(a) for a, b in zip(renders, renders[1:])):
+        return None
+    return [b[len(a):] for a, b in zip(renders, renders[1:])]
+
+
+def _call(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}

@@ -29,12 +29,11 @@ def message(role: str, content: str) -> SimpleNamespace:
 
 # ---- the conversation, without a model --------------------------------------------------------
 
-def test_messages_split_into_system_turns_and_question():
+def test_messages_split_into_earlier_turns_and_question():
     chat = Conversation.from_messages([
         message("system", "Be brief."), message("user", "Who built it?"), message("assistant", " Ada. "),
         message("tool", "ignored"), message("developer", "Use British spelling."), message("user", "  "),
         message("user", "And when?"), message("assistant", "(a trailing prefill is ignored)")])
-    assert chat.system == "Be brief.\n\nUse British spelling."
     assert chat.turns == (("user", "Who built it?"), ("assistant", " Ada. "))
     assert chat.question == "And when?"
     with pytest.raises(ValueError):
@@ -59,20 +58,22 @@ def test_retrieval_query_prepends_the_previous_exchange_only_for_follow_ups():
     assert Conversation.from_messages([message("user", "What is it?")]).retrieval_query() == "What is it?"
 
 
-def test_conversation_pieces_are_the_templates_own_rendering():
+def test_a_chats_message_pieces_are_the_templates_own_rendering():
     prompt = PromptFormat(shared_tokenizer(), "Answer briefly.")
-    turns = [("user", "Who built it?"), ("assistant", "Ada Quenby."), ("user", "When?"), ("assistant", " 1887 ")]
-    pieces = prompt.conversation_ids(turns)
-    assert len(pieces) == 2  # one per exchange
-    rendered = prompt.tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Answer briefly."}] + [{"role": r, "content": t.strip()} for r, t in turns]
-        + [{"role": "user", "content": "NEXT"}], tokenize=False, add_generation_prompt=True)
-    assert prompt.tokenizer.decode(prompt.head_ids + pieces[0] + pieces[1]) == rendered.split("NEXT")[0]
-    # The first exchange's piece does not depend on what came after: the next turn finds it again.
-    assert prompt.conversation_ids(turns[:2])[0] == pieces[0]
-    # A client's system message joins the system turn (another head); the pieces after it are the same text.
-    head = prompt.tokenizer.decode(prompt.head_ids_for("Be brief."))
-    assert "Answer briefly.\n\nBe brief." in head and prompt.head_ids_for("  ") == prompt.head_ids
+    chat = [{"role": "user", "content": "Who built it?"}, {"role": "assistant", "content": "Ada Quenby."},
+            {"role": "user", "content": "When?"}, {"role": "assistant", "content": " 1887 "}]
+    layout = prompt.chat.layout(chat)
+    assert layout.split and len(layout.messages) == 4  # one per message
+    whole = prompt.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Answer briefly."}] + [{**m, "content": m["content"].strip()} for m in chat],
+        tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert layout.head + [i for span in layout.messages for i in span] + layout.tail == list(whole)
+    # A message's piece does not depend on what came after it: the next turn finds it again.
+    assert prompt.chat.layout(chat[:2]).messages == layout.messages[:2]
+    # A client's system message joins the system turn (another head); the pieces after it are the same.
+    other = prompt.chat.layout(chat, system="Be brief.")
+    assert "Answer briefly.\n\nBe brief." in prompt.tokenizer.decode(other.head)
+    assert other.messages == layout.messages and prompt.chat.layout(chat, system="  ").head == layout.head
 
 
 # ---- on the real model ------------------------------------------------------------------------
@@ -112,16 +113,11 @@ def test_two_turns_follow_up_uses_the_first_and_reads_it_from_the_cache(lighthou
     assert second.model_extra["sources"][0]["doc_id"] == "cape-dorrin"
     assert second.model_extra["dropped_messages"] == 0
 
-    # The first turn is in the prompt, and every token it added came from the cache.
-    grown = second.usage.prompt_tokens - first.usage.prompt_tokens
-    more_cached = second.usage.prompt_tokens_details.cached_tokens - first.usage.prompt_tokens_details.cached_tokens
+    # The first exchange is in the prompt, an exact prefix read from the store (stored after the first answer).
     first_turn_tokens = len(shared_tokenizer()(
         "Who built Cape Dorrin Lighthouse?" + first.choices[0].message.content.strip())["input_ids"])
-    assert more_cached > first_turn_tokens
-    # grown = the conversation piece + (new question - old question); the piece is all cached
-    question_change = len(shared_tokenizer()(f" {follow_up}")["input_ids"]) - \
-        len(shared_tokenizer()(" Who built Cape Dorrin Lighthouse?")["input_ids"])
-    assert grown == more_cached + question_change
+    details = second.usage.prompt_tokens_details
+    assert details.exact_tokens > first_turn_tokens and details.cached_tokens >= details.exact_tokens
 
     # Streamed, the third turn sees both earlier exchanges cached.
     turns += [{"role": "assistant", "content": answer}, {"role": "user", "content": "When was it built?"}]
@@ -152,41 +148,40 @@ def test_oldest_turns_are_dropped_when_the_context_is_full(lighthouses, server_e
     squeezed = client.chat.completions.create(messages=turns, **ask)
     assert squeezed.model_extra["dropped_messages"] == 6  # three exchanges of two messages each
     assert squeezed.usage.prompt_tokens + 8 <= limit
-    # The layout the engine chose: the system message and the question stay, with the newest exchange.
-    chat = Conversation.from_messages([message(t["role"], t["content"]) for t in turns])
-    params = QueryParams(chat.question, top_k=1, system=chat.system, turns=chat.turns)
+    # The layout the engine chose: the system message and the question stay, with the newest messages.
+    params = QueryParams(turns[-1]["content"], top_k=1, messages=tuple(turns))
     plan = server_engine._plan(params, 8, QueryStats(mode="blend"))
     prompt = server_engine.parts.prompt
-    assert [p.kind for p in plan.pieces] == ["head", "conversation", "passage"]
-    assert plan.pieces[0].ids == prompt.head_ids_for("Be brief.") and plan.suffix == prompt.suffix_ids(chat.question)
-    assert plan.turns == chat.turns[6:] and "story number 3" in prompt.tokenizer.decode(plan.pieces[1].ids)
+    assert [p.kind for p in plan.pieces] == ["head", "message", "message", "opening", "passage"]
+    assert plan.pieces[0].ids == prompt.chat.layout([], system="Be brief.").head
+    assert plan.suffix == prompt.suffix_ids(turns[-1]["content"], "Be brief.")
+    assert [p.message for p in plan.pieces[1:3]] == [6, 7] and plan.dropped == 6
+    assert "story number 3" in prompt.tokenizer.decode(plan.pieces[1].ids)
 
 
 @pytest.mark.slow
-def test_a_conversation_far_over_the_context_keeps_the_newest_exchanges_that_fit(server_engine, monkeypatch):
-    """3,000 exchanges (a few MB): only a handful of renders decide what is kept. (The route refuses such a
-    chat, over limits.max_prompt_tokens; with a budget above the context, the context decides.)"""
+def test_a_conversation_far_over_the_context_keeps_the_newest_messages_that_fit(server_engine, monkeypatch):
+    """6,000 messages (a few MB): only the newest few hundred are even rendered, and a few renders decide what is
+    kept. (The route refuses such a chat, over limits.max_messages; the engine alone keeps what fits.)"""
     monkeypatch.setattr(server_engine.settings.limits, "max_prompt_tokens", 1_000_000)
     turns = []
     for i in range(3000):
-        turns += [("user", f"Question {i} about the harbour wall and its granite blocks?"),
-                  ("assistant", f"Answer {i}: " + "the wall was finished in 1956 and still stands. " * 20)]
-    calls = []
-    prompt = server_engine.parts.prompt
-    original = prompt.conversation_ids
+        turns += [{"role": "user", "content": f"Question {i} about the harbour wall and its granite blocks?"},
+                  {"role": "assistant", "content": f"Answer {i}: " + "the wall was finished in 1956. " * 20}]
+    turns.append({"role": "user", "content": "When was the harbour wall finished?"})
+    template, rendered = server_engine.parts.prompt.chat, []
+    original = template.layout
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
+    def counting(messages, *args, **kwargs):
+        rendered.append(len(messages))
+        return original(messages, *args, **kwargs)
 
-    params = QueryParams("When was the harbour wall finished?", top_k=1, turns=tuple(turns))
-    try:
-        prompt.conversation_ids = counting
-        plan = server_engine._plan(params, 16, QueryStats(mode="blend"))
-    finally:
-        del prompt.conversation_ids
+    params = QueryParams(turns[-1]["content"], top_k=1, messages=tuple(turns))
+    monkeypatch.setattr(template, "layout", counting)
+    plan = server_engine._plan(params, 16, QueryStats(mode="blend"))
     kept = sum(len(p.ids) for p in plan.pieces) + len(plan.suffix) + 16
     limit = server_engine._context_limit()
-    assert 0 < plan.dropped < len(turns) and plan.turns == tuple(turns[plan.dropped:])
-    assert kept <= limit and limit - kept < 400  # one more exchange (~250 tokens) would not have fit
-    assert len(calls) <= 12
+    messages = [p for p in plan.pieces if p.kind == "message"]
+    assert 0 < plan.dropped < len(turns) and [p.message for p in messages] == list(range(plan.dropped, 6000))
+    assert kept <= limit and limit - kept < 300  # one more message (~150 tokens) would not have fit
+    assert len(rendered) <= 4 and max(rendered) < 2000

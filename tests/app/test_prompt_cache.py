@@ -22,13 +22,17 @@ def test_kv_keys_list_every_store_key_the_prompt_used(server_engine, corpus):
     """Head first, then the conversation (each exchange with its last turn's index), then the passages; the
     tokens of those read from the store are exactly the cached tokens; every key is in the store."""
     engine, store = server_engine, server_engine.parts.store
-    turns = (("user", "Who built the lighthouse of Port Velmar?"), ("assistant", "Ada Quenby built it."),
-             ("user", "Thanks. And the bakery?"), ("assistant", "Tomas Brell founded it."))
-    params = QueryParams("When did Mount Orrin last erupt?", top_k=2, max_tokens=2, system="Be brief (kv_keys).",
-                         turns=turns)
+    messages = ({"role": "system", "content": "Be brief (kv_keys)."},
+                {"role": "user", "content": "Who built the lighthouse of Port Velmar?"},
+                {"role": "assistant", "content": "Ada Quenby built it."},
+                {"role": "user", "content": "Thanks. And the bakery?"},
+                {"role": "assistant", "content": "Tomas Brell founded it."},
+                {"role": "user", "content": "When did Mount Orrin last erupt?"})
+    params = QueryParams("When did Mount Orrin last erupt?", top_k=2, max_tokens=2, messages=messages)
     first = engine.answer(params)
     uses = first.kv_keys
-    assert [u.message for u in uses] == [None, 1, 3, None, None]  # head, two exchanges, two passages
+    # head, each earlier message (its index), the passages' turn opening, two passages
+    assert [u.message for u in uses] == [None, 1, 2, 3, 4, None, None, None]
     assert sum(u.tokens for u in uses if u.cached) == first.stats.cached_tokens
     assert sum(u.tokens for u in uses) < first.stats.prompt_tokens  # the question is in no stored piece
     assert uses[0].cached is False and all(store.contains(u.key) for u in uses)  # a new system: its head computed
@@ -106,7 +110,8 @@ def test_a_lease_over_the_pinned_cap_is_refused_and_the_response_says_so(server_
         return RagEngine(settings, parts)
 
     probe = engine()
-    [head] = probe.answer(QueryParams("Hello?", max_tokens=1, system="Be brief.", retrieve=False)).kv_keys
+    head = probe.answer(QueryParams("Hello?", max_tokens=1, retrieve=False, messages=(
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}))).kv_keys[0]
     head_bytes = probe.parts.store.tiers[0].size_of(head.key)
     probe.parts.close()
     capped = engine(memory_pinned_bytes=head_bytes * 3 // 2, disk_pinned_bytes=0)

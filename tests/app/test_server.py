@@ -48,7 +48,8 @@ def test_health_and_models(client):
     assert thread["alive"] and thread["queue_depth"] == 0 and thread["active_slots"] == 0
     assert thread["max_batch"] == 8 and "blend_disabled" not in health  # SmolLM2 blends
     models = client.get("/v1/models").json()
-    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["smollm2-135m-instruct"]
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [
+        "smollm2-135m-instruct", "smollm2-135m-instruct-chat"]  # with retrieval, and without
 
 
 # ---- queries -----------------------------------------------------------------------------------

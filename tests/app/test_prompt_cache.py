@@ -66,7 +66,8 @@ def test_openai_prompt_cache_key_and_24h_retention_lease_the_conversation(make_a
         first = raw.parse()
         assert raw.headers[LEASE_HEADER] == "held"
         lease = first.model_extra["lease"]
-        assert lease["status"] == "held" and lease["family"] == family_id("team-7: chess") and lease["entries"] == 2
+        # the head, the passages' turn opening, the passage
+        assert lease["status"] == "held" and lease["family"] == family_id("team-7: chess") and lease["entries"] == 3
         usage = first.usage  # the new system's head computed; the passage read: cached_tokens is the passage
         assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
 
@@ -75,13 +76,14 @@ def test_openai_prompt_cache_key_and_24h_retention_lease_the_conversation(make_a
         chunks = list(client.chat.completions.create(messages=messages, stream=True,
                                                      stream_options={"include_usage": True}, **request))
         [finish] = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-        assert finish.model_extra["lease"]["status"] == "held" and finish.model_extra["lease"]["entries"] == 3
+        # ... and the two messages of the first exchange
+        assert finish.model_extra["lease"]["status"] == "held" and finish.model_extra["lease"]["entries"] == 5
         second = chunks[-1].usage  # the head and the first exchange come from the store now
         assert second.prompt_tokens_details.cached_tokens > usage.prompt_tokens_details.cached_tokens
 
         report = httpx.get(f"{live.url}/v1/cache", params={"prompt_cache_key": "team-7: chess"}).json()
         [family] = report["data"]
-        assert family["entries"] >= 3 and family["soft"] and family["expires_at"] > first.created + 86000
+        assert family["entries"] >= 5 and family["soft"] and family["expires_at"] > first.created + 86000
 
         plain = client.chat.completions.with_raw_response.create(  # in_memory: plain LRU, nothing leased
             messages=messages, **request | {"prompt_cache_retention": "in_memory", "prompt_cache_key": "other"})

@@ -252,6 +252,8 @@ class RagEngine:
         explain = None
         if params.explain_tokens:  # built after the answer: it never delays the first token
             explain = self._explain(plan, prefill, params.explain_tokens)
+        if params.mode != "full" and finish != "cancelled":  # no compute: every key in kv_keys is stored
+            self.store_as_prompted(plan, prefill)
         yield QueryResult(answer, sources, stats, finish, explain, self._key_uses(plan, params.mode))
 
         # 5. After the answer is out: what the next request may need (module docstring).
@@ -406,7 +408,9 @@ class RagEngine:
                 if piece.tier is not None:
                     piece.source = "exact"
                     continue
-            if piece.blend_context is not None and not prefix_only:
+            if piece.blend_context is not None and not prefix_only and not (exact and piece.kind == "opening"):
+                # (the passages' few-token opening is computed in place where it can be: the passages after
+                # it then stay an exact prefix)
                 piece.kv, piece.tier = self._read(piece.ids, piece.blend_context, read)
                 if piece.tier is not None:
                     piece.source, piece.entry_context, exact = "blended", piece.blend_context, False
@@ -472,17 +476,10 @@ class RagEngine:
         return f"{policy.name}: {policy.doc}{detail}"
 
     def store_after(self, plan: _Plan, prefill: Prefill, answer: str | None) -> Generator[None, None, None]:
-        """Step 5, on the model thread after the answer, a slice each: every message piece not read exact here
-        stored as this prompt had it (cut from the prefill's cache) under the tokens before it, so the same
-        prefix again is an exact prefix (an agent that appends); with `answer` (a chat that remembers) the
-        exchange just answered, computed in place after them, for the next turn; then every message's
-        blendable form it lacks (not in mode prefix, which never blends)."""
+        """Step 5, on the model thread after the answer (and `store_as_prompted`), a slice each: with `answer` (a
+        chat that remembers) the exchange just answered, computed in place after the prompt's messages, for the
+        next turn; then every message's blendable form it lacks (not in mode prefix, which never blends)."""
         cache = self.parts.kv_cache
-        before: list[int] = []
-        for piece in plan.segments + plan.fresh:  # the prompt's order (fresh pieces ran last)
-            if _stored_as_prompted(piece):
-                piece.kv = cache.put(piece.ids, before, _span_kv(prefill, before, piece.ids, cache.blender.fingerprint))
-            before = before + piece.ids
         known = [p for p in plan.pieces if p.kind in ("head", "message")]
         if answer is not None and plan.chat is not None:
             yield from self._remember(plan, known, answer)  # first: the next turn may be on its way
@@ -491,6 +488,16 @@ class RagEngine:
                     and cache.tier_of(piece.ids, piece.blend_context) is None:
                 cache.compute(piece.ids, piece.blend_context)
                 yield
+
+    def store_as_prompted(self, plan: _Plan, prefill: Prefill) -> None:
+        """Every message piece not read exact here stored as this prompt had it (cut from the prefill's cache,
+        no compute) under the tokens before it: the same prefix again is an exact prefix. Before the result, so
+        every key the result names is in the store."""
+        cache, before = self.parts.kv_cache, []
+        for piece in plan.segments + plan.fresh:  # the prompt's order (fresh pieces ran last)
+            if _stored_as_prompted(piece):
+                piece.kv = cache.put(piece.ids, before, _span_kv(prefill, before, piece.ids, cache.blender.fingerprint))
+            before = before + piece.ids
 
     def _remember(self, plan: _Plan, known: list[_Piece], answer: str) -> Generator[None, None, None]:
         """The exchange just answered, laid out as the next turn will lay it out and computed in place after

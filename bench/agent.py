@@ -114,6 +114,7 @@ def one_turn(engine: RagEngine, messages: list[dict], mode: str, ratio: float, a
         seconds["prefill_s"], seconds["cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
         start = time.perf_counter()
         if mode != "full":
+            engine.store_as_prompted(plan, prefill)
             yield from engine.store_after(plan, prefill, None)
         seconds["store_s"] = time.perf_counter() - start
         yield plan, prefill

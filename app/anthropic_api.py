@@ -41,7 +41,7 @@ from sse_starlette import ServerSentEvent
 
 from app.api_models import MAX_SEED, RETRY_AFTER, NonBlank, RequestBody, Text, check_budget, check_limits
 from app.config import LimitsSettings
-from app.engine import KeyUse, QueryResult
+from app.query import KeyUse, QueryResult
 from app.errors import ApiError, as_api_error
 from app.prompt_cache import LeaseNote, lease, lease_headers, prefix_keys
 from app.query_routes import QueryRun, sse

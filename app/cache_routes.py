@@ -15,8 +15,8 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from app.api_models import (ERRORS, MAX_CACHE_KEY_CHARS, USER_TEXT, ChatCompletionRequest, ChatMessage, NonBlank,
-                            check_budget, check_limits)
+from app.api_models import ERRORS, MAX_CACHE_KEY_CHARS, NonBlank, check_budget, check_limits
+from app.openai_models import USER_TEXT, ChatCompletionRequest, ChatMessage
 from app.components import Serving
 from app.query_routes import chat_params
 from app.service import Service, service, serving

@@ -17,7 +17,8 @@ from app.compare import (REPORT_JSON, CompareConfig, Harness, build_report, load
                          warm_up, write_outputs)
 from app.components import Components
 from app.config import Settings
-from app.engine import QueryParams, RagEngine
+from app.engine import RagEngine
+from app.query import QueryParams
 from app.ingest import IngestError, Ingestor, SourceDocument, collect_files, read_documents
 from blend.selection import get_policy
 from common import git_commit

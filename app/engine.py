@@ -28,178 +28,22 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Generator, Iterator, Literal
-
-import torch
+from typing import Any, Callable, Generator, Iterator
 
 from app.components import Components
 from app.config import Settings
-from app.conversation import CHARS_PER_TOKEN_BOUND
 from app.explain import Explain, explain_prompt
+from app.prompt_plan import (SYSTEM_ROLES, ChatLayout, Piece, Plan, compute_a_short_blend_with_the_end,
+                             fill_prefill_stats, message_text, span_kv, stored_as_prompted, within_chars)
+from app.query import KeyUse, QueryParams, QueryResult, QueryStats, RequestError, Source
 from app.usage import COMPUTED
-from blend import ChunkKV, Prefill, SamplingParams, TextStream, hash_ids
+from blend import ChunkKV, Prefill, SamplingParams, TextStream
 from blend.controller import Calibration
 from blend.decode import decode_loop
 from blend.driver import Driver, Offload
 from blend.pipeline import LayerSource
 from blend.prompt import ChatTemplateError
 from blend.selection import get_policy
-from retrieval.retriever import Hit
-
-Mode = Literal["blend", "full", "reuse", "prefix"]  # prefix: the exact prefix reused, everything after it computed
-
-
-class RequestError(ValueError):
-    """The request cannot be served as asked (HTTP 400)."""
-
-
-@dataclass
-class QueryParams:
-    question: str
-    top_k: int | None = None
-    mode: Mode = "blend"
-    ratio: float | None = None
-    selection: str | None = None  # a blend.selection policy; None: blend.selection
-    max_tokens: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-    explain_tokens: int = 0  # > 0: attach an Explain of the prompt, listing at most this many tokens
-    # A chat: its messages as OpenAI/HF dicts (role, content, tool_calls, tool_call_id, name), every one,
-    # system ones included (an index into them names a message), the tools they may call, and the text to
-    # retrieve with (default: the question).
-    messages: tuple[dict, ...] = ()
-    tools: tuple[dict, ...] = ()
-    retrieval_query: str | None = None
-    retrieve: bool = True  # False: no passages, the prompt is the conversation alone
-    remember: bool = False  # store this exchange's KV for the next turn (chat)
-    retrieve: bool = True  # False: no passages, the prompt is the conversation alone (/v1/messages)
-    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
-
-
-@dataclass
-class Source:
-    doc_id: str
-    chunk_id: int
-    title: str | None
-    score: float
-    text: str
-
-
-@dataclass
-class QueryStats:
-    mode: str
-    ttft_ms: float = 0.0
-    total_ms: float = 0.0
-    retrieve_ms: float = 0.0
-    kv_load_ms: float = 0.0
-    prefill_ms: float = 0.0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV was read from the store (not computed for this request)
-    exact_tokens: int = 0  # of those, the exact prefix: used as is, never recomputed
-    recomputed_tokens: int = 0  # cached tokens at a new position that the blend recomputed
-    recompute_ratio: float = 1.0
-    selection: str | None = None
-    completion_tokens: int = 0
-    store_hits: dict[str, int] = field(default_factory=dict)  # passages per tier they came from; "computed" = miss
-    fallback: str | None = None  # why a blend ran as full prefill
-    queue_ms: float = 0.0  # time waiting for a slot on the model thread (set by the server)
-    conversation_tokens: int = 0  # chat messages in the prompt (the question after passages not counted)
-    conversation_cached_tokens: int = 0  # of those, read from the store
-    message_kv: list[str] = field(default_factory=list)  # per message piece, in prompt order: "exact" (stored,
-    # same tokens before it), "blended" (stored, at a new position), "computed" (here, before the prefill) or
-    # "fresh" (new at the end: computed in the prefill, with the question)
-    dropped_messages: int = 0  # earlier messages left out: the conversation did not fit the context
-    load_wait_ms: float = 0.0  # prefill time spent waiting for chunk KV layers (loading not hidden by compute)
-    loading: dict | None = None  # blend.ratio auto: the controller's ratio, chunks recomputed from text, and why
-
-
-@dataclass(frozen=True)
-class KeyUse:
-    """A store key the request's prompt read or wrote: its tokens and the chat message it belongs to (its index
-    in `QueryParams.messages`; None for the head, the passages' turn opening and passages). `cached`: read from
-    the store, not computed for this request."""
-
-    key: str
-    tokens: int
-    message: int | None
-    cached: bool = False
-
-
-@dataclass
-class QueryResult:
-    answer: str
-    sources: list[Source]
-    stats: QueryStats
-    finish_reason: str
-    explain: Explain | None = None
-    kv_keys: list[KeyUse] = field(default_factory=list)  # in prompt order, the head first (full mode: none)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-KVSource = Literal["exact", "blended", "computed", "fresh"]
-
-
-@dataclass
-class _Piece:
-    """One cached piece of the prompt: its tokens, the tokens it is computed after, its KV once known.
-    A message piece (or the passages' turn opening) is read exact (after `context_ids`, the tokens before it
-    here) or blendable (after `blend_context`, the prompt head passages are computed after)."""
-
-    kind: Literal["head", "message", "opening", "passage"]
-    ids: list[int]
-    context_ids: list[int]
-    kv: ChunkKV | LayerSource | None = None  # a passage's stored KV may be opened layer by layer
-    tier: str | None = None  # where the KV came from; None until read, "computed" if computed here
-    message: int | None = None  # a message piece: its index in QueryParams.messages
-    blend_context: list[int] | None = None  # a message piece's blendable form is computed after these
-    source: KVSource | None = None  # a message piece: how its KV was had (QueryStats.message_kv)
-    entry_context: list[int] | None = None  # the context of the entry it read or is stored under
-
-    def __post_init__(self) -> None:
-        if self.entry_context is None:
-            self.entry_context = self.context_ids
-
-    @property
-    def in_place(self) -> bool:
-        """Computed (or to be) after exactly the tokens before it here, not after the head alone."""
-        return self.kind != "passage" and self.entry_context == self.context_ids
-
-
-@dataclass
-class _Chat:
-    """A chat's layout inputs, for remembering the exchange after the answer."""
-    system: str | None
-    kept: list[dict]      # the messages in the prompt as pieces, oldest first
-    tools: tuple[dict, ...]
-    question: dict | None  # with retrieval: the question's message (after the passages, not a piece)
-
-
-@dataclass
-class _Plan:
-    hits: list[Hit]
-    pieces: list[_Piece]
-    suffix: list[int]   # the question (and the assistant turn's opening); fresh pieces run before it
-    dropped: int
-    chat: _Chat | None = None
-    blends: bool = True  # False in mode prefix: no blendable forms are stored
-
-    @property
-    def segments(self) -> list[_Piece]:
-        """The pieces whose KV the prefill reads (fresh ones run with the suffix)."""
-        return [p for p in self.pieces if p.source != "fresh"]
-
-    @property
-    def fresh(self) -> list[_Piece]:
-        return [p for p in self.pieces if p.source == "fresh"]
-
-    @property
-    def prefill_suffix(self) -> list[int]:
-        return [i for p in self.fresh for i in p.ids] + self.suffix
 
 
 class RagEngine:
@@ -261,11 +105,11 @@ class RagEngine:
             yield from self.store_after(plan, prefill, answer if params.remember else None)
 
     def prefill(self, params: QueryParams, max_tokens: int, stats: QueryStats
-                ) -> Generator[Any, Any, tuple[_Plan, Prefill]]:
+                ) -> Generator[Any, Any, tuple[Plan, Prefill]]:
         """Steps 1-3 of a request: its plan and its prefill (the benchmarks score the prefill)."""
         parts = self.parts
         # 1. Off the model thread: retrieve, lay the prompt out as token pieces, read their KV from the store.
-        plan: _Plan = yield Offload(lambda: self._plan(params, max_tokens, stats))
+        plan: Plan = yield Offload(lambda: self._plan(params, max_tokens, stats))
 
         # 2. On it: compute the pieces the store lacked, one slice each. (Look again first: the previous
         #    turn stores its exchange on this thread after answering, perhaps after our look.)
@@ -303,7 +147,7 @@ class RagEngine:
             for piece in passages:  # where each retrieved chunk's KV came from (app.usage)
                 parts.kv_cache.served(piece.ids, piece.tier)
         stats.prefill_ms = _ms(t)
-        _fill_prefill_stats(stats, prefill, params.mode, plan)
+        fill_prefill_stats(stats, prefill, params.mode, plan)
         if params.mode == "blend" and prefill.stats.fallback is None:  # live compute cost, for the controller
             tokens = (prefill.stats.recomputed_tokens + len(plan.prefill_suffix)) * parts.blender.num_layers
             parts.loading.observe(tokens, (stats.prefill_ms - stats.load_wait_ms) / 1000)
@@ -311,13 +155,13 @@ class RagEngine:
 
     # ---- the plan, off the model thread ------------------------------------------------------------
 
-    def lookup(self, params: QueryParams) -> _Plan:
+    def lookup(self, params: QueryParams) -> Plan:
         """The request's plan as its program would make it, each piece's `tier` and `source` saying where its KV
         is (nothing read, nothing computed): POST /v1/cache/lookup."""
         max_tokens = params.max_tokens or self.settings.limits.default_max_new_tokens
         return self._plan(params, max_tokens, QueryStats(mode=params.mode), read=False)
 
-    def _plan(self, params: QueryParams, max_tokens: int, stats: QueryStats, read: bool = True) -> _Plan:
+    def _plan(self, params: QueryParams, max_tokens: int, stats: QueryStats, read: bool = True) -> Plan:
         parts, t = self.parts, time.perf_counter()
         hits = parts.retriever.search(params.retrieval_query or params.question,
                                       params.top_k or self.settings.retrieval.top_k) if params.retrieve else []
@@ -330,9 +174,9 @@ class RagEngine:
                 raise RequestError(str(exc)) from exc
         else:
             head = parts.prompt.head_ids
-            pieces, suffix, chat, dropped = [_Piece("head", head, [])], parts.prompt.suffix_ids(params.question), \
+            pieces, suffix, chat, dropped = [Piece("head", head, [])], parts.prompt.suffix_ids(params.question), \
                 None, 0
-        pieces += [_Piece("passage", ids, parts.kv_cache.context_ids) for ids in passages]
+        pieces += [Piece("passage", ids, parts.kv_cache.context_ids) for ids in passages]
         prompt_tokens = sum(len(p.ids) for p in pieces) + len(suffix)
         self._check_length(prompt_tokens, max_tokens)
         budget = self.settings.limits.max_prompt_tokens
@@ -341,31 +185,31 @@ class RagEngine:
                                f"limits.max_prompt_tokens ({budget}); lower top_k or shorten the messages")
 
         t = time.perf_counter()
-        plan = _Plan(hits, pieces, suffix, dropped, chat, blends=params.mode != "prefix")
+        plan = Plan(hits, pieces, suffix, dropped, chat, blends=params.mode != "prefix")
         if params.mode != "full":
             self._find_kv(plan, read, prefix_only=params.mode == "prefix")
         stats.kv_load_ms = _ms(t)
         return plan
 
     def _chat_pieces(self, params: QueryParams, passages: list[list[int]], max_tokens: int
-                     ) -> tuple[list[_Piece], list[int], _Chat, int]:
+                     ) -> tuple[list[Piece], list[int], ChatLayout, int]:
         """A chat's head and message pieces (the newest messages that fit the context), its suffix."""
         prompt, template = self.parts.prompt, self.parts.prompt.chat
-        system = "\n\n".join(_text(m) for m in params.messages
-                             if m["role"] in SYSTEM_ROLES and _text(m)) or None
+        system = "\n\n".join(message_text(m) for m in params.messages
+                             if m["role"] in SYSTEM_ROLES and message_text(m)) or None
         indexed = [(i, m) for i, m in enumerate(params.messages) if m["role"] not in SYSTEM_ROLES]
         question = None
         if params.retrieve:  # the last user message with text is the question, after its passages
-            q = max((k for k, (_, m) in enumerate(indexed) if m["role"] == "user" and _text(m)), default=None)
+            q = max((k for k, (_, m) in enumerate(indexed) if m["role"] == "user" and message_text(m)), default=None)
             if q is None:
                 raise RequestError("retrieval needs a user message with text (the question)")
             question = indexed.pop(q)[1]
         opening = template.opening_ids(system) if params.retrieve else []
         keep = 0 if params.retrieve else 1  # without retrieval the last message is what is answered
         limit = self._context_limit()
-        start = _within_chars(indexed, limit, keep)
+        start = within_chars(indexed, limit, keep)
         layout = template.layout([m for _, m in indexed[start:]], params.tools, system)
-        suffix = prompt.suffix_ids(_text(question), system) if question else layout.tail
+        suffix = prompt.suffix_ids(message_text(question), system) if question else layout.tail
         fixed = len(opening) + sum(map(len, passages)) + len(suffix) + max_tokens
         while limit and len(layout.head) + sum(map(len, layout.messages)) + fixed > limit \
                 and start < len(indexed) - keep:  # drop the oldest messages, as many as the excess
@@ -376,17 +220,17 @@ class RagEngine:
             layout = template.layout([m for _, m in indexed[start:]], params.tools, system)
         kept = indexed[start:]
         blend_context = self.parts.kv_cache.context_ids
-        pieces, before = [_Piece("head", layout.head, [])], list(layout.head)
+        pieces, before = [Piece("head", layout.head, [])], list(layout.head)
         numbers = [i for i, _ in kept] if layout.split else [kept[-1][0]] * len(layout.messages)
         for ids, number in zip(layout.messages, numbers):
-            pieces.append(_Piece("message", ids, before, message=number, blend_context=blend_context))
+            pieces.append(Piece("message", ids, before, message=number, blend_context=blend_context))
             before = before + ids
         if opening:
-            pieces.append(_Piece("opening", opening, before, blend_context=blend_context))
-        chat = _Chat(system, [m for _, m in kept], params.tools, question)
+            pieces.append(Piece("opening", opening, before, blend_context=blend_context))
+        chat = ChatLayout(system, [m for _, m in kept], params.tools, question)
         return pieces, suffix, chat, start
 
-    def _find_kv(self, plan: _Plan, read: bool, prefix_only: bool = False) -> None:
+    def _find_kv(self, plan: Plan, read: bool, prefix_only: bool = False) -> None:
         """Each piece's KV (`read`: else only the tier that holds it) and how it is had: an exact entry while
         everything before it is exact, else its blendable form; a piece with neither is computed in place
         while the prefix is exact, else its blendable form is; new pieces at the end run with the question.
@@ -426,7 +270,7 @@ class RagEngine:
             piece.source = "fresh"
         if not plan.prefill_suffix and plan.pieces[-1].kind == "message":
             plan.pieces[-1].source = "fresh"
-        _compute_a_short_blend_with_the_end(plan.pieces)
+        compute_a_short_blend_with_the_end(plan.pieces)
 
     def _read(self, ids: list[int], context_ids: list[int], read: bool, open_: bool = False
               ) -> tuple[ChunkKV | LayerSource | None, str | None]:
@@ -435,7 +279,7 @@ class RagEngine:
             return None, cache.tier_of(ids, context_ids)
         return (cache.open if open_ else cache.lookup)(ids, context_ids)
 
-    def _recompute(self, piece: _Piece) -> ChunkKV:
+    def _recompute(self, piece: Piece) -> ChunkKV:
         """A piece whose stored KV failed to load mid-prefill (damaged, gone): computed (and stored) afresh."""
         piece.tier = COMPUTED
         return self.parts.kv_cache.compute(piece.ids, piece.entry_context)
@@ -452,7 +296,7 @@ class RagEngine:
         model = getattr(self.parts.llm.model.config, "max_position_embeddings", None)
         return min(x for x in (model, self.parts.runtime.max_len) if x)
 
-    def _key_uses(self, plan: _Plan, mode: str) -> list[KeyUse]:
+    def _key_uses(self, plan: Plan, mode: str) -> list[KeyUse]:
         """Every store key the prompt read or wrote (a full prefill reads and writes none)."""
         if mode == "full":
             return []
@@ -462,7 +306,7 @@ class RagEngine:
 
     # ---- after the answer ----------------------------------------------------------------------------
 
-    def _explain(self, plan: _Plan, prefill: Prefill, max_tokens: int) -> Explain:
+    def _explain(self, plan: Plan, prefill: Prefill, max_tokens: int) -> Explain:
         head = [i for p in plan.segments if p.kind != "passage" for i in p.ids]  # the head and any messages
         passages = [p.ids for p in plan.pieces if p.kind == "passage"]
         return explain_prompt(self.parts.tokenizer, head, passages, plan.prefill_suffix, prefill,
@@ -475,7 +319,7 @@ class RagEngine:
         detail = f" (the {b.deviation}s at layer {b.check_layer})" if policy.deviation else ""
         return f"{policy.name}: {policy.doc}{detail}"
 
-    def store_after(self, plan: _Plan, prefill: Prefill, answer: str | None) -> Generator[None, None, None]:
+    def store_after(self, plan: Plan, prefill: Prefill, answer: str | None) -> Generator[None, None, None]:
         """Step 5, on the model thread after the answer (and `store_as_prompted`), a slice each: with `answer` (a
         chat that remembers) the exchange just answered, computed in place after the prompt's messages, for the
         next turn; then every message's blendable form it lacks (not in mode prefix, which never blends)."""
@@ -489,17 +333,17 @@ class RagEngine:
                 cache.compute(piece.ids, piece.blend_context)
                 yield
 
-    def store_as_prompted(self, plan: _Plan, prefill: Prefill) -> None:
+    def store_as_prompted(self, plan: Plan, prefill: Prefill) -> None:
         """Every message piece not read exact here stored as this prompt had it (cut from the prefill's cache,
         no compute) under the tokens before it: the same prefix again is an exact prefix. Before the result, so
         every key the result names is in the store."""
         cache, before = self.parts.kv_cache, []
         for piece in plan.segments + plan.fresh:  # the prompt's order (fresh pieces ran last)
-            if _stored_as_prompted(piece):
-                piece.kv = cache.put(piece.ids, before, _span_kv(prefill, before, piece.ids, cache.blender.fingerprint))
+            if stored_as_prompted(piece):
+                piece.kv = cache.put(piece.ids, before, span_kv(prefill, before, piece.ids, cache.blender.fingerprint))
             before = before + piece.ids
 
-    def _remember(self, plan: _Plan, known: list[_Piece], answer: str) -> Generator[None, None, None]:
+    def _remember(self, plan: Plan, known: list[Piece], answer: str) -> Generator[None, None, None]:
         """The exchange just answered, laid out as the next turn will lay it out and computed in place after
         this prompt's messages (whose exact KV is at hand): the next turn finds its whole chat an exact prefix."""
         chat, cache = plan.chat, self.parts.kv_cache
@@ -515,84 +359,6 @@ class RagEngine:
                 kv = cache.compute(ids, context_ids, before)
                 yield
             before, context_ids = before + [kv], context_ids + ids
-
-
-SYSTEM_ROLES = ("system", "developer")  # their text joins the system turn (the head)
-
-
-def _within_chars(indexed: list[tuple[int, dict]], limit: int | None, keep: int) -> int:
-    """The first message worth rendering: the older ones cannot fit a `limit`-token context on their text
-    alone (no token holds more than CHARS_PER_TOKEN_BOUND characters). The last `keep` are always kept."""
-    chars = 0
-    for start in range(len(indexed) - 1, -1, -1):
-        chars += len(_text(indexed[start][1]))
-        if limit and chars > CHARS_PER_TOKEN_BOUND * limit and start < len(indexed) - keep:
-            return start + 1
-    return 0
-
-
-def _text(message: dict | None) -> str:
-    return ((message or {}).get("content") or "").strip()
-
-
-def _compute_a_short_blend_with_the_end(pieces: list[_Piece]) -> None:
-    """Blended messages between the exact prefix and the new end, no more tokens than the new end (a message
-    repeated just before a new one: an agent's same call again): computed with the end instead. So few tokens
-    are not worth the blend's selection pass and repair, and the exact prefix then runs to the end (stored so
-    for the next turn)."""
-    fresh = [i for i, p in enumerate(pieces) if p.source == "fresh"]
-    if not fresh:
-        return
-    start = fresh[0]
-    while start > 0 and pieces[start - 1].source == "blended" and pieces[start - 1].kind != "passage":
-        start -= 1
-    run = pieces[start:fresh[0]]
-    before = pieces[start - 1] if start else None
-    exact_before = before is None or before.source == "exact" or before.kind == "head" or (
-        before.source == "computed" and before.in_place)
-    if run and exact_before and sum(len(p.ids) for p in run) <= sum(len(pieces[i].ids) for i in fresh):
-        for piece in run:
-            piece.source, piece.kv, piece.tier, piece.entry_context = "fresh", None, None, piece.context_ids
-
-
-def _stored_as_prompted(piece: _Piece) -> bool:
-    """A message piece whose KV in this prompt is not its exact entry yet (blended, computed after the head, or
-    fresh), or in mode prefix a passage computed in place."""
-    if piece.kind == "passage":
-        return piece.source == "fresh"
-    return piece.kind != "head" and (piece.source in ("blended", "fresh") or not piece.in_place)
-
-
-def _span_kv(prefill: Prefill, before: list[int], ids: list[int], fingerprint: str) -> ChunkKV:
-    """The KV of `ids`, right after `before` in the prefill's cache, as a piece stored after `before`."""
-    start, end = len(before), len(before) + len(ids)
-    keys = torch.stack([layer.keys[0, :, start:end] for layer in prefill.cache.layers]).clone()   # [L, H, T, D]
-    values = torch.stack([layer.values[0, :, start:end] for layer in prefill.cache.layers]).clone()
-    return ChunkKV(keys, values, torch.tensor(ids), start, hash_ids(before), fingerprint)
-
-
-def _fill_prefill_stats(stats: QueryStats, prefill: Prefill, mode: str, plan: _Plan) -> None:
-    s = prefill.stats
-    stats.prompt_tokens = s.prompt_tokens
-    stats.recomputed_tokens = s.recomputed_tokens
-    stats.recompute_ratio = 1.0 if mode == "full" else s.ratio
-    stats.fallback = s.fallback
-    stats.load_wait_ms = s.load_wait_ms
-    messages = [p for p in plan.pieces if p.kind == "message"]
-    stats.conversation_tokens = sum(len(p.ids) for p in messages)
-    stats.dropped_messages = plan.dropped
-    if mode != "full":
-        stats.message_kv = [p.source for p in messages]
-    if mode != "full" and s.fallback is None:  # only KV read from the store counts as cached
-        stored = [p for p in plan.segments if p.tier != COMPUTED]
-        stats.cached_tokens = sum(len(p.ids) for p in stored)
-        exact, stats.exact_tokens = s.exact_tokens, 0
-        for piece in plan.segments:  # the exact prefix's pieces that came from the store
-            if exact < len(piece.ids):
-                break
-            exact -= len(piece.ids)
-            stats.exact_tokens += len(piece.ids) * (piece.tier != COMPUTED)
-        stats.conversation_cached_tokens = sum(len(p.ids) for p in stored if p.kind == "message")
 
 
 def _ms(since: float) -> float:

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from app.api_models import LimitError
-from app.engine import RequestError
+from app.query import RequestError
 from app.ingest import DocumentExists, DocumentTooLarge, IngestCancelled, IngestError
 from app.worker import QueueTimeout, WorkerStopped
 

@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from app.engine import KeyUse
+from app.query import KeyUse
 from store import LeaseResult, TieredStore
 
 LEASE_HEADER = "x-ragblend-lease"

@@ -11,11 +11,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import APIRouter, Depends, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from app.api_models import (ERRORS, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Choice,
-                            ChunkChoice, Delta, ModelCard, ModelList, PromptTokensDetails, QueryRequest, QueryResponse,
-                            LimitError, Usage, check_budget, check_limits)
+from app.api_models import ERRORS, QueryRequest, QueryResponse, LimitError, check_budget, check_limits
+from app.openai_models import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Choice,
+                               ChunkChoice, Delta, ModelCard, ModelList, PromptTokensDetails, Usage)
 from app.conversation import Conversation
-from app.engine import QueryParams, QueryResult
+from app.query import QueryParams, QueryResult
 from app.prompt_cache import DEFAULT_FAMILY, RETENTION_TTL_S, LeaseNote, lease, lease_headers
 from app.errors import ApiError, as_api_error
 from app.service import STOP_MARGIN_S, Service, service, until_done

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from app.components import Engine, Serving
 from app.config import Settings
-from app.engine import QueryParams
+from app.query import QueryParams
 from app.errors import ApiError
 from app.metrics import Metrics
 from app.scheduler import Scheduler

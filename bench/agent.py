@@ -45,7 +45,8 @@ sys.path.insert(0, str(REPO))
 from app.compare import agreement  # noqa: E402
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
-from app.engine import QueryParams, QueryStats, RagEngine  # noqa: E402
+from app.engine import RagEngine  # noqa: E402
+from app.query import QueryParams, QueryStats  # noqa: E402
 from blend import SamplingParams, TextStream  # noqa: E402
 from blend.driver import Driver  # noqa: E402
 from common import git_commit  # noqa: E402

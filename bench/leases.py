@@ -37,7 +37,8 @@ sys.path.insert(0, str(REPO))
 from app import prompt_cache  # noqa: E402
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
-from app.engine import QueryParams, RagEngine  # noqa: E402
+from app.engine import RagEngine  # noqa: E402
+from app.query import QueryParams  # noqa: E402
 from common import git_commit  # noqa: E402
 
 QUESTION = "Which harbour towns keep a lighthouse museum?"

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from app.config import Settings, load_settings
-from app.engine import QueryParams, QueryResult, QueryStats, Source
+from app.query import QueryParams, QueryResult, QueryStats, Source
 
 MODELS = Path(__file__).resolve().parents[2] / "data" / "models"
 

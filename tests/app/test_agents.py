@@ -11,7 +11,7 @@ import uuid
 import openai
 import pytest
 
-from app.engine import QueryParams, QueryStats
+from app.query import QueryParams, QueryStats
 from blend import PromptFormat
 from tests.helpers import shared_tokenizer
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from app.anthropic_api import breakpoints, message_text, parse, system_text, usage
-from app.engine import KeyUse, QueryResult, QueryStats
+from app.query import KeyUse, QueryResult, QueryStats
 from app.errors import ApiError
 from app.prompt_cache import prefix_keys
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from app.conversation import Conversation, is_follow_up
-from app.engine import QueryParams, QueryStats
+from app.query import QueryParams, QueryStats
 from blend import PromptFormat
 from tests.helpers import shared_tokenizer
 

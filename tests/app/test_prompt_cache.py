@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from app.engine import QueryParams
+from app.query import QueryParams
 from app.prompt_cache import LEASE_HEADER
 from store import family_id
 

@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 import app.components
 from app.cli import cli
 from app.components import Components
-from app.engine import QueryParams, RagEngine
+from app.engine import RagEngine
+from app.query import QueryParams
 from tests.app.conftest import CORPUS, MODELS, QUESTIONS, make_settings
 from tests.helpers import shared_embedder, shared_llm
 from tests.servers import RedisServer, listening_port

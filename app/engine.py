@@ -267,9 +267,10 @@ class RagEngine:
         for piece in reversed(plan.pieces):
             if piece.kind not in ("message", "opening") or piece.source != "computed":
                 break
-            piece.source = "fresh"
+            piece.source, piece.entry_context = "fresh", piece.context_ids  # computed here, stored as prompted
         if not plan.prefill_suffix and plan.pieces[-1].kind == "message":
-            plan.pieces[-1].source = "fresh"
+            last = plan.pieces[-1]
+            last.source, last.entry_context = "fresh", last.context_ids
         compute_a_short_blend_with_the_end(plan.pieces)
 
     def _read(self, ids: list[int], context_ids: list[int], read: bool, open_: bool = False

@@ -342,6 +342,7 @@ class RagEngine:
         for piece in plan.segments + plan.fresh:  # the prompt's order (fresh pieces ran last)
             if stored_as_prompted(piece):
                 piece.kv = cache.put(piece.ids, before, span_kv(prefill, before, piece.ids, cache.blender.fingerprint))
+                piece.entry_context = before  # kv_keys names this entry: the one the same prompt reads next
             before = before + piece.ids
 
     def _remember(self, plan: Plan, known: list[Piece], answer: str) -> Generator[None, None, None]:

@@ -43,9 +43,11 @@ class ChunkKVCache:
         """The prompt head's KV, computed once (at warm-up, before the scheduler) and kept exact, never
         through the store's codec: it holds the attention sink, which a lossy codec hurts most (quantising the
         head alone, cachegen at 16 bins, raised blend@0.15's KL by 80% on 6 MuSiQue questions: BENCHMARKS.md,
-        "Compressed KV"), and every passage is precomputed after it."""
+        "Compressed KV"), and every passage is precomputed after it. It is stored too, under `head_key`, so that
+        a lease or `ragblend store gc` finds it like any entry of a prompt; reads take this exact copy."""
         if self._head is None:
             self._head = self.blender.precompute(self.head_ids)
+            self.store.put(self.head_key, self._head)
         return self._head
 
     @property
@@ -114,7 +116,7 @@ class ChunkKVCache:
         `before`: the KVs laid out in front of it that hold exactly `context_ids` (the head and earlier
         conversation pieces), so only `ids` run."""
         ids, context_ids = list(ids), list(context_ids)
-        if ids == self.head_ids and not context_ids:  # the head: exact, not stored (`head`)
+        if ids == self.head_ids and not context_ids:  # the head: kept exact (`head`)
             return self.head()
         if context_ids == self.context_ids and not before:  # a passage
             kv = self._compute(ids, context_ids)

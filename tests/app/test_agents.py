@@ -153,8 +153,13 @@ def test_a_message_seen_before_at_a_new_position_is_read_from_the_store_and_blen
     assert 0 < stats.recomputed_tokens <= round(0.15 * moved_tokens) + 1
     blended = [u for u in moved.kv_keys if u.message in (1, 2, 3, 4)]
     assert all(u.cached for u in blended)
-    assert {u.key for u in blended} == {server_engine.parts.kv_cache.piece_key(ids, server_engine.parts.kv_cache.context_ids)
-                                        for ids in layout.messages[1:]}  # the blendable entries: after the head
+    # read blendable (after the head), then stored as this prompt had them: kv_keys names those entries, the
+    # ones the same prompt reads next (an exact prefix)
+    before, stored = list(layout.head) + layout.messages[0], set()
+    for ids in layout.messages[1:]:
+        stored.add(server_engine.parts.kv_cache.piece_key(ids, before))
+        before = before + ids
+    assert {u.key for u in blended} == stored and all(server_engine.parts.store.contains(k) for k in stored)
     # The moved order again: every message was stored as that prompt had it, an exact prefix, the same answer.
     again = ask(server_engine, trace(nonce, [1, 0]), ratio=0.15)
     assert again.stats.message_kv == ["exact"] * 5 and again.answer == moved.answer

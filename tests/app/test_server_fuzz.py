@@ -89,16 +89,19 @@ def _a_rule_json_schema_cannot_state(recorder, case_id: str, check) -> bool:
     """Valid data refused by a rule the description states in words: on /v1/messages, an assistant's message
     last (Anthropic's prefill, not supported: JSON Schema has no keyword for an array's last item) and more than
     4 cache_control breakpoints (JSON Schema cannot count them across the body's parts); and a body
-    over limits.max_body_bytes (a document's size in bytes; /v1/messages takes free-form tool inputs and
-    schemas, so the fuzzer's valid bodies can be any size)."""
+    over limits.max_body_bytes, valid or not (a document's size in bytes, checked before the body is read;
+    /v1/messages takes free-form tool inputs and schemas, so the fuzzer's bodies can be any size)."""
     interaction = recorder.interactions.get(case_id)
-    if check.name != "positive_data_acceptance" or interaction is None or interaction.response is None:
+    if interaction is None or interaction.response is None:
         return False
     status, body = interaction.response.status_code, json.loads(interaction.response.content or b"{}")
+    if status == 413 and len(interaction.request.body or b"") > MAX_BODY_BYTES:  # refused, valid or not
+        return check.name in ("positive_data_acceptance", "negative_data_rejection")
+    if check.name != "positive_data_acceptance":
+        return False
     message = body.get("error", {}).get("message", "")
     in_words = ("the last message must be a user message", "A maximum of 4 blocks with cache_control")
-    return (status == 400 and any(rule in message for rule in in_words)) or \
-        (status == 413 and len(interaction.request.body or b"") > MAX_BODY_BYTES)
+    return status == 400 and any(rule in message for rule in in_words)
 
 
 def _describe(recorder, case_id: str, check) -> str:

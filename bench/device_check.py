@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -90,6 +92,20 @@ def timed(fn, device: torch.device, repeats: int):
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times), out
+
+
+@contextmanager
+def recorded(part: dict, name: str, label: str, device: torch.device, report: Report) -> Iterator[None]:
+    """One case of a part: an exception is recorded under `name` and logged (the check goes on); after it, the
+    device's cache is emptied and the report written, so a crash later leaves what ran."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - recorded; the check goes on
+        part[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1200:]}
+        log(f"  {label}: ERROR {exc}")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    report.dump()
 
 
 def prompt(vocab: int, tokens: int, chunk: int, seed: int):
@@ -176,7 +192,7 @@ def measure(blender: Blender, device, tokens: int, args, tmp: Path, report: Repo
         run["tiers"] = why
 
     def case(name: str, fn) -> None:
-        try:
+        with recorded(run, name, f"{len(ids)} {name}", device, report):
             seconds, result = timed(fn, device, args.repeats)
             run[name] = {"s": round(seconds, 4)}
             stats = getattr(result, "stats", None)
@@ -184,12 +200,6 @@ def measure(blender: Blender, device, tokens: int, args, tmp: Path, report: Repo
                 run[name].update(phases_ms=stats.timings_ms, load_wait_ms=stats.load_wait_ms,
                                  recomputed=stats.recomputed_tokens, fallback=stats.fallback)
             log(f"  {len(ids)} {name}: {seconds:.4f} s")
-        except Exception as exc:  # noqa: BLE001 - recorded; the check goes on
-            run[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1200:]}
-            log(f"  {len(ids)} {name}: ERROR {exc}")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        report.dump()
 
     def blend(segments, ratio: float, selection: str = "query", pipeline: bool = False):
         return lambda: blender.prefill([head_kv, *segments()], question, ratio, selection=selection, pipeline=pipeline)
@@ -242,7 +252,7 @@ def codec_check(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
     keys = [kv_key(kv.fingerprint, kv.context_hash, kv.token_ids) for kv in kvs]
     eps = torch.finfo(dtype).eps if dtype != torch.float32 else 1e-6
     for name in CODEC_NAMES:
-        try:
+        with recorded(out, name, f"codec {name}", device, report):
             codec = register_tables(CacheGenTables.fit([random_kv(shape, dtype, 100 + i) for i in range(2)],
                                                        DEFAULT_BINS)) if name == "cachegen" else get_codec(name)
             with TieredStore([DiskTier(tmp / f"codec-{name}", 1 << 38)], codec=codec, fingerprint="device-check",
@@ -274,12 +284,6 @@ def codec_check(device: torch.device, dtype: torch.dtype, shape: tuple[int, int,
                              "encode_mb_s": round(out_bytes / encode_s / 1e6, 1),
                              "stored_mb": round(store.stats()["tiers"]["disk"]["bytes"] / 1e6, 2)}
             log(f"  codec {name}: {out[name]}")
-        except Exception as exc:  # noqa: BLE001 - recorded; the check goes on
-            out[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1200:]}
-            log(f"  codec {name}: ERROR {exc}")
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        report.dump()
 
 
 def decode(blender: Blender, device, context: int, batches: list[int], steps: int, report: Report) -> None:

@@ -337,11 +337,12 @@ class RagEngine:
     def store_as_prompted(self, plan: Plan, prefill: Prefill) -> None:
         """Every message piece not read exact here stored as this prompt had it (cut from the prefill's cache,
         no compute) under the tokens before it: the same prefix again is an exact prefix. Before the result, so
-        every key the result names is in the store."""
+        every key the result names is in the store (pending: the store's writer encodes and writes it)."""
         cache, before = self.parts.kv_cache, []
         for piece in plan.segments + plan.fresh:  # the prompt's order (fresh pieces ran last)
             if stored_as_prompted(piece):
-                piece.kv = cache.put(piece.ids, before, span_kv(prefill, before, piece.ids, cache.blender.fingerprint))
+                piece.kv = span_kv(prefill, before, piece.ids, cache.blender.fingerprint)
+                cache.put_nowait(piece.ids, before, piece.kv)
                 piece.entry_context = before  # kv_keys names this entry: the one the same prompt reads next
             before = before + piece.ids
 

@@ -129,6 +129,11 @@ class ChunkKVCache:
         """Store a piece's KV computed elsewhere (a prefill's fresh tokens) under its key."""
         return self.store.put(self.piece_key(ids, context_ids), kv)
 
+    def put_nowait(self, ids: Sequence[int], context_ids: Sequence[int], kv: ChunkKV) -> None:
+        """Hand a piece's KV (a copy cut from a prefill's cache) to the store's writer thread: encoded and
+        stored in the background, found pending meanwhile (TieredStore.put_nowait)."""
+        self.store.put_nowait(self.piece_key(ids, context_ids), kv)
+
     def tier_of(self, ids: Sequence[int], context_ids: Sequence[int]) -> str | None:
         """The first tier holding the KV of `ids` after `context_ids`, without reading it; None if none does."""
         key = self.piece_key(ids, context_ids)

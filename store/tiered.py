@@ -147,6 +147,7 @@ class TieredStore:
             self._counters.looked_up(self.tiers[0].name, time.perf_counter() - start)
             self._counters.bump("hits")
             self._counters.bump("pending_hits")
+            self.admission.sight(key)  # a second sight before the write runs: it asks when it runs
             return 0, found
         for i, tier in enumerate(self.tiers):
             if only is not None and tier.name != only:

@@ -48,7 +48,7 @@ def tail_tokens(engine) -> int:
 
 
 def ask(engine, messages: tuple[dict, ...], **options):
-    params = QueryParams("", messages=messages, tools=TOOLS, retrieve=False, max_tokens=6, remember=True, **options)
+    params = QueryParams("", messages=messages, tools=TOOLS, retrieve=False, max_tokens=6, **options)
     return engine.answer(params)
 
 

@@ -16,10 +16,11 @@ MODES, each an engine with a store of its own (what it stored at one request is 
 to back on every request so load drifts hit them alike:
     full      full prefill (the reference)
     prefix    prefix caching: the longest exact prefix read (ragblend's mode prefix)
-    blend     ragblend's mode blend at --ratio with the planner main has (message-level pieces)
-    windows   fixed --window-tokens windows matched at any offset, as LMCache does (planner.chunking: windows)
-    content   ragblend: content-defined spans (planner.chunking: content)
-`windows` and `content` run where the settings have a `planner` section (the planner of issue #46).
+    windows   fixed --window-tokens windows matched at any offset, as LMCache does (planner.chunking: windows),
+              blended at --ratio
+    content   ragblend: content-defined spans (planner.chunking: content, the default), blended at --ratio
+    blend     ragblend's mode blend before the planner of issue #46 (whole messages): where the settings have no
+              `planner` section, in place of windows and content
 
 Per mode: `seen_reuse`, the share of previously seen passages' tokens whose KV was read from the store (a passage
 is seen once any earlier prompt held it) and `seen_passages_90`, the share of seen passages with >= 90% of their
@@ -69,7 +70,7 @@ from common import git_commit  # noqa: E402
 
 INSTRUCTION = "Use the following documents to answer the question."
 PLANNED = "planner" in Settings.model_fields  # the planner of issue #46 has landed
-ALL_MODES = ("full", "prefix", "blend", "windows", "content")
+MODES = ("full", "prefix", "windows", "content") if PLANNED else ("full", "prefix", "blend")
 TARGETS = {"seen_reuse": 0.90, "second_sight_ttft_ratio": 0.30, "kl_vs_retrieval_path": 1.10}
 
 
@@ -118,12 +119,6 @@ def params_for(request: Request, mode: str, ratio: float, tokens: int) -> QueryP
                        max_tokens=tokens)
 
 
-def after_answer(engine: RagEngine, plan: Any, prefill: Any):
-    """The engine's own after-answer steps (what RagEngine.program runs once the result is out)."""
-    engine.store_as_prompted(plan, prefill)
-    yield from engine.store_after(plan, prefill, None)
-
-
 def one_request(engine: RagEngine, params: QueryParams) -> tuple[Any, Any, QueryStats, dict[str, float]]:
     """Prefill (timed: TTFT), then the after-answer work on the model thread (timed apart), then the store's
     background writes (flushed, timed: they run off the model thread, before the next request here)."""
@@ -131,14 +126,14 @@ def one_request(engine: RagEngine, params: QueryParams) -> tuple[Any, Any, Query
 
     def program():
         start = time.perf_counter()
-        plan, prefill = yield from engine.prefill(params, params.max_tokens, stats)
+        plan, loaded, prefill = yield from engine.prefill(params, params.max_tokens, stats)
         int(prefill.logits.argmax())  # the first token is chosen from these
         seconds["ttft_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        if params.mode != "full":
-            yield from after_answer(engine, plan, prefill)
+        if params.mode != "full":  # what RagEngine.program does once the answer is out
+            engine.planner.store(plan, loaded, prefill)
         seconds["after_answer_s"] = time.perf_counter() - start
-        yield plan, prefill
+        yield (plan, loaded), prefill
 
     [(plan, prefill)] = list(Driver(engine.parts.runtime.step).run(program()))
     store = engine.parts.store
@@ -150,16 +145,16 @@ def one_request(engine: RagEngine, params: QueryParams) -> tuple[Any, Any, Query
     return plan, prefill, stats, seconds
 
 
-def prompt_and_reused(plan: Any) -> tuple[list[int], list[bool]]:
-    """The prompt's token ids in prefill order and, per token, whether its KV was read from the store (not
-    computed here: a fresh piece runs with the question)."""
+def prompt_and_reused(planned: Any) -> tuple[list[int], list[bool]]:
+    """The prompt's token ids and, per token, whether its KV was read from the store (exact or blended; not
+    computed in the prefill, nor swapped for a compute when its read failed)."""
+    plan, loaded = planned
     ids: list[int] = []
     reused: list[bool] = []
-    for piece in plan.segments:
-        ids += piece.ids
-        reused += [piece.tier not in (COMPUTED, None)] * len(piece.ids)
-    suffix = plan.prefill_suffix
-    return ids + suffix, reused + [False] * len(suffix)
+    for span, read in zip(plan.spans, loaded):
+        ids += span.ids
+        reused += [span.source != "compute" and read.tier not in (COMPUTED, None)] * len(span.ids)
+    return ids + list(plan.suffix), reused + [False] * len(plan.suffix)
 
 
 def passage_spans(tokenizer: Any, ids: list[int], docs: list[dict]) -> list[range | None]:
@@ -379,7 +374,7 @@ def main() -> None:
     parser.add_argument("--dataset", type=Path, default=REPO.parent / "shared/data/musique_dev.json")
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--passages", type=int, default=5, help="documents per prompt (5-10)")
-    parser.add_argument("--modes", default=",".join(m for m in ALL_MODES if PLANNED or m in ("full", "prefix", "blend")))
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--ratio", type=float, default=0.15)
     parser.add_argument("--window-tokens", type=int, default=256)
     parser.add_argument("--answer-tokens", type=int, default=4)

@@ -7,7 +7,8 @@ recurs out of the lower tiers, which are shared and slow to refill. Policies (`s
     second_sight   the tensor tiers (gpu, memory) take a chunk on first sight; the byte tiers (disk, Redis)
                    on its second: the key was put or hit before, within the last `window` keys sighted. A
                    chunk first seen in memory is written down when it is hit there again. A leased key is
-                   admitted everywhere at once.
+                   admitted everywhere at once. A store with no tensor tier (memory_bytes 0) puts first
+                   sights in its fastest tier.
 
 Explicit puts (TieredStore.put: uploads' precompute, the prompt head, a passage computed on a miss) are
 admitted everywhere: a document someone uploaded is useful by intent. bench/admission.py measured the choice.
@@ -61,7 +62,8 @@ class Admission:
     def sight(self, key: str) -> int:
         return self.sightings.sight(key) if self.filters else 0
 
-    def admitted(self, key: str, tier: str, leased: bool = False) -> bool:
-        """Whether `tier` takes `key` (sighted by now): always under `everywhere`, a tensor tier always, a byte
-        tier once the key was sighted twice or while a lease holds it."""
-        return not self.filters or tier in TENSOR_TIERS or leased or self.sightings.count(key) >= 2
+    def admitted(self, key: str, tier: str, leased: bool = False, fastest: bool = False) -> bool:
+        """Whether `tier` takes `key` (sighted by now): always under `everywhere`, a tensor tier (or the store's
+        `fastest`) always, a byte tier once the key was sighted twice or while a lease holds it."""
+        return (not self.filters or tier in TENSOR_TIERS or fastest or leased
+                or self.sightings.count(key) >= 2)

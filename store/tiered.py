@@ -277,7 +277,7 @@ class TieredStore:
         start = time.perf_counter()
         try:
             for tier in self.tiers[write.start:]:
-                if not self.admission.admitted(key, tier.name, self._leased(key)):
+                if not self.admission.admitted(key, tier.name, self._leased(key), fastest=tier is self.tiers[0]):
                     continue
                 if write.start and tier.contains(key):
                     continue

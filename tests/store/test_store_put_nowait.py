@@ -159,6 +159,16 @@ def test_a_chunk_put_again_after_memory_lost_it_is_admitted_below(tmp_path):
     store.close()
 
 
+def test_a_store_without_a_tensor_tier_keeps_first_sights_in_its_fastest_tier(tmp_path):
+    store = TieredStore([DiskTier(tmp_path / "disk", 1 << 20), BytesTier(1 << 20)], codec="int8", fingerprint=FP,
+                        admission=Admission("second_sight"))
+    key, kv = random_kv(0)
+    store.put_nowait(key, kv)
+    store.flush()
+    assert store.tiers[0].contains(key) and not store.tiers[1].contains(key)
+    store.close()
+
+
 def test_everywhere_admits_at_once_and_explicit_puts_are_always_admitted(tmp_path):
     everywhere, second = two_tiers(tmp_path / "a", "everywhere"), two_tiers(tmp_path / "b", "second_sight")
     (queued, kv), (uploaded, kv2) = random_kv(0), random_kv(1)

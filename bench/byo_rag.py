@@ -33,7 +33,9 @@ store writer's time (encoding and tier writes, off the model thread).
 passages | question) at query@--ratio (app.compare.Harness): the KL the targets compare against.
 `back_to_back`: through the server's scheduler (app.scheduler, in-process), a new stuffed prompt A, then its
 identical repeat B sent the moment A's answer arrives (A's storing still pending), then the same repeat C on an
-idle server: TTFT of B vs C is whether a request is admitted at once.
+idle server: TTFT of B vs C is whether a request is admitted at once; A's `result_s` - `ttft_s` is the storing
+that delays its result (and stalls every other stream on the model thread). `..._stored_inline`: the same with
+the store before #46 (every span encoded and written on the model thread), for comparison.
 Targets reported: seen passages >= 90% reused, second-sight TTFT <= 0.30x full, KL <= 1.1x the retrieval path's.
 Prints JSON on stdout (with the commit and load average), progress on stderr; saves a plot (--plot).
 """
@@ -300,11 +302,13 @@ async def _send(scheduler: Scheduler, engine: RagEngine, params: QueryParams, an
             result_at = time.perf_counter()
             if answered is not None:
                 answered.set()
-    return {"ttft_s": round(first, 4), "after_answer_s": round(time.perf_counter() - result_at, 4)}
+    return {"ttft_s": round(first, 4), "result_s": round(result_at - start, 4),  # the store runs before the result
+            "after_result_s": round(time.perf_counter() - result_at, 4)}
 
 
 def back_to_back(engine: RagEngine, request: Request, mode: str, ratio: float, tokens: int) -> dict:
-    """A new prompt A; its repeat B sent when A's answer arrives; the repeat C again on an idle server."""
+    """A new prompt A; its repeat B sent when A's answer arrives; the repeat C again on an idle server. A's
+    `result_s` - `ttft_s` is its storing on the model thread (with --answer-tokens 1)."""
     s = engine.settings.server
     scheduler = Scheduler(engine.parts.runtime.step, max_batch=s.max_batch, queue_size=s.queue_size,
                           slice_s=s.prefill_slice_ms / 1000, max_stall_s=s.max_stall_ms / 1000)
@@ -325,6 +329,19 @@ def back_to_back(engine: RagEngine, request: Request, mode: str, ratio: float, t
         return asyncio.run(run())
     finally:
         scheduler.stop()
+
+
+def inline_baseline(shared: Components, root: Path, mode: str, request: Request, args: argparse.Namespace,
+                    base: dict) -> dict:
+    """back_to_back with the store as it was before #46: every span encoded and written on the model thread
+    (put_nowait played by the synchronous put), in a store of its own."""
+    engine = engines(shared, root / "inline", [mode], args.window_tokens, base)[mode]
+    store = engine.parts.store
+    store.put_nowait = lambda key, kv: store.put(key, kv) is not None  # the baseline, in this process only
+    try:
+        return back_to_back(engine, request, mode, args.ratio, args.answer_tokens)
+    finally:
+        engine.parts.close()
 
 
 def plot(summary: dict, reference_kl: float | None, path: Path) -> None:
@@ -408,7 +425,8 @@ def main() -> None:
                             dataset[args.questions]["ctxs"][:args.passages])
             ragblend = "content" if "content" in by_mode else "blend"
             b2b = {} if args.skip_back_to_back else {
-                ragblend: back_to_back(by_mode[ragblend], fresh, ragblend, args.ratio, args.answer_tokens)}
+                ragblend: back_to_back(by_mode[ragblend], fresh, ragblend, args.ratio, args.answer_tokens),
+                f"{ragblend}_stored_inline": inline_baseline(shared, Path(tmp), ragblend, fresh, args, base)}
         finally:
             for engine in by_mode.values():
                 engine.parts.close()

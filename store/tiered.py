@@ -281,7 +281,9 @@ class TieredStore:
                     continue
                 if write.start and tier.contains(key):
                     continue
-                tier.put(key, write.entry(self._codecs[tier.name]))
+                if (entry := write.entry(self._codecs[tier.name])) is None:
+                    return  # a write-down of an entry evicted meanwhile: nothing to write
+                tier.put(key, entry)
             self._counters.bump("write_downs" if write.start else "puts")
         finally:
             self._counters.add_write_s(time.perf_counter() - start)
@@ -294,11 +296,9 @@ class TieredStore:
             return
         tier, reading = self.tiers[found_at], self._readings[self.tiers[found_at].name]
 
-        def entry(codec: Codec) -> Entry:
-            held = tier.get(key, reading)  # the tensors, as they are there now
-            if held is None:
-                raise LookupError("evicted before it was written down")
-            return Entry.of_tensors(held.kv, codec)
+        def entry(codec: Codec) -> Entry | None:
+            held = tier.get(key, reading)  # the tensors, as they are there now (None: evicted since)
+            return None if held is None else Entry.of_tensors(held.kv, codec)
         self._writer.submit(key, _Write(entry, start=below))
 
     def _leased(self, key: str) -> bool:
@@ -544,12 +544,13 @@ class _Write:
     first (a read of it pending, or the writer), into the tiers from `start` on (0: a put; more: a write-down).
     `nbytes`: what it holds pending (0: nothing, a write-down's tensors stay in their tier)."""
 
-    def __init__(self, make: Callable[[Codec], Entry], start: int = 0, nbytes: int = 0) -> None:
+    def __init__(self, make: Callable[[Codec], Entry | None], start: int = 0, nbytes: int = 0) -> None:
         self._make, self.start, self.nbytes = make, start, nbytes
-        self._entries: dict[str, Entry] = {}
+        self._entries: dict[str, Entry | None] = {}
         self._lock = threading.Lock()
 
-    def entry(self, codec: Codec) -> Entry:
+    def entry(self, codec: Codec) -> Entry | None:
+        """The chunk's entry in `codec` (a put's always exists; a write-down's is None once evicted)."""
         with self._lock:
             if codec.name not in self._entries:
                 self._entries[codec.name] = self._make(codec)

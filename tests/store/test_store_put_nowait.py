@@ -147,6 +147,25 @@ def test_second_sight_keeps_a_one_off_chunk_out_of_the_byte_tiers_until_it_is_se
     store.close()
 
 
+def test_a_write_down_of_an_entry_evicted_meanwhile_is_skipped_quietly():
+    gated, below = GatedMemory(), BytesTier(1 << 20)
+    store = TieredStore([gated, below], codec="int8", fingerprint=FP, admission=Admission("second_sight"))
+    (key, kv), (blocker, kv2) = random_kv(0), random_kv(1)
+    gated.gate.set()
+    store.put_nowait(key, kv)
+    store.flush()
+    gated.gate.clear()
+    gated.entered.clear()
+    store.put_nowait(blocker, kv2)  # the writer waits in this one
+    assert gated.entered.wait(10)
+    assert store.get(key) is not None  # the second sight: a write-down queued behind the blocker
+    gated.delete(key)  # evicted before the writer gets to it
+    gated.gate.set()
+    store.flush()
+    assert not below.contains(key) and store.stats()["put_errors"] == 0 and store.stats()["write_downs"] == 0
+    store.close()
+
+
 def test_a_chunk_put_again_after_memory_lost_it_is_admitted_below(tmp_path):
     store = two_tiers(tmp_path, "second_sight")
     key, kv = random_kv(0)

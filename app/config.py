@@ -91,10 +91,12 @@ class PlannerSettings(BaseModel):
     """How app.planner cuts a prompt into spans (each a store entry): by content, or LMCache's fixed windows."""
     chunking: Literal["content", "windows"] = "content"
     window_tokens: int = Field(256, ge=8)  # chunking windows: the window, matched at any offset of a later prompt
-    average_span_tokens: int = Field(24, ge=4)  # chunking content: a cut candidate every this many tokens
-    min_span_tokens: int = Field(12, ge=1)  # shorter spans (tiny messages) merge with their neighbours
-    max_span_tokens: int = Field(96, ge=2)
-    max_spans: int = Field(256, ge=2)  # spans (store entries) per request at most: past it the spans grow
+    average_span_tokens: int = Field(16, ge=4)  # chunking content: a cut candidate every this many tokens (and
+    # after every line break)
+    min_span_tokens: int = Field(8, ge=1)  # shorter spans (tiny messages) merge with their neighbours
+    max_span_tokens: int = Field(64, ge=2)
+    max_spans: int = Field(384, ge=2)  # spans per request at most (each one or two store entries): past it the
+    # prompt is cut coarser (every size doubled) until it has no more
 
 
 class Settings(BaseSettings):

@@ -24,8 +24,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Literal
 
+import numpy as np
 import torch
 
 from app.config import PlannerSettings
@@ -103,6 +105,17 @@ class Planner:
         self.fingerprint = kv_cache.blender.fingerprint
         self._windows: dict[int, None] = {}  # mode windows: hashes of the windows stored (insertion order)
 
+    @cached_property
+    def breaks(self) -> np.ndarray:
+        """The ids of tokens holding a line break: always a cut candidate, so a document pasted as a paragraph
+        ends its own span (its neighbour after the blank line starts another)."""
+        tokenizer = getattr(self.kv.prompt, "tokenizer", None) if hasattr(self.kv, "prompt") else None
+        if tokenizer is None:
+            return np.empty(0, dtype=np.int64)
+        vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        return np.array(sorted(i for i, t in enumerate(vocab)
+                               if t and ("\n" in t or "Ċ" in t)), dtype=np.int64)  # Ċ: byte-level BPE's \n
+
     # ---- cutting ---------------------------------------------------------------------------------
 
     def cut(self, parts: Sequence[Part]) -> list[Span]:
@@ -125,10 +138,12 @@ class Planner:
             elif self.settings.chunking == "windows":
                 ends = self._window_cuts(part.ids)
             else:
-                ends = content_cuts(part.ids, average=average, min_tokens=low, max_tokens=high)
+                ends = content_cuts(part.ids, average=average, min_tokens=low, max_tokens=high, breaks=self.breaks)
             raw += [(part, a, b) for a, b in zip([0] + ends, ends)]
         spans: list[Span] = []
         position, pending = 0, []
+        if self.settings.chunking == "windows":
+            low = 1  # LMCache's windows: what lies between found windows stays apart
         for i, (part, a, b) in enumerate(raw):
             pending.append((part, a, b))
             mergeable = part.kind in ("message", "opening")
@@ -329,7 +344,7 @@ def _rolling(ids: Sequence[int], w: int):
     top, h = pow(base, w - 1, mod), 0
     for i, t in enumerate(ids):
         if i >= w:
-            h = (h - ids[i - w] * top) % mod
+            h = (h - (ids[i - w] + 1) * top) % mod
         h = (h * base + t + 1) % mod
         if i >= w - 1:
             yield h

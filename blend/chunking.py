@@ -26,23 +26,28 @@ def _mixed(ids: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def candidates(ids: Sequence[int], average: int) -> np.ndarray:
+def candidates(ids: Sequence[int], average: int, breaks: np.ndarray | None = None) -> np.ndarray:
     """Positions i (sorted) after which the content allows a cut: the hash of ids[i-WINDOW+1 .. i] is 0 mod
-    `average` (a power of two is not needed: any modulus gives one candidate in `average` on average)."""
+    `average` (a power of two is not needed: any modulus gives one candidate in `average` on average), or
+    ids[i] is one of `breaks` (sorted token ids: a line break, so a pasted document's span ends with it)."""
     n = len(ids)
+    array = np.asarray(ids, dtype=np.int64)
+    at_break = np.nonzero(np.isin(array, breaks))[0] if breaks is not None and len(breaks) else None
     if n < WINDOW:
-        return np.empty(0, dtype=np.int64)
-    mixed = _mixed(np.asarray(ids, dtype=np.int64))
+        return at_break if at_break is not None else np.empty(0, dtype=np.int64)
+    mixed = _mixed(array)
     h = np.zeros(n - WINDOW + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for k in range(WINDOW):  # rotate each id's mix by its place in the window, so order matters
             part = mixed[k:n - WINDOW + 1 + k]
             shift = np.uint64(7 * k)
             h ^= (part << shift) | (part >> (np.uint64(64) - shift)) if k else part
-    return np.nonzero(h % np.uint64(average) == 0)[0] + WINDOW - 1
+    hashed = np.nonzero(h % np.uint64(average) == 0)[0] + WINDOW - 1
+    return hashed if at_break is None else np.union1d(hashed, at_break)
 
 
-def content_cuts(ids: Sequence[int], *, average: int, min_tokens: int, max_tokens: int) -> list[int]:
+def content_cuts(ids: Sequence[int], *, average: int, min_tokens: int, max_tokens: int,
+                 breaks: np.ndarray | None = None) -> list[int]:
     """Span ends (exclusive, ascending, the last is len(ids)) cutting `ids` by content. Every span holds at
     least `min_tokens` (a shorter text is one span) and at most `max_tokens`."""
     if not 0 < 2 * min_tokens <= max_tokens:
@@ -56,7 +61,7 @@ def content_cuts(ids: Sequence[int], *, average: int, min_tokens: int, max_token
             cuts.append(start)
         return start
 
-    for i in candidates(ids, average).tolist():
+    for i in candidates(ids, average, breaks).tolist():
         end = i + 1
         forced(end)
         if end - start >= min_tokens and n - end >= min_tokens:

@@ -171,7 +171,8 @@ class Service:
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's tokens in the model's tokenizer, special tokens left out: the unit of the budgets."""
-        return [len(ids) for ids in self.serving.engine.parts.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        tokenizer = self.serving.engine.parts.tokenizer
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
 
     async def on_lane(self, request: Request, fn: Callable[[Callable[[], bool]], Any], label: str) -> Any:
         """Run `fn(cancelled)` on the ingest lane and return its result; cancelled if the client leaves."""

@@ -36,6 +36,7 @@ class QueryParams:
     retrieve: bool = True  # False: no passages, the prompt is the conversation alone
     remember: bool = False  # store this exchange's KV for the next turn (chat)
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+    tenant: str = ""  # the API key's tenant (server.api_keys; "" the default): scopes the keys of its prompt text
 
 
 @dataclass

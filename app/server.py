@@ -61,8 +61,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     for exc_type in HANDLED:
         app.add_exception_handler(exc_type, handle_error)
     app.add_middleware(LimitBody, max_bytes=settings.limits.max_body_bytes)
-    app.add_middleware(RequireApiKey, api_key=settings.server.api_key, public=(*HEALTH_PATHS, *PUBLIC_PATHS),
-                       public_prefix=PUBLIC_PREFIX)
+    app.add_middleware(RequireApiKey, keys=settings.server.tenant_keys(), public=(*HEALTH_PATHS, *PUBLIC_PATHS),
+                       public_prefix=PUBLIC_PREFIX, pinned_share=settings.server.tenant_pinned_share)
     # outermost: sees every status
     app.add_middleware(CountRequests, metrics=svc.metrics, routes=[*(r for rt in routers for r in rt.routes), *page])
     return app

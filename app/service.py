@@ -33,6 +33,7 @@ from app.config import Settings
 from app.query import QueryParams
 from app.errors import ApiError
 from app.metrics import Metrics
+from app.middleware import current_tenant
 from app.scheduler import Scheduler
 from app.worker import Job, QueueFull, QueueTimeout, Worker, WorkerStopped
 
@@ -159,7 +160,8 @@ class Service:
     def query_params(self, question: str, *, top_k: int | None, max_tokens: int | None, **rest: Any) -> QueryParams:
         """Engine parameters, with this server's defaults for what the request left out."""
         return QueryParams(question, top_k=top_k or self.settings.retrieval.top_k,
-                           max_tokens=max_tokens or self.settings.limits.default_max_new_tokens, **rest)
+                           max_tokens=max_tokens or self.settings.limits.default_max_new_tokens,
+                           tenant=current_tenant().name, **rest)
 
     async def submit_query(self, params: QueryParams, kind: str) -> Job:
         """Queue a query for a slot on the model thread and wait until it has one. Its label, which /health

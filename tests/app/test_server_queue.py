@@ -144,7 +144,7 @@ def test_usage_and_metrics_from_stub(stub_app, stream):
         response = client.post("/v1/chat/completions", json=body)
         assert response.status_code == 200
         metrics = client.get("/metrics").text
-    assert 'ragblend:http_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in metrics
+    assert 'ragblend:http_requests_total{endpoint="/v1/chat/completions",status="200",tenant="default"} 1.0' in metrics
     assert "ragblend:prompt_tokens_total 10.0" in metrics
     assert 'ragblend:time_to_first_token_seconds_count{mode="blend"} 1.0' in metrics
 

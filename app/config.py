@@ -73,6 +73,7 @@ class ServerSettings(BaseModel):
     max_batch: int = Field(8, ge=1)  # requests decoded together (slots on the model thread)
     prefill_slice_ms: float = Field(100.0, gt=0)  # the least prefill work between two decode steps (one layer at least)
     max_stall_ms: float = Field(1500.0, gt=0)  # the most a streaming answer waits for its next token on prefills
+    degraded_wait_s: float = Field(30.0, gt=0)  # /health says degraded while a request waits this long for a token
     stuck_after_s: float = Field(120.0, gt=0)  # /health is 503 once the model thread is on one piece this long
     shutdown_grace_s: float = Field(5.0, ge=0)  # running queries may finish within this at shutdown
 

@@ -22,7 +22,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser, parse_options_header
 
-from app.api_models import (DOCUMENT_ERRORS, ERRORS, UPLOAD_SCHEMA, UPLOAD_TYPES, DeletedDocument, DocumentIn,
+from app.api_models import (DISK_FULL, DOCUMENT_ERRORS, ERRORS, UPLOAD_SCHEMA, UPLOAD_TYPES, DeletedDocument, DocumentIn,
                             DocumentList, DocumentMeta, ErrorResponse, IngestedDocument, IngestResponse, LimitError,
                             openapi_body)
 from app.components import Serving
@@ -172,7 +172,7 @@ def get_document(doc_id: str, parts: Serving = Depends(serving)) -> DocumentInfo
 
 
 @router.delete("/v1/documents/{doc_id:path}", response_model=DeletedDocument,
-               responses={404: {"model": ErrorResponse}, **ERRORS})
+               responses={404: {"model": ErrorResponse}, **ERRORS, **DISK_FULL})
 async def delete_document(doc_id: str, request: Request, svc: Service = Depends(service),
                           parts: Serving = Depends(serving)) -> DeletedDocument:
     def delete(cancelled: Callable[[], bool]) -> DeletedDocument:

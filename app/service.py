@@ -103,6 +103,12 @@ class Service:
             timer.daemon = True
             timer.start()
 
+    def wait_drained(self, timeout_s: float) -> None:
+        """Wait until no request or upload runs, `timeout_s` at most (after begin_shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def stop(self) -> None:
         """Shut down: `begin_shutdown`, then wait for the lane and the model thread (the grace period, plus
         STOP_MARGIN_S for a chunk's precompute or an embedding batch to end) and close the store and the

@@ -335,13 +335,14 @@ class TieredStore:
 
     # --- leases (store/leases.py) ----------------------------------------------------------------
 
-    def lease(self, keys: Iterable[str], family: str, ttl_s: float, soft: bool = True) -> LeaseResult:
+    def lease(self, keys: Iterable[str], family: str, ttl_s: float, soft: bool = True, tenant: str = "",
+              share: float = 1.0) -> LeaseResult:
         """Hold the entries under `keys` for `family` (free text, hashed) for `ttl_s` seconds in every tier
         whose pinned cap allows; see store/leases.py. Reads no entry that every tier already holds."""
         leases = self._lease_book()
         if not ttl_s > 0:
             raise ValueError(f"a lease's ttl_s must be > 0, got {ttl_s}")
-        family = family_id(family)
+        family = family_id(family, tenant)
         sizes: dict[str, dict[str, int]] = {}
         missing: list[str] = []
         for key in dict.fromkeys(keys):
@@ -353,7 +354,7 @@ class TieredStore:
         if not sizes:
             return LeaseResult(family, (), tuple(missing), (), {}, None, leases.pinned_bytes())
         try:
-            result = leases.grant(family, sizes, missing, ttl_s, soft)
+            result = leases.grant(family, sizes, missing, ttl_s, soft, share)
         except Exception as exc:  # the database is down: the request still answers, unleased
             log.warning("store: lease not granted: %s: %s", type(exc).__name__, exc)
             why = f"the lease ledger failed ({type(exc).__name__})"
@@ -402,19 +403,19 @@ class TieredStore:
                 return entry
         return None
 
-    def release(self, family: str) -> int:
+    def release(self, family: str, tenant: str = "") -> int:
         """End the family's leases now; the number of entries they held (they stay, under LRU)."""
-        freed = self._lease_book().release(family_id(family))
+        freed = self._lease_book().release(family_id(family, tenant))
         self._unpinned(freed)
         return len({key for key, _, _ in freed})
 
-    def drop_family(self, family: str, keep: Callable[[list[str]], Collection[str]] = lambda keys: ()
-                    ) -> tuple[int, int]:
+    def drop_family(self, family: str, keep: Callable[[list[str]], Collection[str]] = lambda keys: (),
+                    tenant: str = "") -> tuple[int, int]:
         """End the family's leases and delete their entries from every tier, except those another family
         still leases or `keep(keys)` names (entries owned elsewhere: documents' passages). Returns (entries
         the leases held, entries deleted)."""
         leases = self._lease_book()
-        freed = leases.release(family_id(family))
+        freed = leases.release(family_id(family, tenant))
         self._unpinned(freed)
         keys = sorted({key for key, _, _ in freed})
         if not keys:
@@ -422,10 +423,10 @@ class TieredStore:
         kept = set(keep(keys)) | leases.leased_keys()
         return len(keys), sum(self.delete(key) for key in keys if key not in kept)
 
-    def lease_stats(self, family: str | None = None, limit: int = 100) -> dict[str, Any]:
+    def lease_stats(self, family: str | None = None, limit: int = 100, tenant: str | None = None) -> dict[str, Any]:
         """Leases, families, entries, pinned bytes and caps per tier, refusals and expiries, and by family (the
-        `limit` pinning the most, or `family` alone): store.leases.Leases.stats."""
-        return self._lease_book().stats(family_id(family) if family else None, limit)
+        `limit` pinning the most, or `family` alone), of `tenant`'s families (None: all): Leases.stats."""
+        return self._lease_book().stats(family_id(family, tenant or "") if family else None, limit, tenant)
 
     def sweep_leases(self) -> None:
         """One sweeper pass now: renewals written, ended leases deleted (Redis TTLs given back), the

@@ -178,6 +178,7 @@ class TextStream(TokenStream):
     tokenizer: PreTrainedTokenizerBase | None = None
     stop: tuple[str, ...] = ()
     text: str = ""
+    stop_sequence: str | None = None  # the stop string that ended the answer
     _emitted: int = 0
 
     def _release(self, token: int) -> tuple[str, ...]:
@@ -188,7 +189,8 @@ class TextStream(TokenStream):
         self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         if self.text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
             return ()
-        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        cut, self.stop_sequence = min(((i, s) for s in self.stop if (i := self.text.find(s)) >= 0),
+                                      default=(-1, None))
         if cut >= 0:
             self.text = self.text[:cut]
             self.finish_reason = "stop"

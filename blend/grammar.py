@@ -102,7 +102,7 @@ class Grammars:
         except (ValueError, RuntimeError) as exc:
             raise GrammarError(str(exc)) from None
         if error:
-            raise GrammarError(error)
+            raise GrammarError(error.split("<state>")[0].strip()[:1000])
         matcher = llguidance.LLMatcher(self._ll_tokenizer, spec)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())

@@ -119,3 +119,40 @@ def test_json_schema_strict_and_bad_schemas(live_server):
         client.chat.completions.create(model="m", max_tokens=5, extra_body=CHAT, messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+
+
+ANTHROPIC_TOOLS = [{"name": f["function"]["name"], "description": f["function"]["description"],
+                    "input_schema": f["function"]["parameters"]} for f in TOOLS]
+
+
+def test_anthropic_tool_use_any_streamed_and_a_long_tool_result(live_server):
+    client = anthropic.Anthropic(base_url=live_server.url, api_key="unused", max_retries=0, timeout=300)
+    request = dict(model="m", max_tokens=80, messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"})
+    message = client.messages.create(**request)
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert message.stop_reason == "tool_use" and uses, message.content
+    for use in uses:
+        jsonschema.validate(use.input, PARAMETERS[use.name])
+    with client.messages.stream(**request) as stream:  # greedy: the same calls, their input as input_json_delta
+        final = stream.get_final_message()
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [(u.name, u.input) for u in uses]
+    assert final.stop_reason == "tool_use"
+
+    named = client.messages.create(**{**request, "tool_choice": {"type": "tool", "name": "get_time"}})
+    assert [b.name for b in named.content if b.type == "tool_use"] == ["get_time"]
+    with pytest.raises(anthropic.BadRequestError, match="not among the tools"):
+        client.messages.create(**{**request, "tool_choice": {"type": "tool", "name": "nope"}})
+
+    # the client runs the tool; its result (longer than a question may be, as OpenAI tool messages take it)
+    result = "Sunny, 21 degrees. " + "x" * 3_004
+    answer = client.messages.create(model="m", max_tokens=20, tools=ANTHROPIC_TOOLS, 
+                                    messages=[*ASK, {"role": "assistant", "content": message.content},
+                                              {"role": "user", "content": [{"type": "tool_result",
+                                                                            "tool_use_id": uses[0].id,
+                                                                            "content": result}]}],
+                                    tool_choice={"type": "none"})
+    assert answer.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
+    assert all(b.type == "text" for b in answer.content)
+    stopped = client.messages.create(model="m", max_tokens=30, stop_sequences=["zzz", "e"],
+                                     messages=[{"role": "user", "content": "Describe the weather in Paris."}])
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "e")

@@ -3,7 +3,8 @@
 A request becomes the same engine request /v1/chat/completions builds: `tools` and `system` form the system
 turn (so the prompt head), every message but the last an earlier turn (tool_use and tool_result blocks as
 text), the last message (a user's) the question. Retrieval is off unless the request sets the ragblend extra
-`retrieval: true` (then `top_k` passages, as on the chat endpoint).
+`retrieval: true` (then `retrieval_top_k` passages, as `top_k` on the chat endpoint). Anthropic's own `top_k` is a
+sampling parameter: accepted and ignored (ragblend samples with temperature and top_p), never the passages.
 
 Prompt caching. ragblend stores every piece of every prompt anyway (the head, each exchange: blend.prompt);
 a `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}` breakpoint (on a tool, a system block or a
@@ -123,7 +124,9 @@ class MessagesRequest(AnthropicBody):
     cache_control: CacheControl | None = Field(None, description=f"On the last block (automatic caching). {BREAKPOINT}")
     # ragblend extras
     retrieval: bool = Field(False, description="Retrieve passages for the question (default: off).")
-    top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
+    top_k: int | None = Field(None, ge=1, description="Anthropic's sampling top_k: accepted and ignored (ragblend "
+                                                      "samples with temperature and top_p); not the passages.")
+    retrieval_top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
 
 
@@ -184,7 +187,7 @@ def describe(openapi: dict[str, Any], limits: LimitsSettings) -> None:
     openapi["components"]["schemas"].update(BODY_PARTS)
     schema = openapi["paths"]["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     schema["properties"]["max_tokens"]["maximum"] = limits.max_new_tokens
-    for name, maximum in (("top_k", limits.max_top_k), ("seed", MAX_SEED)):  # (the seed exactly: not as a float)
+    for name, maximum in (("retrieval_top_k", limits.max_top_k), ("seed", MAX_SEED)):  # (the seed exactly: not as a float)
         next(s for s in schema["properties"][name]["anyOf"] if s.get("type") == "integer")["maximum"] = maximum
     schema["properties"]["messages"]["description"] += (
         f" The question has at most {limits.max_question_chars} characters (limits.max_question_chars); at most "
@@ -274,12 +277,12 @@ async def messages(request: Request, svc: Service = Depends(service)):
     texts = [message_text(m) for m in body.messages]
     system = system_text(body)
     # the question limit is the retrieval question's: without retrieval a message may carry documents (budget only)
-    check_limits(svc.settings.limits, question=texts[-1] if body.retrieval else "", top_k=body.top_k,
+    check_limits(svc.settings.limits, question=texts[-1] if body.retrieval else "", top_k=body.retrieval_top_k,
                  question_field="messages",
                  max_tokens={"max_tokens": body.max_tokens})
     fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts))]
     await asyncio.to_thread(check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
-    params = svc.query_params(texts[-1], top_k=body.top_k, max_tokens=body.max_tokens,
+    params = svc.query_params(texts[-1], top_k=body.retrieval_top_k, max_tokens=body.max_tokens,
                               temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
                               stop=tuple(s for s in body.stop_sequences if s), seed=body.seed,
                               # each message a piece, indexed as in body.messages (the system text, which joins

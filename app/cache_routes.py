@@ -3,7 +3,9 @@
 Behind the API key like every /v1 route.
 
 A family is named by the client's `prompt_cache_key` and listed by its id (store.family_id: a hash), so no
-client's text is ever shown to another; a client finds its own with `?prompt_cache_key=`. Figures per
+client's text is ever shown to another; a client finds its own with `?prompt_cache_key=`. Tenants (the API
+key's, server.api_keys) see and drop only their own families, and a lookup finds only what their own prompts
+and the shared documents stored. Figures per
 tier are this replica's lookups and the tier's own size (disk and Redis are shared by the replicas on
 them); leases are every replica's (from the metadata database, at most `store.lease_refresh_s` old).
 """
@@ -18,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from app.api_models import ERRORS, MAX_CACHE_KEY_CHARS, NonBlank, check_budget, check_limits
 from app.openai_models import USER_TEXT, ChatCompletionRequest, ChatMessage
 from app.components import Serving
+from app.middleware import current_tenant
 from app.query_routes import chat_params
 from app.service import Service, service, serving
 from app.validation import valid_unicode
@@ -75,7 +78,7 @@ def cache_report(prompt_cache_key: CacheKey | None = None,
                  limit: Annotated[int, Query(ge=0, le=1000, description="Families listed at most.")] = 100,
                  parts: Serving = Depends(serving)) -> CacheReport:
     """Bytes and entries per tier, pinned bytes, hit rates, and leases by family."""
-    stats, leases = parts.store.stats(), parts.store.lease_stats(prompt_cache_key, limit)
+    stats, leases = parts.store.stats(), parts.store.lease_stats(prompt_cache_key, limit, current_tenant().name)
     return CacheReport(hit_rate=_rate(stats["hits"], stats["misses"]), leases=leases["leases"],
                        families=leases["families"], leased_entries=leases["entries"], expired=leases["expired"],
                        tiers={name: _tier(name, tier, leases) for name, tier in stats["tiers"].items()},
@@ -85,8 +88,9 @@ def cache_report(prompt_cache_key: CacheKey | None = None,
 @router.delete("/v1/cache", response_model=CacheDropped, responses=ERRORS)
 def drop_family(prompt_cache_key: CacheKey, parts: Serving = Depends(serving)) -> CacheDropped:
     """End a family's leases and delete its entries (a family with no running lease: nothing to do)."""
-    ended, deleted = parts.store.drop_family(prompt_cache_key, keep=parts.owned_keys)
-    return CacheDropped(family=family_id(prompt_cache_key), leases_ended=ended, entries_deleted=deleted)
+    tenant = current_tenant().name
+    ended, deleted = parts.store.drop_family(prompt_cache_key, keep=parts.owned_keys, tenant=tenant)
+    return CacheDropped(family=family_id(prompt_cache_key, tenant), leases_ended=ended, entries_deleted=deleted)
 
 
 def _tier(name: str, tier: dict[str, Any], leases: dict[str, Any]) -> TierCache:

@@ -63,14 +63,23 @@ class BlendSettings(BaseModel):
 class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
+    api_key: str | None = None  # one key, the default tenant's
+    # API key -> tenant name (JSON in RAGBLEND_SERVER__API_KEYS): each tenant's leases, cache views and metrics
+    # are its own; documents are shared by every tenant
+    api_keys: dict[Annotated[str, Field(min_length=1)], Annotated[str, Field(min_length=1, max_length=64)]] = {}
+    tenant_pinned_share: float = Field(0.5, gt=0, le=1)  # a named tenant's leases pin at most this of each tier's cap
     queue_size: int = Field(16, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     max_batch: int = Field(8, ge=1)  # requests decoded together (slots on the model thread)
     prefill_slice_ms: float = Field(100.0, gt=0)  # the least prefill work between two decode steps (one layer at least)
     max_stall_ms: float = Field(1500.0, gt=0)  # the most a streaming answer waits for its next token on prefills
+    degraded_wait_s: float = Field(30.0, gt=0)  # /health says degraded while a request waits this long for a token
     stuck_after_s: float = Field(120.0, gt=0)  # /health is 503 once the model thread is on one piece this long
     shutdown_grace_s: float = Field(5.0, ge=0)  # running queries may finish within this at shutdown
+
+    def tenant_keys(self) -> dict[str, str]:
+        """API key -> tenant: `api_keys`, and `api_key` as the default tenant ("")."""
+        return ({self.api_key: ""} if self.api_key else {}) | self.api_keys
 
 
 class LimitsSettings(BaseModel):

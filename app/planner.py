@@ -249,7 +249,8 @@ class Planner:
     def store(self, plan: Plan, loaded: Sequence[Loaded], prefill: Prefill) -> int:
         """Store what the next prompt may need, cut from this prefill's KV (no compute): each computed span under
         its key, each blended span of the client's text under its chain key (the same prompt again is an exact
-        prefix). Returns the entries written. (A full-prefill fallback's KV is the model's own: stored too.)"""
+        prefix). Returns the entries written. (A full-prefill fallback's KV is the model's own: stored too.)
+        Each is handed to the store's writer thread (put_nowait): encoded and written off the model thread."""
         written: set[str] = set()
         for span, read in zip(plan.spans, loaded):
             had = "compute" if read.tier == COMPUTED else span.source  # an entry that failed to load: again
@@ -258,7 +259,7 @@ class Planner:
             entries = self.entries(span, span.after, plan.tenant)
             for context, key in entries[:1] if had == "blended" else entries:  # blended: as prompted only
                 if key not in written:
-                    self.kv.store.put(key, span_kv(prefill, span, context, self.fingerprint))
+                    self.kv.store.put_nowait(key, span_kv(prefill, span, context, self.fingerprint))
                     written.add(key)
             if self.settings.chunking == "windows" and len(span.ids) == self.settings.window_tokens:
                 self._remember_window(span.ids)

@@ -36,6 +36,7 @@ class QueryParams:
     retrieve: bool = True  # False: no passages, the prompt is the conversation alone
     tenant: str = ""  # who asks (set from the API key): the store keys of a client's prompt text mix it in
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+    tenant: str = ""  # the API key's tenant (server.api_keys; "" the default): scopes the keys of its prompt text
 
 
 @dataclass

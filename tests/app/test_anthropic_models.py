@@ -94,3 +94,9 @@ def test_usage_counts_each_prompt_token_once():
     whole = usage(result, [(4, 3600.0)], last=4)  # on the last message: the whole prompt, passages too
     assert (whole.cache_creation_input_tokens, whole.cache_creation.ephemeral_1h_input_tokens) == (80, 80)
     assert usage(result, [], last=4).cache_creation_input_tokens == 0  # no breakpoint: nothing asked to cache
+
+
+def test_top_k_is_anthropics_sampling_parameter_not_the_passages():
+    request = parse(body(top_k=500, retrieval=True))  # any sampling top_k: accepted (and ignored)
+    assert request.top_k == 500 and request.retrieval_top_k is None  # the passages: retrieval.top_k
+    assert parse(body(retrieval=True, retrieval_top_k=3)).retrieval_top_k == 3

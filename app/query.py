@@ -34,7 +34,6 @@ class QueryParams:
     tools: tuple[dict, ...] = ()
     retrieval_query: str | None = None
     retrieve: bool = True  # False: no passages, the prompt is the conversation alone
-    tenant: str = ""  # who asks (set from the API key): the store keys of a client's prompt text mix it in
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
     tenant: str = ""  # the API key's tenant (server.api_keys; "" the default): scopes the keys of its prompt text
 

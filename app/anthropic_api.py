@@ -25,7 +25,10 @@ the end, so message_start's usage says 0 input tokens), message_stop; a failure 
 `error` event. Errors are Anthropic's ({"type": "error", "error": {"type", "message"}}, app/errors.py), and
 `x-api-key` is accepted where `server.api_key` is set; `anthropic-version` is not checked.
 Not supported (a 400): image, document and thinking blocks; the assistant's own last turn (prefill).
-The answer is always one text block (the model calls no tools); `stop_reason` is end_turn or max_tokens.
+Tools are rendered as the chat endpoint renders them (blend.prompt), and the model's calls come back as tool_use
+blocks (`stop_reason` tool_use; streamed as input_json_delta) after any text; `tool_choice` is enforced by
+grammar-constrained decoding (app.tool_calls). `stop_reason`: end_turn, max_tokens, stop_sequence (with
+`stop_sequence`) or tool_use.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ from app.errors import ApiError, as_api_error
 from app.prompt_cache import LeaseNote, lease, lease_headers, prefix_keys
 from app.query_routes import QueryRun, sse
 from app.service import Service, service
+from app.tool_calls import CallStream, SchemaLimitError, ToolCallOut, tools_grammar
 
 router = APIRouter()
 MAX_BREAKPOINTS = 4
@@ -105,6 +109,12 @@ class Tool(Cacheable):
     input_schema: dict[str, Any] = Field(default_factory=dict)
 
 
+class ToolChoice(AnthropicBody):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Text | None = None
+    disable_parallel_tool_use: bool = False
+
+
 class Metadata(AnthropicBody):
     user_id: Text | None = None
 
@@ -116,6 +126,9 @@ class MessagesRequest(AnthropicBody):
     max_tokens: int = Field(ge=1)
     system: Text | list[TextBlock] | None = None
     tools: list[Tool] = Field(default_factory=list)
+    tool_choice: ToolChoice | None = Field(None, description=(
+        "Enforced by grammar-constrained decoding: auto (text until the model opens a call, then a valid call), "
+        "any (calls only), tool (one call of `name`), none (text only)."))
     temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     stop_sequences: list[Text] = Field(default_factory=list, max_length=4)
@@ -148,6 +161,13 @@ class TextOut(BaseModel):
     text: str
 
 
+class ToolUseOut(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class AnthropicErrorDetail(BaseModel):
     type: str = Field(description="invalid_request_error, authentication_error, request_too_large, "
                                   "rate_limit_error, overloaded_error, api_error...")
@@ -169,7 +189,7 @@ class MessageOut(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextOut]
+    content: list[TextOut | ToolUseOut]
     stop_reason: str | None
     stop_sequence: str | None = None
     usage: MessageUsage
@@ -214,13 +234,31 @@ def message_text(message: Message) -> str:
 
 
 def system_text(body: MessagesRequest) -> str | None:
-    """The tools (described for the model) and the system blocks: the system turn."""
-    tools = [f"- {t.name}: {t.description or ''} (input: {json.dumps(t.input_schema, sort_keys=True)})"
-             for t in body.tools]
+    """The system blocks: the system turn (the tools join it, rendered by blend.prompt: `openai_tools`)."""
     system = body.system if isinstance(body.system, str) or body.system is None else \
         "\n".join(b.text for b in body.system)
-    parts = (["Tools you may call:\n" + "\n".join(tools)] if tools else []) + ([system] if system else [])
-    return "\n\n".join(parts) or None
+    return system or None
+
+
+def openai_tools(body: MessagesRequest) -> list[dict]:
+    """The tools as the engine takes them (OpenAI's form): the prompt tells the model how to call them."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema or {"type": "object"}}}
+            for t in body.tools]
+
+
+def tool_grammar(body: MessagesRequest, tools: list[dict]) -> str | None:
+    """The answer's grammar under tool_choice (app.tool_calls); a 400 for a choice it cannot follow."""
+    choice = body.tool_choice or ToolChoice(type="auto")
+    if choice.type == "tool" and choice.name not in [t.name for t in body.tools]:
+        raise ApiError(400, f"tool_choice: tool {choice.name!r} is not among the tools")
+    if choice.type in ("any", "tool") and not tools:
+        raise ApiError(400, f"tool_choice {choice.type} needs tools")
+    name = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type, choice.name)
+    try:
+        return tools_grammar(tools, name, parallel=not choice.disable_parallel_tool_use)
+    except SchemaLimitError as exc:
+        raise ApiError(400, str(exc)) from None
 
 
 def breakpoints(body: MessagesRequest) -> list[tuple[int | None, float]]:
@@ -275,12 +313,14 @@ async def messages(request: Request, svc: Service = Depends(service)):
     body = parse(await request.body())
     marks = breakpoints(body)
     texts = [message_text(m) for m in body.messages]
-    system = system_text(body)
-    # the question limit is the retrieval question's: without retrieval a message may carry documents (budget only)
-    check_limits(svc.settings.limits, question=texts[-1] if body.retrieval else "", top_k=body.retrieval_top_k,
-                 question_field="messages",
-                 max_tokens={"max_tokens": body.max_tokens})
-    fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts))]
+    system, tools = system_text(body), openai_tools(body)
+    grammar = tool_grammar(body, tools)
+    # the question's limit is on what the user writes, and only with retrieval (without it a message may carry
+    # documents: the token budget alone); a tool result counts against the budgets, as an OpenAI tool message does
+    check_limits(svc.settings.limits, question=question_text(body.messages[-1]) if body.retrieval else "",
+                 top_k=body.retrieval_top_k, question_field="messages", max_tokens={"max_tokens": body.max_tokens})
+    fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts)),
+              *([("tools", json.dumps(tools))] if tools else [])]
     await asyncio.to_thread(check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
     params = svc.query_params(texts[-1], top_k=body.retrieval_top_k, max_tokens=body.max_tokens,
                               temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
@@ -289,6 +329,8 @@ async def messages(request: Request, svc: Service = Depends(service)):
                               # the head wherever it stands, goes last so the indices stay the client's)
                               messages=tuple({"role": m.role, "content": t} for m, t in zip(body.messages, texts))
                               + (({"role": "system", "content": system},) if system else ()),
+                              tools=tuple(tools), grammar=grammar,
+                              tool_calls=not body.tool_choice or body.tool_choice.type != "none",
                               retrieve=body.retrieval)
     run = await QueryRun.start(svc, params, request, "messages")
     head = {"id": f"msg_{uuid.uuid4().hex}", "model": body.model}
@@ -299,10 +341,11 @@ async def messages(request: Request, svc: Service = Depends(service)):
         return await lease(svc.serving.store, family, [(_prefix(result.kv_keys, at, last), ttl) for at, ttl in marks])
 
     if body.stream:
-        return sse(run, events(run, head, marks, last, retain))
+        return sse(run, events(run, head, marks, last, retain, bool(tools) and params.tool_calls))
     result = await run.result(request)
     note = await retain(result)
-    out = MessageOut(**head, content=[TextOut(text=result.answer)], stop_reason=_stop_reason(result),
+    out = MessageOut(**head, content=content_blocks(result), stop_reason=_stop_reason(result),
+                     stop_sequence=result.stop_sequence,
                      usage=usage(result, marks, last), lease=note)
     return JSONResponse(out.model_dump(exclude=set() if note else {"lease"}), headers=lease_headers(note))
 
@@ -329,30 +372,82 @@ def usage(result: QueryResult, marks: list[tuple[int | None, float]], last: int)
                         output_tokens=s.completion_tokens)
 
 
+def question_text(message: Message) -> str:
+    """What the user wrote in a message: its text blocks."""
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(b.text for b in message.content if isinstance(b, TextBlock))
+
+
+def content_blocks(result: QueryResult) -> list[TextOut | ToolUseOut]:
+    """The answer's text (if any, or if there are no calls) and its calls as tool_use blocks."""
+    calls = [ToolUseOut(id=_tool_use_id(c), name=c.name, input=json.loads(c.arguments)) for c in result.tool_calls]
+    return ([TextOut(text=result.answer)] if result.answer or not calls else []) + calls
+
+
+def _tool_use_id(call: ToolCallOut) -> str:
+    return "toolu_" + call.id.removeprefix("call_")
+
+
 def _stop_reason(result: QueryResult) -> str:
+    if result.tool_calls:
+        return "tool_use"
+    if result.stop_sequence is not None:
+        return "stop_sequence"
     return STOP_REASONS.get(result.finish_reason, "end_turn")
 
 
 async def events(run: QueryRun, head: dict[str, Any], marks: list[tuple[int | None, float]], last: int,
-                 retain: Callable[[QueryResult], Awaitable[LeaseNote | None]]) -> AsyncIterator[ServerSentEvent]:
-    """Anthropic's event stream; a failure once it has begun is an `error` event."""
+                 retain: Callable[[QueryResult], Awaitable[LeaseNote | None]], calls: bool = False
+                 ) -> AsyncIterator[ServerSentEvent]:
+    """Anthropic's event stream; a failure once it has begun is an `error` event. The text block opens at the
+    first text; with `calls` (tools) each call is a tool_use block, its input streamed as input_json_delta."""
     def event(kind: str, **data: Any) -> ServerSentEvent:
         return ServerSentEvent(json.dumps({"type": kind, **data}), event=kind)
+
+    blocks: list[str] = []  # the kinds of the blocks opened, the last one still open
+
+    def open_block(kind: str, block: dict[str, Any]) -> list[ServerSentEvent]:
+        out = [event("content_block_stop", index=len(blocks) - 1)] if blocks else []
+        blocks.append(kind)
+        return out + [event("content_block_start", index=len(blocks) - 1, content_block=block)]
+
+    def deltas(parts: list[tuple[str, Any]]) -> list[ServerSentEvent]:
+        out: list[ServerSentEvent] = []
+        for kind, value in parts:
+            if kind == "text":
+                if not blocks or blocks[-1] != "text":
+                    out += open_block("text", {"type": "text", "text": ""})
+                out.append(event("content_block_delta", index=len(blocks) - 1,
+                                 delta={"type": "text_delta", "text": value}))
+                continue
+            out += open_block("tool_use", {"type": "tool_use", "id": _tool_use_id(value), "name": value.name,
+                                           "input": {}})
+            out += [event("content_block_delta", index=len(blocks) - 1,
+                          delta={"type": "input_json_delta", "partial_json": value.arguments[i:i + 16]})
+                    for i in range(0, len(value.arguments), 16)]
+        return out
 
     start = MessageOut(**head, content=[], stop_reason=None, usage=MessageUsage(
         input_tokens=0, cache_creation_input_tokens=0, cache_read_input_tokens=0, output_tokens=0,
         cache_creation=CacheCreation(ephemeral_5m_input_tokens=0, ephemeral_1h_input_tokens=0)))
+    split = CallStream()
     try:
         yield event("message_start", message=start.model_dump(exclude={"lease"}))
-        yield event("content_block_start", index=0, content_block={"type": "text", "text": ""})
         yield event("ping")
         async for item in run.events():
             if isinstance(item, str):
-                yield event("content_block_delta", index=0, delta={"type": "text_delta", "text": item})
+                for sent in deltas(split.feed(item) if calls else [("text", item)]):
+                    yield sent
                 continue
+            for sent in deltas(split.finish()) if calls else []:
+                yield sent
+            if not blocks:  # no text at all: one empty text block, as before
+                for sent in open_block("text", {"type": "text", "text": ""}):
+                    yield sent
             note = await retain(item)
-            yield event("content_block_stop", index=0)
-            delta = {"stop_reason": _stop_reason(item), "stop_sequence": None}
+            yield event("content_block_stop", index=len(blocks) - 1)
+            delta = {"stop_reason": _stop_reason(item), "stop_sequence": item.stop_sequence}
             yield event("message_delta", delta=delta, usage=usage(item, marks, last).model_dump(),
                         **({"lease": note.model_dump()} if note else {}))
             yield event("message_stop")

@@ -29,11 +29,13 @@ from app.conversation import CHARS_PER_TOKEN_BOUND
 from app.explain import Explain, explain_prompt
 from app.planner import Loaded, Part, Plan, Planner
 from app.query import QueryParams, QueryResult, QueryStats, RequestError, Source
+from app.tool_calls import split_tool_calls
 from app.usage import COMPUTED
 from blend import Prefill, SamplingParams, TextStream
 from blend.controller import Calibration
 from blend.decode import decode_loop
 from blend.driver import Driver, Offload
+from blend.grammar import GrammarError
 from blend.prompt import ChatTemplateError
 from blend.selection import get_policy
 
@@ -67,6 +69,10 @@ class RagEngine:
         parts, start = self.parts, time.perf_counter()
         stats = QueryStats(mode=params.mode)
         max_tokens = params.max_tokens or self.settings.limits.default_max_new_tokens
+        try:  # the answer's grammar (tool_choice, response_format: app.tool_calls), compiled once per grammar
+            constraint = parts.runtime.grammars.constraint(params.grammar) if params.grammar else None
+        except GrammarError as exc:
+            raise RequestError(f"the schema does not compile: {exc}") from None
         plan, loaded, prefill = yield from self.prefill(params, max_tokens, stats)
 
         # 4. Decode in a KV pool slot: one token per DecodeStep, batched by the driver with the other
@@ -76,7 +82,7 @@ class RagEngine:
                                   stop=params.stop, seed=params.seed)
         eos = frozenset() if params.ignore_eos else parts.runtime.eos_ids
         text = TextStream(parts.tokenizer, stop=params.stop, eos_ids=eos)
-        sequence = parts.runtime.start(prefill, sampling)  # the first token is chosen here
+        sequence = parts.runtime.start(prefill, sampling, constraint)  # the first token is chosen here
         stats.ttft_ms = _ms(start)
         try:
             yield from decode_loop(sequence, text, cancelled)
@@ -85,6 +91,7 @@ class RagEngine:
         stats.completion_tokens = len(text.tokens)
         stats.total_ms = _ms(start)
         answer, finish = text.text.strip(), text.finish_reason or "length"
+        content, calls = split_tool_calls(answer) if params.tools and params.tool_calls else (answer, [])
         sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text)
                    for h in plan.hits]
         explain = None
@@ -94,7 +101,7 @@ class RagEngine:
         if params.mode != "full" and finish != "cancelled":
             self.planner.store(plan, loaded, prefill)
         uses = self.planner.key_uses(plan) if params.mode != "full" else []
-        yield QueryResult(answer, sources, stats, finish, explain, uses)
+        yield QueryResult(content, sources, stats, finish, explain, uses, calls, text.stop_sequence)
 
     @cached_property
     def planner(self) -> Planner:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from app.api_models import MAX_CACHE_KEY_CHARS, MAX_SEED, LimitError, OpenAIBody, Text
 from app.prompt_cache import RETENTION_TTL_S, LeaseNote
 from app.query import Mode, Source
+from app.tool_calls import MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH
 from app.validation import MAX_ID_CHARS, NOT_BLANK, ONE_LINE_NOT_BLANK
 
 
@@ -95,6 +96,33 @@ class ChatMessage(OpenAIBody):
         return message
 
 
+class NamedFunction(OpenAIBody):
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class NamedToolChoice(OpenAIBody):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(OpenAIBody):
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBody):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format json_schema needs json_schema")
+        return self
+
+
 class StreamOptions(OpenAIBody):
     include_usage: bool = False
 
@@ -134,6 +162,17 @@ class ChatCompletionRequest(OpenAIBody):
                           "24 h (renewed by each hit), see the response's `lease` and x-ragblend-lease header.")
     tools: list[Tool] | None = Field(None, description="Functions the model may call: rendered into the prompt "
                                                       "through the model's chat template.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
+        "Enforced by grammar-constrained decoding: none (text, never a call), auto (the default with tools: text "
+        "until the model opens a call, then a valid call), required (calls only), or a named function (one call "
+        "of it)."))
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default: several).")
+    response_format: ResponseFormat | None = Field(None, description=(
+        f"json_object or json_schema: the answer is a JSON document (of the schema), enforced by grammar-"
+        f"constrained decoding. A schema (a tool's parameters too) has at most {MAX_SCHEMA_CHARS} characters of "
+        f"JSON and {MAX_SCHEMA_DEPTH} levels of nesting; one the grammar engine cannot compile is a 400."))
+    logprobs: bool | None = Field(None, description="Not supported: true is a 400.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported: a 400.")
     # ragblend extras
     top_k: int | None = Field(None, ge=1)
     mode: Mode = "blend"
@@ -163,7 +202,8 @@ class ChatCompletionRequest(OpenAIBody):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class Choice(BaseModel):
@@ -204,6 +244,8 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="index, id, type and function (name, "
+                                                                     "arguments fragment) of a call")
 
 
 class ChunkChoice(BaseModel):

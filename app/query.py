@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from app.explain import Explain
+from app.tool_calls import ToolCallOut
 
 Mode = Literal["blend", "full", "reuse", "prefix"]  # prefix: the exact prefix reused, everything after it computed
 
@@ -35,7 +36,8 @@ class QueryParams:
     retrieval_query: str | None = None
     retrieve: bool = True  # False: no passages, the prompt is the conversation alone
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
-    tenant: str = ""  # the API key's tenant (server.api_keys; "" the default): scopes the keys of its prompt text
+    grammar: str | None = None  # the answer's grammar (llguidance Lark, app.tool_calls): tool_choice, response_format
+    tool_calls: bool = True  # parse the calls in the answer (with tools; not under tool_choice none)
 
 
 @dataclass
@@ -95,6 +97,8 @@ class QueryResult:
     finish_reason: str
     explain: Explain | None = None
     kv_keys: list[KeyUse] = field(default_factory=list)  # in prompt order, the head first (full mode: none)
+    tool_calls: list[ToolCallOut] = field(default_factory=list)  # the calls in the answer (`answer`: the rest)
+    stop_sequence: str | None = None  # the stop string that ended the answer
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,7 +13,9 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.api_models import ERRORS, QueryRequest, QueryResponse, LimitError, check_budget, check_limits
 from app.openai_models import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Choice,
-                               ChunkChoice, Delta, ModelCard, ModelList, PromptTokensDetails, Usage)
+                               ChunkChoice, Delta, FunctionCall, ModelCard, ModelList, NamedToolChoice,
+                               PromptTokensDetails, ToolCall, Usage)
+from app.tool_calls import CallStream, SchemaLimitError, response_schema, tools_grammar
 from app.conversation import Conversation
 from app.query import QueryParams, QueryResult
 from app.prompt_cache import DEFAULT_FAMILY, RETENTION_TTL_S, LeaseNote, lease, lease_headers
@@ -164,14 +166,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse(run, chat_chunks(run, head, include_usage, retain))
+        calls = bool(params.tools) and params.tool_calls
+        return sse(run, chat_chunks(run, head, include_usage, retain, calls))
     result = await run.result(request)
     note = await retain(result)
     response.headers.update(lease_headers(note))
+    calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in result.tool_calls]
+    message = ChatMessageOut(content=result.answer or (None if calls else ""), tool_calls=calls or None)
     return ChatCompletion(**head, usage=_usage(result), sources=result.sources,
                           dropped_messages=result.stats.dropped_messages, lease=note,
-                          choices=[Choice(message=ChatMessageOut(content=result.answer),
-                                          finish_reason=_finish_reason(result))])
+                          choices=[Choice(message=message, finish_reason=_finish_reason(result))])
 
 
 async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
@@ -187,18 +191,48 @@ async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
                  max_tokens={"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens})
     texts = [(f"messages.{i}", message.budget_text()) for i, message in enumerate(body.messages)]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    grammar = answer_grammar(body, tools)
     texts += [("tools", json.dumps(tools))] if tools else []
     await asyncio.to_thread(check_budget, limits, texts, svc.count_tokens, "messages")
     return svc.query_params(chat.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
                             max_tokens=body.new_tokens(), temperature=body.temperature or 0.0,
                             top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed,
                             messages=tuple(m.as_prompt() for m in body.messages), tools=tuple(tools),
-                            retrieve=retrieve, retrieval_query=chat.retrieval_query())
+                            retrieve=retrieve, retrieval_query=chat.retrieval_query(),
+                            grammar=grammar, tool_calls=body.tool_choice != "none")
+
+
+def answer_grammar(body: ChatCompletionRequest, tools: list[dict]) -> str | None:
+    """What the answer must be (app.tool_calls): its grammar under tool_choice and response_format; a 400 for
+    what this server cannot give (logprobs, a part that is not text) or a choice it cannot follow."""
+    if body.logprobs or body.top_logprobs is not None:
+        raise ApiError(400, "logprobs are not returned by this server", param="logprobs")
+    for i, message in enumerate(body.messages):
+        for part in message.content if isinstance(message.content, list) else ():
+            if part.type != "text":
+                raise ApiError(400, f"messages.{i}: a {part.type} part: this model reads text only",
+                               param=f"messages.{i}.content")
+    choice = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
+    names = [t["function"]["name"] for t in tools]
+    if choice not in (None, "none", "auto", "required") and choice not in names:
+        raise ApiError(400, f"tool_choice names {choice!r}, not among the tools ({', '.join(names) or 'none'})",
+                       param="tool_choice")
+    if choice == "required" and not tools:
+        raise ApiError(400, "tool_choice required needs tools", param="tool_choice")
+    format_ = body.response_format.model_dump(by_alias=True) if body.response_format else None
+    try:
+        return tools_grammar(tools, choice or "auto", body.parallel_tool_calls is not False,
+                             response_schema(format_))
+    except SchemaLimitError as exc:
+        raise ApiError(400, str(exc), param="response_format" if "response_format" in str(exc) else "tools") from None
 
 
 async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool,
-                      retain: Callable[[QueryResult], Awaitable[LeaseNote | None]]) -> AsyncIterator[ServerSentEvent]:
-    """OpenAI's stream: a role chunk, content chunks, a finish chunk (with the lease), [a usage chunk,] [DONE]."""
+                      retain: Callable[[QueryResult], Awaitable[LeaseNote | None]], calls: bool = False
+                      ) -> AsyncIterator[ServerSentEvent]:
+    """OpenAI's stream: a role chunk, content chunks, a finish chunk (with the lease), [a usage chunk,] [DONE].
+    With `calls` (tools), a call's chunks instead of its text: its index, id and name, then its arguments in
+    fragments."""
     def chunk(delta: Delta | None, finish: str | None = None, usage: Usage | None = None,
               dropped: int | None = None, note: LeaseNote | None = None) -> ServerSentEvent:
         choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=finish)]
@@ -206,15 +240,37 @@ async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool,
                                                    lease=note).model_dump_json(exclude_none=False))
 
     yield chunk(Delta(role="assistant", content=""))
+    split = CallStream()
+
+    def deltas(parts: list[tuple[str, Any]]) -> list[ServerSentEvent]:
+        out = []
+        for kind, value in parts:
+            if kind == "text":
+                out.append(chunk(Delta(content=value)))
+                continue
+            index = split.tool_calls.index(value)
+            out.append(chunk(Delta(tool_calls=[{"index": index, "id": value.id, "type": "function",
+                                                "function": {"name": value.name, "arguments": ""}}])))
+            out += [chunk(Delta(tool_calls=[{"index": index, "function": {"arguments": fragment}}]))
+                    for fragment in _fragments(value.arguments)]
+        return out
+
     async for event in run.events():
         if isinstance(event, str):
-            yield chunk(Delta(content=event))
+            for sent in deltas(split.feed(event)) if calls else [chunk(Delta(content=event))]:
+                yield sent
         else:
+            for sent in deltas(split.finish()) if calls else []:
+                yield sent
             note = await retain(event)
             yield chunk(Delta(), finish=_finish_reason(event), dropped=event.stats.dropped_messages, note=note)
             if include_usage:
                 yield chunk(None, usage=_usage(event))
     yield ServerSentEvent("[DONE]")
+
+
+def _fragments(text: str, size: int = 16) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)] or [""]
 
 
 def _usage(result: QueryResult) -> Usage:
@@ -226,4 +282,6 @@ def _usage(result: QueryResult) -> Usage:
 
 
 def _finish_reason(result: QueryResult) -> str:
+    if result.tool_calls:
+        return "tool_calls"
     return "length" if result.finish_reason == "length" else "stop"  # "cancelled" never reaches a client

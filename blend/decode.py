@@ -8,6 +8,7 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from blend.grammar import Constraint
 from blend.pool import KVPool
 
 
@@ -24,11 +25,14 @@ class SamplingParams:
     seed: int | None = None
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [V] → one token id (greedy at temperature 0, else temperature + nucleus sampling)."""
+def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+                allowed: torch.Tensor | None = None) -> int:
+    """logits: [V] → one token id (greedy at temperature 0, else temperature + nucleus sampling), among the
+    `allowed` ones ([1, V] bool on the host; None: any)."""
     temperature, top_p = sampling_rows([params], logits.device)
-    return int(sample_rows(logits[None], temperature, top_p, draw_noise([params], [generator], logits.shape[-1],
-                                                                           logits.device))[0])
+    noise = draw_noise([params], [generator], logits.shape[-1], logits.device)
+    allowed = None if allowed is None else allowed.to(logits.device)
+    return int(sample_rows(logits[None], temperature, top_p, noise, allowed)[0])
 
 
 def sampling_rows(params: Sequence[SamplingParams | None], device: torch.device | str = "cpu"
@@ -56,10 +60,13 @@ def draw_noise(params: Sequence[SamplingParams | None], generators: Sequence[tor
 
 
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                noise: torch.Tensor | None) -> torch.Tensor:
+                noise: torch.Tensor | None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] → token ids [B] (int64, on logits' device): greedy where temperature is 0, else
-    temperature + nucleus sampling with `noise` (draw_noise; None: every row greedy). Fixed shapes and
-    no host sync, so a CUDA graph can hold it."""
+    temperature + nucleus sampling with `noise` (draw_noise; None: every row greedy), each row among its
+    `allowed` tokens ([B, V] bool, blend.grammar.token_masks; None: any). Fixed shapes and no host sync, so a
+    CUDA graph can hold it."""
+    if allowed is not None:  # a row's grammar: what it forbids can be neither the argmax nor drawn
+        logits = logits.masked_fill(~allowed, float("-inf"))
     greedy = logits.argmax(-1)                                                     # [B]
     if noise is None:
         return greedy
@@ -77,7 +84,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
 class Decoding:
     """One request decoding in a pool slot. `length` is its cache_seqlens: the next token's position; a decode
     step moves it on only once the step's forward has succeeded. `first_token`: the answer's first token,
-    chosen from the prefill's logits when the request took its slot (DecodeRuntime.start)."""
+    chosen from the prefill's logits when the request took its slot (DecodeRuntime.start). `constraint`: the
+    grammar its tokens must follow (blend.grammar), moved on by decode_loop as the answer takes each token."""
 
     pool: KVPool
     slot: int
@@ -85,6 +93,7 @@ class Decoding:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     generator: torch.Generator | None = None
     first_token: int = 0
+    constraint: Constraint | None = None
     released: bool = False
 
     def release(self) -> None:
@@ -147,6 +156,11 @@ def decode_loop(sequence: Decoding, answer: TokenStream, cancelled: Callable[[],
         yield from answer.push(token)
         if answer.finish_reason is not None or step + 1 == limit:
             break
+        if sequence.constraint is not None:
+            sequence.constraint.advance(token)
+            if sequence.constraint.finished:  # the grammar is complete: nothing more may follow
+                answer.finish_reason = answer.finish_reason or "stop"
+                break
         if cancelled():
             answer.finish_reason = "cancelled"
             break
@@ -164,6 +178,7 @@ class TextStream(TokenStream):
     tokenizer: PreTrainedTokenizerBase | None = None
     stop: tuple[str, ...] = ()
     text: str = ""
+    stop_sequence: str | None = None  # the stop string that ended the answer
     _emitted: int = 0
 
     def _release(self, token: int) -> tuple[str, ...]:
@@ -174,7 +189,8 @@ class TextStream(TokenStream):
         self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         if self.text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
             return ()
-        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        cut, self.stop_sequence = min(((i, s) for s in self.stop if (i := self.text.find(s)) >= 0),
+                                      default=(-1, None))
         if cut >= 0:
             self.text = self.text[:cut]
             self.finish_reason = "stop"

@@ -184,7 +184,7 @@ class ChatTemplate:
         out["content"] = (message.get("content") or "").strip()
         calls = message.get("tool_calls") or []
         if calls and not self.native_tool_calls:
-            texts = [json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
+            texts = [json.dumps({"name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])})
                      for c in calls]
             out["content"] = "\n".join([out["content"]] * bool(out["content"])
                                        + [f"<tool_call>\n{t}\n</tool_call>" for t in texts])
@@ -247,6 +247,15 @@ def _spans(render, base: str, body: str, chat: list[dict]) -> list[str] | None:
     if not all(b.startswith(a) for a, b in zip(renders, renders[1:])):
         return None
     return [b[len(a):] for a, b in zip(renders, renders[1:])]
+
+
+def _arguments(text: str):
+    """A call's arguments as the Hermes form writes them (and app.tool_calls' grammar makes the model write
+    them): a JSON object, not a string holding one; text that is not JSON as it is."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _call(call_id: str, name: str, arguments: str) -> dict:

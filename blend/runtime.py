@@ -3,7 +3,8 @@
     start(prefill, sampling) -> Decoding        the prefill's cache copied into a free pool slot (blend.pool),
                                                 its first token chosen from the prefill's logits
     step(sequences, tokens, positions) -> [B]   one token for each row in one forward: row b feeds tokens[b] at
-                                                positions[b] into its slot, samples on the device
+                                                positions[b] into its slot, samples on the device (among the
+                                                tokens its grammar allows, if it has one: blend.grammar)
     generate(prefill, sampling, answer) -> ...  one answer alone: blend.decode.decode_loop through the driver
                                                 (blend.driver.Driver.run), in a slot released at the end
 
@@ -25,6 +26,7 @@ from blend.blender import Blender, Prefill
 from blend.decode import (Decoding, SamplingParams, TokenStream, decode_loop, draw_noise, sample_next, sample_rows,
                           sampling_rows)
 from blend.driver import Driver
+from blend.grammar import Constraint, Grammars, token_masks
 from blend.pool import DEFAULT_POOL_TOKENS, KVPool, PoolTooShort
 
 log = logging.getLogger("ragblend.blend")
@@ -51,15 +53,18 @@ class DecodeRuntime:
         ids = ids if isinstance(ids, list) else [ids]
         tokenizer_eos = getattr(blender.tokenizer, "eos_token_id", None)
         self.eos_ids = frozenset(i for i in [*ids, tokenizer_eos] if i is not None)
+        self.grammars = Grammars(blender.tokenizer, self.vocab)  # compiles a request's grammar (blend.grammar)
 
     @property
     def cuda_graphs(self) -> str | None:
         """Why the decode step is not a CUDA graph (None: it is, or will be at its first step)."""
         return self.graphs.disabled
 
-    def start(self, prefill: Prefill, sampling: SamplingParams = SamplingParams()) -> Decoding:
+    def start(self, prefill: Prefill, sampling: SamplingParams = SamplingParams(),
+              constraint: Constraint | None = None) -> Decoding:
         """A pool slot holding the prefill's cache (one copy; the prefill's own cache is left as it was) and the
-        answer's first token. The caller releases it (`Decoding.release`) when the request ends."""
+        answer's first token (the first `constraint` allows, if it has one). The caller releases it
+        (`Decoding.release`) when the request ends."""
         needed = prefill.num_tokens + sampling.max_new_tokens - 1
         if needed > self.pool.max_len:
             raise PoolTooShort(f"a prompt of {prefill.num_tokens} tokens plus {sampling.max_new_tokens} new "
@@ -71,8 +76,12 @@ class DecodeRuntime:
             self.pool.release(slot)
             raise
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        first = sample_next(prefill.logits, sampling, generator)
-        return Decoding(self.pool, slot, prefill.num_tokens, sampling, generator, first)
+        try:
+            first = sample_next(prefill.logits, sampling, generator, token_masks([constraint], self.vocab))
+        except BaseException:
+            self.pool.release(slot)
+            raise
+        return Decoding(self.pool, slot, prefill.num_tokens, sampling, generator, first, constraint)
 
     def generate(self, prefill: Prefill, sampling: SamplingParams = SamplingParams(),
                  answer: TokenStream | None = None) -> Iterator[Any]:
@@ -107,6 +116,10 @@ class DecodeRuntime:
             params[s.slot], generators[s.slot] = s.sampling, s.generator
         temperature, top_p = sampling_rows(params, self.device)
         noise = draw_noise(params, generators, self.vocab, self.device)
+        constraints: list[Constraint | None] = [None] * rows
+        for s in sequences:
+            constraints[s.slot] = s.constraint
+        allowed = token_masks(constraints, self.vocab)                                     # [rows, V] | None
         key_columns = self.backend.key_columns(max(positions) + 1, pool.columns)
         if self.form.reads_masked_keys:  # outside any graph: the masked keys a step reads must be finite
             pool.readable(rows, key_columns)
@@ -114,13 +127,16 @@ class DecodeRuntime:
                   "temperature": temperature, "top_p": top_p}
         if noise is not None:
             inputs["noise"] = noise
+        if allowed is not None:
+            inputs["allowed"] = allowed.to(self.device, non_blocking=True)
 
         def forward(tokens: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                    noise: torch.Tensor | None = None) -> torch.Tensor:
+                    noise: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
             logits = self.form.logits(pool, tokens, positions, key_columns)                    # [rows, V]
-            return sample_rows(logits, temperature, top_p, noise)                              # [rows]
+            return sample_rows(logits, temperature, top_p, noise, allowed)                     # [rows]
 
-        following = self.graphs.run((rows, key_columns, noise is not None), forward, inputs).tolist()
+        key = (rows, key_columns, noise is not None, allowed is not None)
+        following = self.graphs.run(key, forward, inputs).tolist()
         for sequence, position in zip(sequences, positions):
             sequence.length = position + 1
         return [following[slot] for slot in slots]

@@ -343,9 +343,12 @@ class TieredStore:
         if not ttl_s > 0:
             raise ValueError(f"a lease's ttl_s must be > 0, got {ttl_s}")
         family = family_id(family, tenant)
+        keys = list(dict.fromkeys(keys))
+        if any(self._pending_write(key) is not None for key in keys):
+            self._writer.flush()  # a request's spans may still be on their way to the tiers (off the model thread)
         sizes: dict[str, dict[str, int]] = {}
         missing: list[str] = []
-        for key in dict.fromkeys(keys):
+        for key in keys:
             found = self._sizes(validate_key(key), leases)
             if found is None:
                 missing.append(key)

@@ -243,7 +243,7 @@ def test_graphed_step_replays_the_eager_tokens_with_one_capture_per_shape():
     got = [list(graphed.generate(blender.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
     assert got == want
     # one request at a time, all in slot 0, under 256 keys: one graph for greedy rows, one for sampled rows
-    assert sorted(graphed.graphs.captured) == [(1, 256, False), (1, 256, True)]
+    assert sorted(graphed.graphs.captured) == [(1, 256, False, False), (1, 256, True, False)]
     assert capture.captures == 2
 
 

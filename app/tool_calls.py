@@ -1,0 +1,164 @@
+"""Tool calls out: the grammar a request's tool_choice / response_format asks for, and the calls parsed from the
+model's answer.
+
+The form is the one blend.prompt tells the model to use (Hermes): free text, then calls, each
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+Grammars (llguidance's Lark, blend.grammar), the JSON of a call pinned to its tool's name and parameters:
+    auto       free text that never opens a call, optionally followed by calls: the text stays free until the
+               model writes `<tool_call>`; from there the call must be a valid call of one of the tools
+    required   one call or more (one only with parallel_tool_calls false), nothing before
+    named      one call of that function
+    none       free text that never opens a call
+    json       (response_format json_object / json_schema) the JSON document alone
+Schemas are limited (MAX_SCHEMA_CHARS of JSON, MAX_SCHEMA_DEPTH levels) before any compile.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from blend.grammar import json_rule
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_SCHEMA_CHARS = 16_000  # a tool's parameters or a response schema, as JSON text
+MAX_SCHEMA_DEPTH = 12      # nesting of objects and arrays in one schema
+# free text that never contains `<tool_call>` (llguidance's regex `&` and `~`)
+_TEXT = r'TEXT: /(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/'
+
+
+class SchemaLimitError(ValueError):
+    """A schema over MAX_SCHEMA_CHARS or MAX_SCHEMA_DEPTH."""
+
+
+@dataclass
+class ToolCallOut:
+    """A call the model made: its id (unique: `call_...`), function name and arguments as JSON text."""
+    id: str
+    name: str
+    arguments: str
+
+
+def check_schema(schema: Any, where: str) -> None:
+    text = json.dumps(schema)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise SchemaLimitError(f"{where}: a schema of {len(text)} characters (at most {MAX_SCHEMA_CHARS})")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise SchemaLimitError(f"{where}: a schema nested deeper than {MAX_SCHEMA_DEPTH} levels")
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def call_schema(tool: dict) -> dict:
+    """The JSON of a call to `tool` (an OpenAI tool dict): its name, and arguments its parameters allow."""
+    function = tool["function"]
+    parameters = function.get("parameters") or {"type": "object"}
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+            "required": ["name", "arguments"], "additionalProperties": False}
+
+
+def tools_grammar(tools: list[dict], choice: str | None, parallel: bool = True,
+                  answer_schema: dict | None = None) -> str | None:
+    """The grammar of an answer with `tools` under `choice`: "auto" | "none" | "required" | a function's name
+    (None: no tools, `answer_schema` alone). `answer_schema`: the JSON a non-call answer must be."""
+    answer = f"answer: {json_rule(answer_schema)}\n" if answer_schema is not None else None
+    if not tools or choice == "none":
+        if answer:
+            return "start: answer\n" + answer
+        return f"start: TEXT\n{_TEXT}\n" if tools else None
+    chosen = [t for t in tools if t["function"]["name"] == choice] if choice not in ("auto", "required") else tools
+    for tool in chosen:
+        check_schema(tool["function"].get("parameters") or {}, f"tools: {tool['function']['name']}")
+    body = {"anyOf": [call_schema(t) for t in chosen]} if len(chosen) > 1 else call_schema(chosen[0])
+    more = ' ("\\n" call)*' if parallel and choice in ("auto", "required") else ""
+    rules = (f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
+             f"body: {json_rule(body)}\n")
+    if choice == "auto":  # text until the model opens a call (the lazy opener ends at the first one), then calls
+        calls = f'opener "\\n" body "\\n{CLOSE}"{more}'
+        start = f"start: answer | {calls}\n" if answer else f"start: TEXT | {calls}\n"
+        return start + rules + f"opener[lazy]: /(.|\\n)*{OPEN}/\n" + (answer or f"{_TEXT}\n")
+    return f"start: call{more}\n" + rules
+
+
+def response_schema(response_format: dict | None) -> dict | None:
+    """The JSON schema a response_format asks for (json_object: any object); None for text."""
+    kind = (response_format or {}).get("type", "text")
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind == "json_schema":
+        schema = response_format["json_schema"].get("schema") or {"type": "object"}
+        check_schema(schema, "response_format.json_schema.schema")
+        return schema
+    return None
+
+
+class CallStream:
+    """An answer's text as it arrives, split into content and calls: `feed(delta)` and `finish()` return the
+    events ("text", str) and ("call", ToolCallOut) in order. Text that could open a call is held back until it
+    cannot; a call is released when closed; one left open at the end (max_tokens) comes out as text."""
+
+    def __init__(self) -> None:
+        self.buffer, self.in_call, self.calls = "", False, 0
+        self.content: list[str] = []
+        self.tool_calls: list[ToolCallOut] = []
+
+    def feed(self, delta: str) -> list[tuple[str, Any]]:
+        self.buffer += delta
+        events: list[tuple[str, Any]] = []
+        while True:
+            if self.in_call:
+                end = self.buffer.find(CLOSE)
+                if end < 0:
+                    return events
+                events.append(self._call(self.buffer[:end]))
+                self.buffer, self.in_call = self.buffer[end + len(CLOSE):], False
+                continue
+            start = self.buffer.find(OPEN)
+            if start < 0:
+                keep = next((n for n in range(min(len(OPEN) - 1, len(self.buffer)), 0, -1)
+                             if self.buffer.endswith(OPEN[:n])), 0)
+                text, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+                return events + self._text(text)
+            events += self._text(self.buffer[:start])
+            self.buffer, self.in_call = self.buffer[start + len(OPEN):], True
+
+    def finish(self) -> list[tuple[str, Any]]:
+        rest, self.buffer = (OPEN if self.in_call else "") + self.buffer, ""
+        self.in_call = False
+        return self._text(rest)
+
+    def _text(self, text: str) -> list[tuple[str, Any]]:
+        if not text or (self.tool_calls and not text.strip()):  # the newlines between calls
+            return []
+        self.content.append(text)
+        return [("text", text)]
+
+    def _call(self, body: str) -> tuple[str, Any]:
+        try:
+            call = json.loads(body)
+            name, arguments = call["name"], call.get("arguments", {})
+            if not isinstance(name, str):
+                raise TypeError(name)
+        except (ValueError, KeyError, TypeError):
+            return self._text(OPEN + body + CLOSE)[0] if body else ("text", "")
+        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        out = ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
+        self.tool_calls.append(out)
+        return ("call", out)
+
+
+def split_tool_calls(text: str) -> tuple[str, list[ToolCallOut]]:
+    """A whole answer: its content (the text outside calls, stripped) and its calls."""
+    stream = CallStream()
+    stream.feed(text)
+    stream.finish()
+    return "".join(stream.content).strip(), stream.tool_calls

@@ -1,0 +1,93 @@
+"""Grammar-constrained decoding in the one decode step (blend.grammar): constrained rows follow their grammar and
+end only where it accepts; an unconstrained row in the same batch gets exactly the tokens it gets alone; a
+grammar that cannot go on ends its answer with an error, never a hang; a grammar that does not compile says why.
+A tiny random Llama with SmolLM2's vocabulary and tokenizer."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from blend import Blender, DecodeRuntime, SamplingParams
+from blend.decode import TokenStream, decode_loop
+from blend.driver import Driver, Slot
+from blend.grammar import GrammarDeadEnd, GrammarError, json_rule
+from tests.blend.conftest import random_ids, tiny_model
+
+MODEL_DIR = "data/models/smollm2-135m-instruct"
+SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "rain": {"type": "boolean"}},
+          "required": ["unit", "rain"], "additionalProperties": False}
+GRAMMAR = f"start: {json_rule(SCHEMA)}"
+BLENDERS: dict[DecodeRuntime, Blender] = {}
+
+
+@pytest.fixture(scope="module")
+def decoder() -> DecodeRuntime:
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    model = tiny_model("llama", vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2)
+    blender = Blender(model, tokenizer=tokenizer, fingerprint="tiny-llama-smol")
+    decoder = DecodeRuntime(blender, slots=4, max_len=256)
+    BLENDERS[decoder] = blender
+    return decoder
+
+
+def program(decoder: DecodeRuntime, prompt: list[int], sampling: SamplingParams, grammar: str | None,
+            eos: frozenset[int]):
+    """One answer as the engine runs it: a slot, its constraint, the decode loop; yields its token ids."""
+    constraint = decoder.grammars.constraint(grammar) if grammar else None
+    sequence = decoder.start(decoder_prefill(decoder, prompt), sampling, constraint)
+    try:
+        yield from decode_loop(sequence, TokenStream(eos_ids=eos))
+    finally:
+        sequence.release()
+
+
+def decoder_prefill(decoder: DecodeRuntime, prompt: list[int]):
+    return BLENDERS[decoder].full_prefill(prompt)
+
+
+def run_together(decoder: DecodeRuntime, rows: list[tuple], eos: frozenset[int] | None = None) -> list[list]:
+    """Each (prompt, sampling, grammar) a program in one Driver: every step one batched DecodeRuntime.step over
+    every row still decoding (as the scheduler runs them). Each row's tokens, or its error last."""
+    driver, outputs = Driver(decoder.step), [[] for _ in rows]
+    eos = decoder.eos_ids if eos is None else eos
+    for (prompt, sampling, grammar), out in zip(rows, outputs):
+        driver.advance(driver.add(Slot(program(decoder, prompt, sampling, grammar, eos), out.append)))
+    while driver.slots:
+        driver.decode()
+    return outputs
+
+
+def test_constrained_rows_follow_their_grammar_beside_a_free_row(decoder):
+    tokenizer = BLENDERS[decoder].tokenizer
+    prompts = [random_ids(9, 1), random_ids(17, 2), random_ids(12, 3), random_ids(12, 3)]
+    free = SamplingParams(max_new_tokens=24)
+    alone = run_together(decoder, [(prompts[0], free, None)])[0]
+    sampled = SamplingParams(max_new_tokens=40, temperature=0.9, seed=5)
+    rows = run_together(decoder, [(prompts[0], free, None), (prompts[1], SamplingParams(max_new_tokens=40), GRAMMAR),
+                                  (prompts[2], sampled, GRAMMAR), (prompts[3], sampled, None)])
+    assert rows[0] == alone  # the free row's answer is its answer alone, whatever its neighbours' grammars
+    for tokens in rows[1:3]:
+        document = json.loads(tokenizer.decode(tokens, skip_special_tokens=True))  # ended where it is complete
+        assert set(document) == {"unit", "rain"} and document["unit"] in ("celsius", "fahrenheit")
+    assert rows[3] != rows[2]  # the same prompt and seed unconstrained: the mask changed what was drawn
+
+
+def test_a_finished_grammar_ends_the_answer_and_a_refused_token_is_an_error(decoder):
+    # eos no end here (as with ignore_eos): the answer still ends where its grammar is complete
+    tokens = run_together(decoder, [(random_ids(9, 4), SamplingParams(max_new_tokens=200), GRAMMAR)],
+                          eos=frozenset())[0]
+    assert len(tokens) < 60 and json.loads(BLENDERS[decoder].tokenizer.decode(tokens, skip_special_tokens=True))
+    assert decoder.pool.free == 4
+    constraint = decoder.grammars.constraint(GRAMMAR)
+    with pytest.raises(GrammarDeadEnd, match="refused"):
+        constraint.advance(BLENDERS[decoder].tokenizer.encode("x")[0])  # not how a JSON document opens
+
+
+def test_a_schema_that_does_not_compile_says_why(decoder):
+    with pytest.raises(GrammarError, match="unknown|Unknown|invalid|Invalid|expected|Expected"):
+        decoder.grammars.constraint('start: %json {"type": "objekt"}')
+    first = decoder.grammars.constraint(GRAMMAR)
+    assert decoder.grammars.constraint(GRAMMAR).matcher is not first.matcher  # a fresh copy per answer
+

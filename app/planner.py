@@ -114,7 +114,8 @@ class Planner:
             return np.empty(0, dtype=np.int64)
         vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         return np.array(sorted(i for i, t in enumerate(vocab)
-                               if t and ("\n" in t or "Ċ" in t)), dtype=np.int64)  # Ċ: byte-level BPE's \n
+                               if t and ("\n" in t or "Ċ" in t or t == "<0x0A>")),  # byte-level BPE, SentencePiece
+                        dtype=np.int64)
 
     # ---- cutting ---------------------------------------------------------------------------------
 
@@ -141,14 +142,14 @@ class Planner:
                 ends = content_cuts(part.ids, average=average, min_tokens=low, max_tokens=high, breaks=self.breaks)
             raw += [(part, a, b) for a, b in zip([0] + ends, ends)]
         spans: list[Span] = []
-        position, pending = 0, []
+        position, pending, size = 0, [], 0
         if self.settings.chunking == "windows":
             low = 1  # LMCache's windows: what lies between found windows stays apart
         for i, (part, a, b) in enumerate(raw):
             pending.append((part, a, b))
+            size += b - a
             mergeable = part.kind in ("message", "opening")
             following = raw[i + 1][0] if i + 1 < len(raw) else None
-            size = sum(y - x for _, x, y in pending)
             if mergeable and size < low and following is not None and following.kind in ("message", "opening"):
                 continue  # a tiny span joins the next (a hard cut may merge, never split)
             ids = tuple(t for p, x, y in pending for t in p.ids[x:y])
@@ -156,7 +157,7 @@ class Planner:
             shared = first.kind == "passage" or (first.kind == "head" and list(ids) == head)
             messages = [p.message for p, _, _ in pending if p.message is not None]
             spans.append(Span(first.kind, ids, position, messages[-1] if messages else None, shared))
-            position, pending = position + len(ids), []
+            position, pending, size = position + len(ids), [], 0
         return spans
 
     def _window_cuts(self, ids: Sequence[int]) -> list[int]:

@@ -399,6 +399,7 @@ def main() -> None:
     parser.add_argument("--skip-retrieval-path", action="store_true")
     parser.add_argument("--skip-back-to-back", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--admission", default=None, help="store.admission for every mode (default: the config's)")
     parser.add_argument("--plot", type=Path, default=REPO / "reports" / "byo_rag.png")
     args = parser.parse_args()
     if args.threads:
@@ -408,7 +409,8 @@ def main() -> None:
     requests = workload(dataset, args.questions, args.passages, args.seed)
     load_before = os.getloadavg()
     base = {"model": {"cache_dir": str(REPO / "data/models")},
-            "limits": {"max_question_chars": 200_000, "max_message_tokens": 8000, "max_prompt_tokens": 8000}}
+            "limits": {"max_question_chars": 200_000, "max_message_tokens": 8000, "max_prompt_tokens": 8000},
+            **({"store": {"admission": args.admission}} if args.admission else {})}
     with tempfile.TemporaryDirectory() as tmp:
         shared = Components(load_settings(data_dir=tmp, **base))
         by_mode = engines(shared, Path(tmp), modes, args.window_tokens, base)
@@ -434,6 +436,7 @@ def main() -> None:
     plot(summary, None if reference is None else reference["kl"], args.plot)
     print(json.dumps({"questions": args.questions, "passages": args.passages, "ratio": args.ratio,
                       "answer_tokens": args.answer_tokens, "planner": PLANNED, "modes": modes,
+                      "admission": shared.settings.store.admission,
                       "threads": torch.get_num_threads(), "commit": git_commit(),
                       "loadavg_before": [round(x, 2) for x in load_before],
                       "loadavg_after": [round(x, 2) for x in os.getloadavg()], "plot": str(args.plot),

@@ -93,6 +93,7 @@ class LimitsSettings(BaseModel):
     max_prompt_tokens: int = Field(7680, ge=1)  # a request's prompt: messages, passages and question (else 4xx)
     max_message_tokens: int = Field(2048, ge=1)  # one message of a chat, or a query's question (else 422)
     max_messages: int = Field(512, ge=1)  # messages of one chat request (else 422)
+    piece_cost_tokens: int = Field(8, ge=0)  # each message priced as this many tokens more within max_prompt_tokens
 
 
 class Settings(BaseSettings):

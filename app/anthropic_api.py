@@ -276,7 +276,9 @@ async def messages(request: Request, svc: Service = Depends(service)):
     marks = breakpoints(body)
     texts = [message_text(m) for m in body.messages]
     system = system_text(body)
-    check_limits(svc.settings.limits, question=texts[-1], top_k=body.retrieval_top_k, question_field="messages",
+    # the question limit is the retrieval question's: without retrieval a message may carry documents (budget only)
+    check_limits(svc.settings.limits, question=texts[-1] if body.retrieval else "", top_k=body.retrieval_top_k,
+                 question_field="messages",
                  max_tokens={"max_tokens": body.max_tokens})
     fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts))]
     await asyncio.to_thread(check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
@@ -287,7 +289,7 @@ async def messages(request: Request, svc: Service = Depends(service)):
                               # the head wherever it stands, goes last so the indices stay the client's)
                               messages=tuple({"role": m.role, "content": t} for m, t in zip(body.messages, texts))
                               + (({"role": "system", "content": system},) if system else ()),
-                              retrieve=body.retrieval, remember=True)
+                              retrieve=body.retrieval)
     run = await QueryRun.start(svc, params, request, "messages")
     head = {"id": f"msg_{uuid.uuid4().hex}", "model": body.model}
     family = f"anthropic:{body.metadata.user_id}" if body.metadata and body.metadata.user_id else "anthropic"
@@ -313,7 +315,7 @@ def _prefix(uses: Sequence[KeyUse], at: int | None, last: int) -> list[str]:
 def usage(result: QueryResult, marks: list[tuple[int | None, float]], last: int) -> MessageUsage:
     """Each prompt token once: read from the store, computed under a breakpoint (by its longest ttl), or input."""
     s, uses = result.stats, result.kv_keys
-    read = sum(u.tokens for u in uses if u.cached)
+    read = s.cached_tokens  # read from the store and not recomputed (app.planner)
     ttl_of: dict[str, float] = {}
     for at, ttl in marks:
         for key in _prefix(uses, at, last):

@@ -132,7 +132,7 @@ class LookupRequest(ChatCompletionRequest):
 class LookupPiece(BaseModel):
     kind: Literal["head", "message", "opening", "passage"] = Field(
         description="The system turn, a chat message, the passages' turn opening, or a retrieved passage.")
-    message: int | None = Field(description="A message piece: its index in `messages`.")
+    message: int | None = Field(description="A message piece: its index in `messages` (the last it covers).")
     tokens: int
     cached: Literal["exact", "blendable"] | None = Field(
         description="exact: stored after exactly the tokens before it, used as is; blendable: stored, reused "
@@ -163,13 +163,9 @@ async def cache_lookup(body: LookupRequest, svc: Service = Depends(service)) -> 
     else:
         params = await chat_params(body, svc)  # type: ignore[arg-type]
     plan = await asyncio.to_thread(svc.serving.engine.lookup, params)
-    pieces, before, exact = [], [], True
-    for piece in plan.pieces:  # exact: stored after exactly what precedes it, and so is all before it
-        exact = exact and piece.tier is not None and piece.entry_context == before
-        cached = None if piece.tier is None else "exact" if exact else "blendable"
-        pieces.append(LookupPiece(kind=piece.kind, message=piece.message, tokens=len(piece.ids), cached=cached,
-                                  tier=piece.tier))
-        before = before + piece.ids
+    cached = {"exact": "exact", "blended": "blendable", "compute": None}
+    pieces = [LookupPiece(kind=s.kind, message=s.message, tokens=len(s.ids), cached=cached[s.source], tier=s.tier)
+              for s in plan.spans]  # app.planner's spans: a long message is cut into several
     tokens = {kind: sum(p.tokens for p in pieces if p.cached == kind) for kind in ("exact", "blendable")}
-    return LookupReport(prompt_tokens=len(before) + len(plan.suffix), cached_tokens=sum(tokens.values()),
+    return LookupReport(prompt_tokens=plan.prompt_tokens, cached_tokens=sum(tokens.values()),
                         exact_tokens=tokens["exact"], blendable_tokens=tokens["blendable"], pieces=pieces)

@@ -91,9 +91,22 @@ class LimitsSettings(BaseModel):
     max_document_chars: int = Field(1_000_000, ge=1)
     max_explain_tokens: int = Field(4096, ge=1)  # prompt tokens an `explain: true` response lists
     max_prompt_tokens: int = Field(7680, ge=1)  # a request's prompt: messages, passages and question (else 4xx)
-    max_message_tokens: int = Field(2048, ge=1)  # one message of a chat, or a query's question (else 422)
+    max_message_tokens: int = Field(7680, ge=1)  # one message of a chat, or a query's question (else 422): up to
+    # the prompt budget, so a message carrying pasted documents fits
     max_messages: int = Field(512, ge=1)  # messages of one chat request (else 422)
     piece_cost_tokens: int = Field(8, ge=0)  # each message priced as this many tokens more within max_prompt_tokens
+
+
+class PlannerSettings(BaseModel):
+    """How app.planner cuts a prompt into spans (each a store entry): by content, or LMCache's fixed windows."""
+    chunking: Literal["content", "windows"] = "content"
+    window_tokens: int = Field(256, ge=8)  # chunking windows: the window, matched at any offset of a later prompt
+    average_span_tokens: int = Field(16, ge=4)  # chunking content: a cut candidate every this many tokens (and
+    # after every line break)
+    min_span_tokens: int = Field(8, ge=1)  # shorter spans (tiny messages) merge with their neighbours
+    max_span_tokens: int = Field(64, ge=2)
+    max_spans: int = Field(384, ge=2)  # spans per request at most (each one or two store entries): past it the
+    # prompt is cut coarser (every size doubled) until it has no more
 
 
 class Settings(BaseSettings):
@@ -110,6 +123,7 @@ class Settings(BaseSettings):
     store: StoreSettings = StoreSettings()
     server: ServerSettings = ServerSettings()
     limits: LimitsSettings = LimitsSettings()
+    planner: PlannerSettings = PlannerSettings()
 
     @classmethod
     def settings_customise_sources(

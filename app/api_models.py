@@ -214,6 +214,13 @@ def check_budget(limits: LimitsSettings, texts: Sequence[tuple[str, str]], count
             raise LimitError(field, f"{n} tokens, {over}")
     if sum(counts) > total:
         raise LimitError(total_field, f"{sum(counts)} tokens together, over limits.max_prompt_tokens ({total})")
+    # The prompt's work, priced before any is done: its tokens, and each message as a piece (its render, its
+    # store key, read and write) at limits.piece_cost_tokens more: many tiny messages cost what their work does
+    price = sum(counts) + limits.piece_cost_tokens * len(texts)
+    if price > total:
+        raise LimitError(total_field, f"{sum(counts)} tokens in {len(texts)} messages, priced at {price} (each message "
+                                      f"{limits.piece_cost_tokens} tokens more, limits.piece_cost_tokens), over "
+                                      f"limits.max_prompt_tokens ({total})")
 
 
 # (schema, property) -> (the JSON Schema keyword, the setting) of each limit `check_limits` enforces.
@@ -244,7 +251,9 @@ def state_limits(openapi: dict[str, Any], limits: LimitsSettings) -> None:
         typed = next(s for s in prop.get("anyOf", [prop]) if s.get("type") in ("integer", "string", "array"))
         typed[keyword] = value
     budget = (f"At most {limits.max_message_tokens} tokens a message (limits.max_message_tokens) and "
-              f"{limits.max_prompt_tokens} in the whole prompt, passages included (limits.max_prompt_tokens).")
+              f"{limits.max_prompt_tokens} in the whole prompt, passages included (limits.max_prompt_tokens); "
+              f"each message is priced at {limits.piece_cost_tokens} tokens more (limits.piece_cost_tokens), its "
+              f"work as a piece of the prompt, within the same budget.")
     schemas["QueryRequest"]["properties"]["question"]["description"] = budget
     messages = schemas["ChatCompletionRequest"]["properties"]["messages"]
     messages["description"] += (f" The question has at most {limits.max_question_chars} characters "

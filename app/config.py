@@ -94,6 +94,7 @@ class LimitsSettings(BaseModel):
     max_message_tokens: int = Field(7680, ge=1)  # one message of a chat, or a query's question (else 422): up to
     # the prompt budget, so a message carrying pasted documents fits
     max_messages: int = Field(512, ge=1)  # messages of one chat request (else 422)
+    piece_cost_tokens: int = Field(8, ge=0)  # each message priced as this many tokens more within max_prompt_tokens
 
 
 class PlannerSettings(BaseModel):

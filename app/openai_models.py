@@ -48,7 +48,11 @@ _MESSAGE_RULES = {"allOf": [
     {"if": {"properties": {"role": {"const": "function"}}, "required": ["role"]},
      "then": {"required": ["name"], "properties": {"name": {"type": "string"}}}},
     {"if": {"properties": {"tool_calls": {"type": "array", "minItems": 1}}, "required": ["tool_calls"]},
-     "then": {"properties": {"role": {"const": "assistant"}}}}]}
+     "then": {"properties": {"role": {"const": "assistant"}}}},
+    # every message says something: text content, or (an assistant's) tool calls
+    {"anyOf": [{"required": ["content"], "properties": {"content": {"anyOf": [
+        {"type": "string", "pattern": r"\S"}, {"type": "array", "minItems": 1}]}}},
+        {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}}]}]}
 
 
 class ChatMessage(OpenAIBody):
@@ -72,6 +76,10 @@ class ChatMessage(OpenAIBody):
             raise ValueError("a function message needs name")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only an assistant message has tool_calls")
+        empty = self.content is None or (self.content.strip() == "" if isinstance(self.content, str) else
+                                         not self.content)
+        if empty and not self.tool_calls:
+            raise ValueError("a message needs content (or, an assistant's, tool_calls): this one says nothing")
         return self
 
     def text(self) -> str:

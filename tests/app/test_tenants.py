@@ -61,8 +61,6 @@ def test_a_tenant_sees_and_drops_only_its_own_families(tenants):
     assert 'endpoint="/v1/cache",status="401",tenant="default"' in metrics
 
 
-@pytest.mark.xfail(reason="needs the planner's tenant-scoped keys of client text (#46): lands with its merge",
-                   strict=False)
 def test_a_tenant_cannot_tell_whether_another_sent_a_message(tenants):
     secret = "My secret: the vault code is 9912. Who founded the bakery?"
     chat(tenants, ALICE, secret)

@@ -50,6 +50,7 @@ from app.prompt_cache import LeaseNote, lease, lease_headers, prefix_keys
 from app.query_routes import QueryRun, sse
 from app.service import Service, service
 from app.tool_calls import CallStream, SchemaLimitError, ToolCallOut, tools_grammar
+from blend.prompt import hermes_tools
 
 router = APIRouter()
 MAX_BREAKPOINTS = 4
@@ -231,10 +232,12 @@ def message_text(message: Message) -> str:
 
 
 def system_text(body: MessagesRequest) -> str | None:
-    """The system blocks: the system turn (the tools join it, rendered by blend.prompt: `openai_tools`)."""
+    """The tools (in the Hermes form the calls are parsed from: blend.prompt.hermes_tools) and the system
+    blocks: the system turn."""
     system = body.system if isinstance(body.system, str) or body.system is None else \
         "\n".join(b.text for b in body.system)
-    return system or None
+    parts = ([hermes_tools(openai_tools(body))] if body.tools else []) + ([system] if system else [])
+    return "\n\n".join(parts) or None
 
 
 def openai_tools(body: MessagesRequest) -> list[dict]:
@@ -326,8 +329,8 @@ async def messages(request: Request, svc: Service = Depends(service)):
                               # the head wherever it stands, goes last so the indices stay the client's)
                               messages=tuple({"role": m.role, "content": t} for m, t in zip(body.messages, texts))
                               + (({"role": "system", "content": system},) if system else ()),
-                              tools=tuple(tools), grammar=grammar,
-                              tool_calls=not body.tool_choice or body.tool_choice.type != "none",
+                              grammar=grammar,
+                              tool_calls=bool(tools) and getattr(body.tool_choice, "type", "auto") != "none",
                               retrieve=body.retrieval, remember=True)
     run = await QueryRun.start(svc, params, request, "messages")
     head = {"id": f"msg_{uuid.uuid4().hex}", "model": body.model}
@@ -338,7 +341,7 @@ async def messages(request: Request, svc: Service = Depends(service)):
         return await lease(svc.serving.store, family, [(_prefix(result.kv_keys, at, last), ttl) for at, ttl in marks])
 
     if body.stream:
-        return sse(run, events(run, head, marks, last, retain, bool(tools) and params.tool_calls))
+        return sse(run, events(run, head, marks, last, retain, params.tool_calls))
     result = await run.result(request)
     note = await retain(result)
     out = MessageOut(**head, content=content_blocks(result), stop_reason=_stop_reason(result),

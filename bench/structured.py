@@ -81,7 +81,7 @@ def answers(engine: RagEngine, case: str, temperature: float, n: int) -> list[Qu
         for i in range(start, min(n, start + 4)):
             params = QueryParams(question(i), messages=({"role": "user", "content": question(i)},),
                                  tools=tuple(TOOLS) if case != "json_schema" else (), retrieve=False, mode="full",
-                                 max_tokens=96, temperature=temperature, seed=i, grammar=grammar,
+                                 max_tokens=160, temperature=temperature, seed=i, grammar=grammar,
                                  tool_calls=case != "json_schema")
             box: list = []
             results.append(box)

@@ -3,7 +3,8 @@
 A request becomes the same engine request /v1/chat/completions builds: `tools` and `system` form the system
 turn (so the prompt head), every message but the last an earlier turn (tool_use and tool_result blocks as
 text), the last message (a user's) the question. Retrieval is off unless the request sets the ragblend extra
-`retrieval: true` (then `top_k` passages, as on the chat endpoint).
+`retrieval: true` (then `retrieval_top_k` passages, as `top_k` on the chat endpoint). Anthropic's own `top_k` is a
+sampling parameter: accepted and ignored (ragblend samples with temperature and top_p), never the passages.
 
 Prompt caching. ragblend stores every piece of every prompt anyway (the head, each exchange: blend.prompt);
 a `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}` breakpoint (on a tool, a system block or a
@@ -72,7 +73,7 @@ def describe(openapi: dict[str, Any], limits: LimitsSettings) -> None:
     openapi["components"]["schemas"].update(BODY_PARTS)
     schema = openapi["paths"]["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     schema["properties"]["max_tokens"]["maximum"] = limits.max_new_tokens
-    for name, maximum in (("top_k", limits.max_top_k), ("seed", MAX_SEED)):  # (the seed exactly: not as a float)
+    for name, maximum in (("retrieval_top_k", limits.max_top_k), ("seed", MAX_SEED)):  # (the seed exactly: not as a float)
         next(s for s in schema["properties"][name]["anyOf"] if s.get("type") == "integer")["maximum"] = maximum
     schema["properties"]["messages"]["description"] += (
         f" The question has at most {limits.max_question_chars} characters (limits.max_question_chars); at most "
@@ -182,14 +183,13 @@ async def messages(request: Request, svc: Service = Depends(service)):
     texts = [message_text(m) for m in body.messages]
     system, tools = system_text(body), openai_tools(body)
     grammar = tool_grammar(body, tools)
-    # the question's limit is on what the user writes; a tool result counts against the token budgets, as an
-    # OpenAI tool message does
-    check_limits(svc.settings.limits, question=question_text(body.messages[-1]), top_k=body.top_k,
-                 question_field="messages", max_tokens={"max_tokens": body.max_tokens})
-    fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts)),
-              *([("tools", json.dumps(tools))] if tools else [])]
+    # the question's limit is on what the user writes, and only with retrieval (without it a message may carry
+    # documents: the token budget alone); a tool result counts against the budgets, as an OpenAI tool message does
+    check_limits(svc.settings.limits, question=question_text(body.messages[-1]) if body.retrieval else "",
+                 top_k=body.retrieval_top_k, question_field="messages", max_tokens={"max_tokens": body.max_tokens})
+    fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts))]
     await asyncio.to_thread(check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
-    params = svc.query_params(texts[-1], top_k=body.top_k, max_tokens=body.max_tokens,
+    params = svc.query_params(texts[-1], top_k=body.retrieval_top_k, max_tokens=body.max_tokens,
                               temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
                               stop=tuple(s for s in body.stop_sequences if s), seed=body.seed,
                               # each message a piece, indexed as in body.messages (the system text, which joins
@@ -198,7 +198,7 @@ async def messages(request: Request, svc: Service = Depends(service)):
                               + (({"role": "system", "content": system},) if system else ()),
                               grammar=grammar,
                               tool_calls=bool(tools) and getattr(body.tool_choice, "type", "auto") != "none",
-                              retrieve=body.retrieval, remember=True)
+                              retrieve=body.retrieval)
     run = await QueryRun.start(svc, params, request, "messages")
     head = {"id": f"msg_{uuid.uuid4().hex}", "model": body.model}
     family = f"anthropic:{body.metadata.user_id}" if body.metadata and body.metadata.user_id else "anthropic"
@@ -225,7 +225,7 @@ def _prefix(uses: Sequence[KeyUse], at: int | None, last: int) -> list[str]:
 def usage(result: QueryResult, marks: list[tuple[int | None, float]], last: int) -> MessageUsage:
     """Each prompt token once: read from the store, computed under a breakpoint (by its longest ttl), or input."""
     s, uses = result.stats, result.kv_keys
-    read = sum(u.tokens for u in uses if u.cached)
+    read = s.cached_tokens  # read from the store and not recomputed (app.planner)
     ttl_of: dict[str, float] = {}
     for at, ttl in marks:
         for key in _prefix(uses, at, last):

@@ -88,7 +88,9 @@ class MessagesRequest(AnthropicBody):
     cache_control: CacheControl | None = Field(None, description=f"On the last block (automatic caching). {BREAKPOINT}")
     # ragblend extras
     retrieval: bool = Field(False, description="Retrieve passages for the question (default: off).")
-    top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
+    top_k: int | None = Field(None, ge=1, description="Anthropic's sampling top_k: accepted and ignored (ragblend "
+                                                      "samples with temperature and top_p); not the passages.")
+    retrieval_top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
 
 

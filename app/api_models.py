@@ -93,7 +93,9 @@ RETRY_AFTER = {"Retry-After": {"description": "Seconds after which a retry may s
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, **({"headers": RETRY_AFTER} if code in (429, 503) else {})}
     for code in (400, 401, 413, 422, 429, 503)}
-DOCUMENT_ERRORS = {**ERRORS, 409: {"model": ErrorResponse, "description": "A different document has that id "
+DISK_FULL = {507: {"model": ErrorResponse, "headers": RETRY_AFTER,
+                   "description": "The data disk is full: nothing was written (code disk_full)."}}
+DOCUMENT_ERRORS = {**ERRORS, **DISK_FULL, 409: {"model": ErrorResponse, "description": "A different document has that id "
                                                                           "(and replace is not true)."},
                    415: {"model": ErrorResponse}}
 

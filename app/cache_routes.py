@@ -3,7 +3,9 @@
 Behind the API key like every /v1 route.
 
 A family is named by the client's `prompt_cache_key` and listed by its id (store.family_id: a hash), so no
-client's text is ever shown to another; a client finds its own with `?prompt_cache_key=`. Figures per
+client's text is ever shown to another; a client finds its own with `?prompt_cache_key=`. Tenants (the API
+key's, server.api_keys) see and drop only their own families, and a lookup finds only what their own prompts
+and the shared documents stored. Figures per
 tier are this replica's lookups and the tier's own size (disk and Redis are shared by the replicas on
 them); leases are every replica's (from the metadata database, at most `store.lease_refresh_s` old).
 """
@@ -18,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from app.api_models import ERRORS, MAX_CACHE_KEY_CHARS, NonBlank, check_budget, check_limits
 from app.openai_models import USER_TEXT, ChatCompletionRequest, ChatMessage
 from app.components import Serving
+from app.middleware import current_tenant
 from app.query_routes import chat_params
 from app.service import Service, service, serving
 from app.validation import valid_unicode
@@ -75,7 +78,7 @@ def cache_report(prompt_cache_key: CacheKey | None = None,
                  limit: Annotated[int, Query(ge=0, le=1000, description="Families listed at most.")] = 100,
                  parts: Serving = Depends(serving)) -> CacheReport:
     """Bytes and entries per tier, pinned bytes, hit rates, and leases by family."""
-    stats, leases = parts.store.stats(), parts.store.lease_stats(prompt_cache_key, limit)
+    stats, leases = parts.store.stats(), parts.store.lease_stats(prompt_cache_key, limit, current_tenant().name)
     return CacheReport(hit_rate=_rate(stats["hits"], stats["misses"]), leases=leases["leases"],
                        families=leases["families"], leased_entries=leases["entries"], expired=leases["expired"],
                        tiers={name: _tier(name, tier, leases) for name, tier in stats["tiers"].items()},
@@ -85,8 +88,9 @@ def cache_report(prompt_cache_key: CacheKey | None = None,
 @router.delete("/v1/cache", response_model=CacheDropped, responses=ERRORS)
 def drop_family(prompt_cache_key: CacheKey, parts: Serving = Depends(serving)) -> CacheDropped:
     """End a family's leases and delete its entries (a family with no running lease: nothing to do)."""
-    ended, deleted = parts.store.drop_family(prompt_cache_key, keep=parts.owned_keys)
-    return CacheDropped(family=family_id(prompt_cache_key), leases_ended=ended, entries_deleted=deleted)
+    tenant = current_tenant().name
+    ended, deleted = parts.store.drop_family(prompt_cache_key, keep=parts.owned_keys, tenant=tenant)
+    return CacheDropped(family=family_id(prompt_cache_key, tenant), leases_ended=ended, entries_deleted=deleted)
 
 
 def _tier(name: str, tier: dict[str, Any], leases: dict[str, Any]) -> TierCache:
@@ -128,7 +132,7 @@ class LookupRequest(ChatCompletionRequest):
 class LookupPiece(BaseModel):
     kind: Literal["head", "message", "opening", "passage"] = Field(
         description="The system turn, a chat message, the passages' turn opening, or a retrieved passage.")
-    message: int | None = Field(description="A message piece: its index in `messages`.")
+    message: int | None = Field(description="A message piece: its index in `messages` (the last it covers).")
     tokens: int
     cached: Literal["exact", "blendable"] | None = Field(
         description="exact: stored after exactly the tokens before it, used as is; blendable: stored, reused "
@@ -159,13 +163,9 @@ async def cache_lookup(body: LookupRequest, svc: Service = Depends(service)) -> 
     else:
         params = await chat_params(body, svc)  # type: ignore[arg-type]
     plan = await asyncio.to_thread(svc.serving.engine.lookup, params)
-    pieces, before, exact = [], [], True
-    for piece in plan.pieces:  # exact: stored after exactly what precedes it, and so is all before it
-        exact = exact and piece.tier is not None and piece.entry_context == before
-        cached = None if piece.tier is None else "exact" if exact else "blendable"
-        pieces.append(LookupPiece(kind=piece.kind, message=piece.message, tokens=len(piece.ids), cached=cached,
-                                  tier=piece.tier))
-        before = before + piece.ids
+    cached = {"exact": "exact", "blended": "blendable", "compute": None}
+    pieces = [LookupPiece(kind=s.kind, message=s.message, tokens=len(s.ids), cached=cached[s.source], tier=s.tier)
+              for s in plan.spans]  # app.planner's spans: a long message is cut into several
     tokens = {kind: sum(p.tokens for p in pieces if p.cached == kind) for kind in ("exact", "blendable")}
-    return LookupReport(prompt_tokens=len(before) + len(plan.suffix), cached_tokens=sum(tokens.values()),
+    return LookupReport(prompt_tokens=plan.prompt_tokens, cached_tokens=sum(tokens.values()),
                         exact_tokens=tokens["exact"], blendable_tokens=tokens["blendable"], pieces=pieces)

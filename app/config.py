@@ -63,14 +63,23 @@ class BlendSettings(BaseModel):
 class ServerSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    api_key: str | None = None
+    api_key: str | None = None  # one key, the default tenant's
+    # API key -> tenant name (JSON in RAGBLEND_SERVER__API_KEYS): each tenant's leases, cache views and metrics
+    # are its own; documents are shared by every tenant
+    api_keys: dict[Annotated[str, Field(min_length=1)], Annotated[str, Field(min_length=1, max_length=64)]] = {}
+    tenant_pinned_share: float = Field(0.5, gt=0, le=1)  # a named tenant's leases pin at most this of each tier's cap
     queue_size: int = Field(16, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     max_batch: int = Field(8, ge=1)  # requests decoded together (slots on the model thread)
     prefill_slice_ms: float = Field(100.0, gt=0)  # the least prefill work between two decode steps (one layer at least)
     max_stall_ms: float = Field(1500.0, gt=0)  # the most a streaming answer waits for its next token on prefills
+    degraded_wait_s: float = Field(30.0, gt=0)  # /health says degraded while a request waits this long for a token
     stuck_after_s: float = Field(120.0, gt=0)  # /health is 503 once the model thread is on one piece this long
     shutdown_grace_s: float = Field(5.0, ge=0)  # running queries may finish within this at shutdown
+
+    def tenant_keys(self) -> dict[str, str]:
+        """API key -> tenant: `api_keys`, and `api_key` as the default tenant ("")."""
+        return ({self.api_key: ""} if self.api_key else {}) | self.api_keys
 
 
 class LimitsSettings(BaseModel):
@@ -82,8 +91,21 @@ class LimitsSettings(BaseModel):
     max_document_chars: int = Field(1_000_000, ge=1)
     max_explain_tokens: int = Field(4096, ge=1)  # prompt tokens an `explain: true` response lists
     max_prompt_tokens: int = Field(7680, ge=1)  # a request's prompt: messages, passages and question (else 4xx)
-    max_message_tokens: int = Field(2048, ge=1)  # one message of a chat, or a query's question (else 422)
+    max_message_tokens: int = Field(7680, ge=1)  # one message of a chat, or a query's question (else 422): up to
+    # the prompt budget, so a message carrying pasted documents fits
     max_messages: int = Field(512, ge=1)  # messages of one chat request (else 422)
+
+
+class PlannerSettings(BaseModel):
+    """How app.planner cuts a prompt into spans (each a store entry): by content, or LMCache's fixed windows."""
+    chunking: Literal["content", "windows"] = "content"
+    window_tokens: int = Field(256, ge=8)  # chunking windows: the window, matched at any offset of a later prompt
+    average_span_tokens: int = Field(16, ge=4)  # chunking content: a cut candidate every this many tokens (and
+    # after every line break)
+    min_span_tokens: int = Field(8, ge=1)  # shorter spans (tiny messages) merge with their neighbours
+    max_span_tokens: int = Field(64, ge=2)
+    max_spans: int = Field(384, ge=2)  # spans per request at most (each one or two store entries): past it the
+    # prompt is cut coarser (every size doubled) until it has no more
 
 
 class Settings(BaseSettings):
@@ -100,6 +122,7 @@ class Settings(BaseSettings):
     store: StoreSettings = StoreSettings()
     server: ServerSettings = ServerSettings()
     limits: LimitsSettings = LimitsSettings()
+    planner: PlannerSettings = PlannerSettings()
 
     @classmethod
     def settings_customise_sources(

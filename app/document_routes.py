@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import unicodedata
 from contextlib import aclosing
 from dataclasses import asdict
 from pathlib import PurePosixPath
@@ -22,7 +23,7 @@ from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException, MultiPartParser, parse_options_header
 
-from app.api_models import (DOCUMENT_ERRORS, ERRORS, UPLOAD_SCHEMA, UPLOAD_TYPES, DeletedDocument, DocumentIn,
+from app.api_models import (DISK_FULL, DOCUMENT_ERRORS, ERRORS, UPLOAD_SCHEMA, UPLOAD_TYPES, DeletedDocument, DocumentIn,
                             DocumentList, DocumentMeta, ErrorResponse, IngestedDocument, IngestResponse, LimitError,
                             openapi_body)
 from app.components import Serving
@@ -168,13 +169,15 @@ def list_documents(parts: Serving = Depends(serving)) -> DocumentList:
 @router.get("/v1/documents/{doc_id:path}", response_model=DocumentInfo,
             responses={404: {"model": ErrorResponse}, **ERRORS})
 def get_document(doc_id: str, parts: Serving = Depends(serving)) -> DocumentInfo:
-    return _document(parts.retriever, doc_id)
+    return _document(parts.retriever, unicodedata.normalize("NFC", doc_id))
 
 
 @router.delete("/v1/documents/{doc_id:path}", response_model=DeletedDocument,
-               responses={404: {"model": ErrorResponse}, **ERRORS})
+               responses={404: {"model": ErrorResponse}, **ERRORS, **DISK_FULL})
 async def delete_document(doc_id: str, request: Request, svc: Service = Depends(service),
                           parts: Serving = Depends(serving)) -> DeletedDocument:
+    doc_id = unicodedata.normalize("NFC", doc_id)  # ids are stored in NFC
+
     def delete(cancelled: Callable[[], bool]) -> DeletedDocument:
         try:
             parts.uploads.delete(doc_id)

@@ -6,9 +6,13 @@ on the Anthropic Messages API (paths under ANTHROPIC_PATH) Anthropic's {"type": 
 """
 from __future__ import annotations
 
+import errno
 import logging
+import sqlite3
+import time
 from typing import Any
 
+import psycopg
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -25,15 +29,19 @@ log = logging.getLogger("ragblend.server")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
                415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-               503: "service_unavailable"}
+               503: "service_unavailable", 507: "server_error"}
 # The `code` of errors raised without one: every error body has a non-null code.
 HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
               409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_value",
-              429: "rate_limited", 500: "internal_error", 503: "unavailable"}
+              429: "rate_limited", 500: "internal_error", 503: "unavailable", 507: "disk_full"}
 ANTHROPIC_PATH = "/v1/messages"
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+DISK_FULL_RETRY_S = 60  # Retry-After of a 507: space is freed by an operator, not in seconds
+# How a full disk shows: errno on a file write; SQLite's and PostgreSQL's (psycopg DiskFull) messages.
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+DISK_FULL_MESSAGES = ("database or disk is full", "no space left on device", "could not extend file")
 UNAVAILABLE_RETRY_S = 5  # Retry-After of a 503 without a better estimate (loading, shutting down, cancelled)
 
 
@@ -75,8 +83,22 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"request body over the {limit}-byte limit")
 
 
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc` (or what caused it) says the disk is full."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS or type(exc).__name__ == "DiskFull" or \
+                any(m in str(exc).lower() for m in DISK_FULL_MESSAGES):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def as_api_error(exc: Exception) -> ApiError:
     """Every exception the API can meet, as the error the client sees."""
+    if disk_full(exc):  # whatever layer met it: the write was rolled back, the client may retry later
+        return ApiError(507, "the data disk is full: nothing was written; retry once space is freed", "disk_full",
+                        headers={"Retry-After": str(DISK_FULL_RETRY_S)})
     match exc:
         case ApiError():
             return exc
@@ -128,6 +150,9 @@ def _validation_error(errors: list[dict[str, Any]]) -> ApiError:
 
 async def handle_error(request: Request, exc: Exception) -> JSONResponse:
     error = as_api_error(exc)
+    if error.code == "disk_full":
+        log.warning("disk full", extra={"path": request.url.path, "error": f"{type(exc).__name__}: {exc}"})
+        request.app.state.service.disk_full_at = time.monotonic()  # /health: degraded
     if error.status == 405:  # Starlette's Allow names the first route of the path only: name every route's
         error.headers = {**(error.headers or {}), "Allow": ", ".join(_allowed_methods(request))}
     return error.response_for(request.url.path)
@@ -142,6 +167,7 @@ def _allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
-# What create_app registers `handle_error` for (Exception last: the 500 of last resort).
+# What create_app registers `handle_error` for (Exception last: the 500 of last resort, which the server also
+# logs as unhandled). The databases' and the file system's errors are named so a full disk is an answer (507).
 HANDLED = (ApiError, RequestValidationError, HTTPException, LimitError, IngestError, RequestError, QueueTimeout,
-           WorkerStopped, IngestCancelled, Exception)
+           WorkerStopped, IngestCancelled, OSError, sqlite3.OperationalError, psycopg.OperationalError, Exception)

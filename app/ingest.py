@@ -24,6 +24,7 @@ import json
 import logging
 import re
 import time
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,8 +135,9 @@ class Ingestor:
 
     def prepare(self, doc: SourceDocument) -> PreparedDocument:
         """Chunk the document and decide whether anything changed (cheap: tokenization only)."""
-        title = doc.title.strip() if doc.title else None
-        doc = SourceDocument(doc.doc_id.strip(), title or None, normalize_text(doc.text), doc.source)
+        title = unicodedata.normalize("NFC", doc.title.strip()) if doc.title else None
+        doc = SourceDocument(unicodedata.normalize("NFC", doc.doc_id.strip()), title or None,
+                             normalize_text(doc.text), doc.source)
         _check_document(doc)
         if self.max_chars is not None and len(doc.text) > self.max_chars:
             raise DocumentTooLarge(f"{doc.source}: {len(doc.text):,} characters, over the limit of "

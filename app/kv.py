@@ -1,18 +1,15 @@
-"""Prompt pieces → ChunkKV: read from the tiered store, or precomputed (and stored) on a miss.
+"""The prompt head's KV and the collection's passages' (ingest), and reads of any entry by key.
 
-Every piece is keyed by (model, the tokens before it that it was computed after, its own tokens):
-passages are computed after the prompt head (or alone); the head at position 0; a conversation
-piece after the head and the earlier conversation pieces — so a conversation's KV is an exact
-prefix found again at the next turn, by this replica or any other sharing the store.
-`lookup` only reads the store (safe off the model thread); `compute` runs the model.
+A passage is keyed by (model, the tokens it was computed after: the prompt head or none, its own tokens);
+the head by (model, nothing, its tokens). Any other span of a prompt is keyed by app.planner, which reads
+it here (`lookup_key`, `open_key`: store reads only, safe off the model thread) and stores it from the
+prefill's own KV.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
 from typing import Literal
-
-import torch
 
 from app.usage import COMPUTED
 from blend import Blender, ChunkKV, PromptFormat, hash_ids
@@ -53,7 +50,7 @@ class ChunkKVCache:
     @property
     def head_key(self) -> str:
         """The store key of the prompt head's KV."""
-        return self.piece_key(self.head_ids, [])
+        return kv_key(self.blender.fingerprint, hash_ids([]), self.head_ids)
 
     def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
         return self.prompt.passage_ids(chunk_ids, title)
@@ -61,10 +58,6 @@ class ChunkKVCache:
     def key(self, ids: Sequence[int]) -> str:
         """The store key of a passage's KV (microseconds: a hash of the ids)."""
         return kv_key(self.blender.fingerprint, self._context_hash, list(ids))
-
-    def piece_key(self, ids: Sequence[int], context_ids: Sequence[int]) -> str:
-        """The store key of the KV of `ids` computed after `context_ids` (any piece)."""
-        return kv_key(self.blender.fingerprint, hash_ids(list(context_ids)), list(ids))
 
     def get_or_compute(self, ids: Sequence[int]) -> tuple[ChunkKV, str]:
         """A retrieved passage's KV and where it came from: a tier name or "computed" (then stored:
@@ -83,72 +76,45 @@ class ChunkKVCache:
     def delete(self, key: str) -> None:
         self.store.delete(key)
 
-    # ---- any prompt piece: looked up off the model thread, computed on it ----------------------
+    # ---- any span of a prompt, by its key (app.planner decides the keys): read off the model thread --------
 
     def served(self, ids: Sequence[int], source: str) -> None:
         """Report where a retrieved passage's KV came from (a tier name or COMPUTED) to `on_served`."""
         self.on_served(self.key(ids), source)
 
-    def lookup(self, ids: Sequence[int], context_ids: Sequence[int]) -> tuple[ChunkKV | None, str | None]:
-        """The stored KV of `ids` computed after `context_ids`, and its tier; (None, None) on a miss."""
-        ids = list(ids)
-        if not context_ids and ids == self.head_ids and self._head is not None:
-            return self._head, "memory"
-        kv, tier = self.store.get_with_tier(self.piece_key(ids, context_ids))
-        if kv is not None and kv.token_ids.tolist() == ids:
+    def context_hash(self) -> str:
+        """The hash of the tokens a passage is precomputed after (the head, or none): a span's content key's."""
+        return self._context_hash
+
+    def lookup_key(self, key: str, ids: Sequence[int]) -> tuple[ChunkKV | None, str | None]:
+        """The entry `key` if it holds `ids`, and its tier; (None, None) on a miss. The head: its exact copy."""
+        if key == self.head_key and list(ids) == self.head_ids:
+            return self.head(), "memory"
+        kv, tier = self.store.get_with_tier(key)
+        if kv is not None and kv.token_ids.tolist() == list(ids):
             return kv, tier
         return None, None
 
-    def open(self, ids: Sequence[int], context_ids: Sequence[int]) -> tuple[LayerSource | None, str | None]:
-        """The stored KV of `ids` after `context_ids` opened for per-layer reads (a pipelined prefill reads
-        and closes it), and its tier; (None, None) on a miss. Reads only the entry's head."""
-        ids = list(ids)
-        entry = self.store.open(self.piece_key(ids, context_ids))  # staged as the store's placement says
+    def open_key(self, key: str, ids: Sequence[int]) -> tuple[ChunkKV | LayerSource | None, str | None]:
+        """The entry `key` opened for per-layer reads (a pipelined prefill reads and closes it) if it holds `ids`,
+        and its tier; (None, None) on a miss. Reads only the entry's head."""
+        if key == self.head_key and list(ids) == self.head_ids:
+            return self.head(), "memory"
+        entry = self.store.open(key)  # staged as the store's placement says
         if entry is None:
             return None, None
-        if entry.token_ids.tolist() != ids:
+        if entry.token_ids.tolist() != list(ids):
             entry.close()
             return None, None
         return entry, entry.tier
 
-    def compute(self, ids: Sequence[int], context_ids: Sequence[int], before: Sequence[ChunkKV] = ()) -> ChunkKV:
-        """Precompute and store the KV of `ids` after `context_ids`; returns it as a store hit would.
-        `before`: the KVs laid out in front of it that hold exactly `context_ids` (the head and earlier
-        conversation pieces), so only `ids` run."""
-        ids, context_ids = list(ids), list(context_ids)
-        if ids == self.head_ids and not context_ids:  # the head: kept exact (`head`)
-            return self.head()
-        if context_ids == self.context_ids and not before:  # a passage
-            kv = self._compute(ids, context_ids)
-        else:
-            context = _joined(before, self.blender.device, self.blender.dtype) if before else None
-            kv = self.blender.precompute(ids, context_ids, context=context)
-        return self.store.put(self.piece_key(ids, context_ids), kv)  # as a later hit will read it back
-
-    def put(self, ids: Sequence[int], context_ids: Sequence[int], kv: ChunkKV) -> ChunkKV:
-        """Store a piece's KV computed elsewhere (a prefill's fresh tokens) under its key."""
-        return self.store.put(self.piece_key(ids, context_ids), kv)
-
-    def tier_of(self, ids: Sequence[int], context_ids: Sequence[int]) -> str | None:
-        """The first tier holding the KV of `ids` after `context_ids`, without reading it; None if none does."""
-        key = self.piece_key(ids, context_ids)
-        return next((tier.name for tier in self.store.tiers if tier.contains(key)), None)
-
     def _load(self, ids: list[int], context_ids: list[int]) -> tuple[ChunkKV, str]:
-        kv, tier = self.lookup(ids, context_ids)
+        kv, tier = self.lookup_key(self.key(ids), ids)
         if kv is not None:
             return kv, tier
-        return self.compute(ids, context_ids), COMPUTED
+        return self.store.put(self.key(ids), self._compute(ids, context_ids)), COMPUTED
 
     def _compute(self, ids: list[int], context_ids: list[int]) -> ChunkKV:
         context = self.head() if context_ids and context_ids == self.head_ids else None
         return self.blender.precompute(ids, context_ids, context=context)
 
-
-def _joined(parts: Sequence[ChunkKV], device: torch.device, dtype: torch.dtype) -> ChunkKV:
-    """Consecutive exact pieces (head, conversation...) as one ChunkKV, to serve as a precompute context
-    (on the model's device: the pieces may come from different tiers)."""
-    first = parts[0]
-    return ChunkKV(torch.cat([p.keys.to(device, dtype) for p in parts], dim=2),      # [L, H, sum T, D]
-                   torch.cat([p.values.to(device, dtype) for p in parts], dim=2),
-                   torch.cat([p.token_ids for p in parts]), first.position, first.context_hash, first.fingerprint)

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+LIBRARY_LOGGERS = ("python_multipart", "multipart")
 _STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 
@@ -31,5 +32,12 @@ def setup_logging(level: str | None = None) -> None:
     root.setLevel((level or os.environ.get("RAGBLEND_LOG_LEVEL", "WARNING")).upper())
     root.propagate = False
     root._ragblend_configured = True
+    # Libraries that log in a request's path (the multipart parser: "Skipping data after last boundary") write
+    # JSON lines through the same handler, at WARNING and above
+    for library in LIBRARY_LOGGERS:
+        logger = logging.getLogger(library)
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
     for noisy in ("transformers", "sentence_transformers", "httpx", "faiss"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

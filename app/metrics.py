@@ -105,8 +105,9 @@ class Metrics:
                  store_stats: Callable[[], dict[str, Any] | None],
                  decode_steps: Callable[[], dict[int, tuple[int, float]]] = dict):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("ragblend:http_requests", "HTTP requests by endpoint and status.",
-                                ["endpoint", "status"], registry=r)
+        # tenant: a name from server.api_keys ("default" for the single key): bounded by the config
+        self.requests = Counter("ragblend:http_requests", "HTTP requests by endpoint, status and tenant.",
+                                ["endpoint", "status", "tenant"], registry=r)
         self.ttft = Histogram("ragblend:time_to_first_token_seconds", "Time to first token, queue included.",
                               ["mode"], buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("ragblend:e2e_request_latency_seconds", "End-to-end query latency, queue included.",

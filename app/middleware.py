@@ -1,4 +1,4 @@
-"""ASGI middleware of the API: request counting, the API key and the body-size cap.
+"""ASGI middleware of the API: request counting, the API keys (and the tenant each names) and the body-size cap.
 
 Pure ASGI rather than BaseHTTPMiddleware, so streamed responses and disconnects pass untouched.
 """
@@ -7,6 +7,9 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 from starlette.datastructures import Headers
 from starlette.routing import BaseRoute, Match
@@ -18,6 +21,29 @@ from app.metrics import Metrics
 log = logging.getLogger("ragblend.server")
 
 HEALTH_PATHS = ("/health", "/health/live", "/health/ready")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Who a request is for: the name its API key maps to (server.api_keys; "" is the default tenant: the single
+    server.api_key, or a server without keys) and the share of each tier's pinned cap its leases may take."""
+
+    name: str = ""
+    pinned_share: float = 1.0
+
+    @property
+    def label(self) -> str:  # in metrics
+        return self.name or "default"
+
+
+# The tenant of the request being served, set for the whole request (its handlers, the threads they start and
+# its streamed body inherit it).
+TENANT: ContextVar[Tenant] = ContextVar("ragblend_tenant", default=Tenant())
+TENANT_SCOPE_KEY = "ragblend.tenant"  # ... and in the ASGI scope, for the middleware outside (request counting)
+
+
+def current_tenant() -> Tenant:
+    return TENANT.get()
 
 
 class CountRequests:
@@ -41,33 +67,49 @@ class CountRequests:
             await self.app(scope, receive, send_status)
         finally:
             endpoint = next((r.path for r in self.routes if r.matches(scope)[0] == Match.FULL), "unmatched")
-            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.requests.labels(endpoint, str(status), scope.get(TENANT_SCOPE_KEY, Tenant()).label).inc()
             log.info("request", extra={"method": scope["method"], "path": scope["path"], "status": status,
                                        "ms": round((time.perf_counter() - start) * 1000, 1)})
 
 
 class RequireApiKey:
-    """`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every path but the public ones, when a
-    key is configured."""
+    """`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) on every path but the public ones, when
+    keys are configured; the key names the request's tenant (TENANT)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, public: tuple[str, ...] = HEALTH_PATHS,
-                 public_prefix: str | None = None):
-        self.app, self.key, self.public, self.public_prefix = app, (api_key or "").encode(), public, public_prefix
+    def __init__(self, app: ASGIApp, keys: Mapping[str, str], public: tuple[str, ...] = HEALTH_PATHS,
+                 public_prefix: str | None = None, pinned_share: float = 1.0):
+        """`keys`: API key -> tenant name; none: no key asked, every request the default tenant ("").
+        `pinned_share`: a named tenant's share of each tier's pinned cap."""
+        self.app, self.public, self.public_prefix = app, public, public_prefix
+        self.keys = [(key.encode(), Tenant(name, pinned_share if name else 1.0)) for key, name in keys.items()]
 
     def _is_public(self, path: str) -> bool:
         return path in self.public or bool(self.public_prefix and path.startswith(self.public_prefix))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.key and not self._is_public(scope["path"]):
-            headers = Headers(scope=scope)
-            scheme, _, token = headers.get("authorization", "").partition(" ")
-            bearer = token.strip() if scheme.lower() == "bearer" else None
-            if not any(hmac.compare_digest(given.encode(), self.key)
-                       for given in (bearer, headers.get("x-api-key")) if given is not None):
+        tenant = Tenant()
+        if scope["type"] == "http" and self.keys and not self._is_public(scope["path"]):
+            tenant = self._tenant(Headers(scope=scope))
+            if tenant is None:
                 error = ApiError(401, "missing or invalid API key (Authorization: Bearer ... or x-api-key)",
                                  "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return await error.response_for(scope["path"])(scope, receive, send)
-        await self.app(scope, receive, send)
+        scope[TENANT_SCOPE_KEY], token = tenant, TENANT.set(tenant)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            TENANT.reset(token)
+
+    def _tenant(self, headers: Headers) -> Tenant | None:
+        """The tenant of the key the request gives; None: no valid key. Every key compared (constant time)."""
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        bearer = token.strip() if scheme.lower() == "bearer" else None
+        found = None
+        for given in (bearer, headers.get("x-api-key")):
+            for key, tenant in self.keys:
+                if given is not None and hmac.compare_digest(given.encode(), key) and found is None:
+                    found = tenant
+        return found
 
 
 class LimitBody:

@@ -214,10 +214,10 @@ class Choice(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = Field(description="Prompt tokens whose KV was read from the store.")
+    cached_tokens: int = Field(description="Prompt tokens whose KV was read from the store and not recomputed.")
     exact_tokens: int = Field(0, description="ragblend extra: of those, the exact prefix (used as is).")
-    recomputed_tokens: int = Field(0, description="ragblend extra: of those, recomputed by the blend (the rest "
-                                                  "at new positions was RoPE-shifted and reused).")
+    recomputed_tokens: int = Field(0, description="ragblend extra: tokens read from the store but recomputed by "
+                                                  "the blend (not in cached_tokens).")
 
 
 class Usage(BaseModel):

@@ -7,6 +7,8 @@ for which family and how long, and what the response says about it.
 - Anthropic (/v1/messages): each `cache_control` breakpoint leases the prefix up to it for its ttl (5m, 1h);
   an entry under several gets the longest.
 
+A family is its tenant's (app.middleware.Tenant): another tenant's family of the same name is another family,
+and a named tenant's leases pin at most `server.tenant_pinned_share` of each tier's cap.
 Leases are soft (a hit runs the ttl again) and taken after the answer is decoded, off the model thread
 (`lease()` writes to the metadata database). One that a tier refuses (its pinned cap, `store.*_pinned_bytes`,
 is reached; the database is down) never fails the request: its entries stay under LRU there, and the response
@@ -21,6 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from app.middleware import current_tenant
 from app.query import KeyUse
 from store import LeaseResult, TieredStore
 
@@ -53,7 +56,8 @@ def prefix_keys(uses: Sequence[KeyUse], through_message: int | None) -> list[str
 
 
 async def lease(store: TieredStore, family: str, asks: Iterable[tuple[Sequence[str], float]]) -> LeaseNote | None:
-    """Lease each (keys, ttl_s) ask to `family`, a key under several at the longest ttl; None: nothing asked."""
+    """Lease each (keys, ttl_s) ask to `family` of the request's tenant (within its share of the pinned caps), a
+    key under several at the longest ttl; None: nothing asked."""
     ttl_of: dict[str, float] = {}
     for keys, ttl_s in asks:
         for key in keys:
@@ -63,7 +67,9 @@ async def lease(store: TieredStore, family: str, asks: Iterable[tuple[Sequence[s
     by_ttl: dict[float, list[str]] = {}
     for key, ttl_s in ttl_of.items():
         by_ttl.setdefault(ttl_s, []).append(key)
-    results = [await asyncio.to_thread(store.lease, keys, family, ttl_s) for ttl_s, keys in by_ttl.items()]
+    tenant = current_tenant()
+    results = [await asyncio.to_thread(store.lease, keys, family, ttl_s, tenant=tenant.name, share=tenant.pinned_share)
+               for ttl_s, keys in by_ttl.items()]
     return _note(results)
 
 

@@ -35,7 +35,7 @@ class QueryParams:
     tools: tuple[dict, ...] = ()
     retrieval_query: str | None = None
     retrieve: bool = True  # False: no passages, the prompt is the conversation alone
-    remember: bool = False  # store this exchange's KV for the next turn (chat)
+    tenant: str = ""  # who asks (set from the API key): the store keys of a client's prompt text mix it in
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
     grammar: str | None = None  # the answer's grammar (llguidance Lark, app.tool_calls): tool_choice, response_format
     tool_calls: bool = False  # parse the calls in the answer (with tools, but for tool_choice none)
@@ -59,9 +59,9 @@ class QueryStats:
     kv_load_ms: float = 0.0
     prefill_ms: float = 0.0
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV was read from the store (not computed for this request)
-    exact_tokens: int = 0  # of those, the exact prefix: used as is, never recomputed
-    recomputed_tokens: int = 0  # cached tokens at a new position that the blend recomputed
+    cached_tokens: int = 0  # prompt tokens whose KV was read from the store and not recomputed
+    exact_tokens: int = 0  # of those, the exact prefix: used as is
+    recomputed_tokens: int = 0  # tokens read from the store at a new position that the blend recomputed
     recompute_ratio: float = 1.0
     selection: str | None = None
     completion_tokens: int = 0
@@ -70,9 +70,9 @@ class QueryStats:
     queue_ms: float = 0.0  # time waiting for a slot on the model thread (set by the server)
     conversation_tokens: int = 0  # chat messages in the prompt (the question after passages not counted)
     conversation_cached_tokens: int = 0  # of those, read from the store
-    message_kv: list[str] = field(default_factory=list)  # per message piece, in prompt order: "exact" (stored,
-    # same tokens before it), "blended" (stored, at a new position), "computed" (here, before the prefill) or
-    # "fresh" (new at the end: computed in the prefill, with the question)
+    spans: list[dict] = field(default_factory=list)  # app.planner's spans in prompt order (the question apart):
+    # kind, tokens, message (the last it covers), kv ("exact": read, used as is; "blended": read, RoPE-shifted and
+    # blended; "compute": computed in the prefill, then stored) and tier (where it was read)
     dropped_messages: int = 0  # earlier messages left out: the conversation did not fit the context
     load_wait_ms: float = 0.0  # prefill time spent waiting for chunk KV layers (loading not hidden by compute)
     loading: dict | None = None  # blend.ratio auto: the controller's ratio, chunks recomputed from text, and why
@@ -80,9 +80,9 @@ class QueryStats:
 
 @dataclass(frozen=True)
 class KeyUse:
-    """A store key the request's prompt read or wrote: its tokens and the chat message it belongs to (its index
-    in `QueryParams.messages`; None for the head, the passages' turn opening and passages). `cached`: read from
-    the store, not computed for this request."""
+    """A store key the request's prompt read or wrote (a span's: app.planner): its tokens and the last chat
+    message it covers (its index in `QueryParams.messages`; None for the head, the passages' turn opening and
+    passages). `cached`: read from the store, not computed for this request."""
 
     key: str
     tokens: int

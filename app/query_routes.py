@@ -184,19 +184,20 @@ async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
     if len(body.messages) > limits.max_messages:
         raise LimitError("messages", f"at most {limits.max_messages} messages (got {len(body.messages)})")
     chat = Conversation.from_messages(body.messages)
-    check_limits(limits, question=chat.question, top_k=body.top_k, question_field="messages",
+    retrieve = body.retrieval if body.retrieval is not None else body.model != svc.model_name + NO_RETRIEVAL
+    # the question limit is the retrieval question's: without retrieval a message may carry documents (budget only)
+    check_limits(limits, question=chat.question if retrieve else "", top_k=body.top_k, question_field="messages",
                  max_tokens={"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens})
     texts = [(f"messages.{i}", message.budget_text()) for i, message in enumerate(body.messages)]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     grammar = answer_grammar(body, tools)
     texts += [("tools", json.dumps(tools))] if tools else []
     await asyncio.to_thread(check_budget, limits, texts, svc.count_tokens, "messages")
-    retrieve = body.retrieval if body.retrieval is not None else body.model != svc.model_name + NO_RETRIEVAL
     return svc.query_params(chat.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
                             max_tokens=body.new_tokens(), temperature=body.temperature or 0.0,
                             top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed,
                             messages=tuple(m.as_prompt() for m in body.messages), tools=tuple(tools),
-                            retrieve=retrieve, retrieval_query=chat.retrieval_query(), remember=True,
+                            retrieve=retrieve, retrieval_query=chat.retrieval_query(),
                             grammar=grammar, tool_calls=bool(tools) and body.tool_choice != "none")
 
 

@@ -12,11 +12,15 @@ Each request holds a slot from admission to its last token; at most `max_batch` 
 slots (blend.pool: the server sizes both from server.max_batch; a request takes its pool slot when its
 prefill ends and gives it back when its program closes, cancelled or done). The loop:
     1. admit queued requests into free slots; end cancelled ones at once (their slot is free)
-    2. run one slice: the oldest request that is not decoding advances until it yields or the slice
-       budget is spent; if none needs it, one model task may run instead: always when no request is
+    2. run one slice: the least served request that is not decoding (the one whose prefill slices have had
+       the least model time so far) advances until it yields or the slice budget is spent; if none needs it, one model task may run instead: always when no request is
        in flight, else only to keep tasks at TASK_SHARE of the thread's time (requests before tasks,
        so a query waits about one chunk's precompute behind an upload, and its tokens keep flowing)
     3. one batched decode step for every request waiting on logits, each then resumed with its row
+Least served first (least attained service): a request's size is not known ahead, but a new one has had
+none, so a short query sent during a long chat's prefill runs its prefill next, and its first token comes
+after one slice of the long one, not after all of it; long prefills beside one another take turns. (Oldest
+first made a 4-token query wait for a 40-message chat's whole prefill: 94x its TTFT alone; see BENCHMARKS.)
 Prefill first (vLLM's and SGLang's default order): a request still prefilling adds a row to every later
 step, so its prefill runs before the streams already answering get their next token, but for at most
 `max_stall_s` between two of their tokens (plus the rest of the layer it is in): a long prompt is cut into
@@ -52,6 +56,8 @@ class _Request(Slot):
     """A request's program in its slot, with the job that carries its events to its client."""
     job: Job | None = None
     admitted: float = field(default_factory=time.monotonic)
+    served_s: float = 0.0  # model time its prefill slices have had: the next slice goes to the least served
+    answered: bool = False  # has reached decoding (its first token is out): no longer waiting
 
     def cancelled(self) -> bool:
         return self.job.cancelled.is_set()
@@ -144,6 +150,13 @@ class Scheduler:
             self._cond.notify()
         return task
 
+    def oldest_wait_s(self) -> float:
+        """How long the longest-waiting request has waited for its first token (queued or prefilling)."""
+        with self._cond:
+            since = [job.submitted for job in self._waiting if job.waiting]
+        since += [slot.job.submitted for slot in list(self._slots) if not slot.answered]
+        return max((time.monotonic() - t for t in since), default=0.0)
+
     def snapshot(self) -> dict[str, Any]:
         """The model thread's state, for /health."""
         current = self._current
@@ -155,6 +168,7 @@ class Scheduler:
             "current": None if current is None else {"work": current[0],
                                                      "age_s": round(time.monotonic() - current[1], 3)},
             "queue_depth": self.waiting,
+            "oldest_wait_s": round(self.oldest_wait_s(), 3),
             "active_slots": len(slots),
             "decoding": sum(1 for s in slots if s.state == "decode"),
             "max_batch": self.max_batch,
@@ -258,21 +272,22 @@ class Scheduler:
             self._driver.finish(slot)
 
     def _prefill_slice(self) -> bool:
-        """Advance the oldest request that is neither decoding nor offloaded, for up to one slice.
+        """Advance the least served request that is neither decoding nor offloaded, for up to one slice.
 
         While streams are answering, a slice may last until they have waited `max_stall_s` for their next
         token (the step after it included), at least `slice_s`: the prefill joins their batch as early as
         that allows. A prefill crawling at a share of the thread instead would leave every step until it
         joins a row short, and the last stream to join decoding alone at the end."""
-        slot = next((s for s in self._slots if s.state == "ready"), None)
+        slot = min((s for s in self._slots if s.state == "ready"), key=lambda s: s.served_s, default=None)
         if slot is None:
             return False
         streaming = any(s.state == "decode" for s in self._slots)
         budget = max(self.slice_s, self.max_stall_s - self._driver.last_step_s) if streaming else self.slice_s
-        deadline = time.monotonic() + budget
+        start = time.monotonic()
         with self._working(slot.label):
-            while self._driver.advance(slot) and time.monotonic() < deadline:
+            while self._driver.advance(slot) and time.monotonic() < start + budget:
                 pass
+        slot.served_s += time.monotonic() - start
         return True
 
     def _run_task(self) -> None:
@@ -290,9 +305,12 @@ class Scheduler:
         self._next_task_at = end + (end - start) * (1 / TASK_SHARE - 1)
 
     def _decode(self) -> None:
-        rows = len(self._driver.waiting())
+        waiting = self._driver.waiting()
+        rows = len(waiting)
         if not rows:
             return
+        for slot in waiting:
+            slot.answered = True
         with self._working(f"decode step ({rows} rows)"):
             self._driver.decode()
         self._decode_steps[rows] += 1

@@ -61,16 +61,17 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     for exc_type in HANDLED:
         app.add_exception_handler(exc_type, handle_error)
     app.add_middleware(LimitBody, max_bytes=settings.limits.max_body_bytes)
-    app.add_middleware(RequireApiKey, api_key=settings.server.api_key, public=(*HEALTH_PATHS, *PUBLIC_PATHS),
-                       public_prefix=PUBLIC_PREFIX)
+    app.add_middleware(RequireApiKey, keys=settings.server.tenant_keys(), public=(*HEALTH_PATHS, *PUBLIC_PATHS),
+                       public_prefix=PUBLIC_PREFIX, pinned_share=settings.server.tenant_pinned_share)
     # outermost: sees every status
     app.add_middleware(CountRequests, metrics=svc.metrics, routes=[*(r for rt in routers for r in rt.routes), *page])
     return app
 
 
 def run_server(settings: Settings, host: str, port: int) -> None:
-    """`ragblend serve`. SIGTERM/SIGINT begin our shutdown at once (uploads cancelled, new requests
-    refused), while uvicorn stops listening and waits up to `server.shutdown_grace_s` for open requests."""
+    """`ragblend serve`. SIGTERM/SIGINT begin our shutdown at once (uploads cancelled, new requests answered 503
+    while the listener stays open), and once running requests end (`server.shutdown_grace_s` at most) uvicorn
+    stops listening and waits for the connections still open."""
     import uvicorn
 
     from app.logs import setup_logging
@@ -78,7 +79,14 @@ def run_server(settings: Settings, host: str, port: int) -> None:
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             # In the signal handler: hand off to a thread (it takes locks this thread may hold).
-            threading.Thread(target=app.state.service.begin_shutdown, name="ragblend-shutdown").start()
+            threading.Thread(target=self.drain, args=(sig, frame), name="ragblend-shutdown").start()
+
+        def drain(self, sig: int, frame: Any) -> None:
+            """Our shutdown first: while running requests finish (the grace at most), the listener stays open
+            and a new request gets a 503 shutting_down with Retry-After; then uvicorn stops listening."""
+            svc = app.state.service
+            svc.begin_shutdown()
+            svc.wait_drained(settings.server.shutdown_grace_s)
             super().handle_exit(sig, frame)
 
         @contextmanager

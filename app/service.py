@@ -10,7 +10,9 @@ client that disconnects (streaming or not) stops its work. app/components.py's `
 parts once the engine has loaded.
 
 Health: /health reports the model thread (alive, what it runs and for how long, queue depth, active
-slots) and the ingest lane, and is 503 while loading, after a failed load, while shutting down, or
+slots, the longest wait for a first token) and the ingest lane; it says "degraded" (still 200) while a request
+has waited past `server.degraded_wait_s` for its first token or a write found the data disk full, and is 503
+while loading, after a failed load, while shutting down, or
 when the model thread has been on one piece of work longer than `server.stuck_after_s`;
 /health/live (503 only when the model thread is dead or stuck) and /health/ready (= /health's code)
 for orchestrators. Shutdown (SIGTERM): stop accepting, cancel uploads (rolled back: nothing half
@@ -33,11 +35,13 @@ from app.config import Settings
 from app.query import QueryParams
 from app.errors import ApiError
 from app.metrics import Metrics
+from app.middleware import current_tenant
 from app.scheduler import Scheduler
 from app.worker import Job, QueueFull, QueueTimeout, Worker, WorkerStopped
 
 log = logging.getLogger("ragblend.server")
 
+DISK_FULL_S = 60.0  # /health says degraded this long after a write found the disk full
 STOP_MARGIN_S = 10.0  # at shutdown, after the grace period: time for cancelled work to reach its next check
 
 
@@ -56,6 +60,7 @@ class Service:
         self.load_error: str | None = None
         self.stopping: float | None = None  # when shutdown began (monotonic)
         self.created = int(time.time())
+        self.disk_full_at: float | None = None  # when a write last found the data disk full (monotonic)
 
     def start(self) -> None:
         self.lane = Worker(self.settings.server.queue_size, name="ragblend-ingest")  # an app may be restarted
@@ -97,6 +102,12 @@ class Service:
             timer = threading.Timer(self.settings.server.shutdown_grace_s, self.scheduler.cancel_all)
             timer.daemon = True
             timer.start()
+
+    def wait_drained(self, timeout_s: float) -> None:
+        """Wait until no request or upload runs, `timeout_s` at most (after begin_shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self.running and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """Shut down: `begin_shutdown`, then wait for the lane and the model thread (the grace period, plus
@@ -149,6 +160,9 @@ class Service:
                        f"(server.stuck_after_s: {self.settings.server.stuck_after_s:g})")
         if scheduler is not None:
             report["model_thread"] = scheduler.snapshot()
+            degraded = self._degraded(report["model_thread"])
+            if degraded and report["status"] == "ok":  # still answering (200), but slowly or in part
+                report["status"], report["degraded"] = "degraded", degraded
         report["ingest"] = self.lane.snapshot()
         if self.serving and self.serving.blend_disabled:
             report["blend_disabled"] = self.serving.blend_disabled  # the model gate: every prefill runs in full
@@ -156,10 +170,22 @@ class Service:
             report["error"] = ApiError(503, problem, report["status"]).body()["error"]
         return report
 
+    def _degraded(self, model_thread: dict[str, Any]) -> list[str]:
+        """Why the server answers worse than it should: requests waiting past server.degraded_wait_s for their
+        first token; the data disk full (an upload or delete found no space in the last disk_full_s)."""
+        reasons, bound = [], self.settings.server.degraded_wait_s
+        if model_thread["oldest_wait_s"] > bound:
+            reasons.append(f"a request has waited {model_thread['oldest_wait_s']:.0f} s for its first token "
+                           f"(server.degraded_wait_s: {bound:g})")
+        if self.disk_full_at is not None and time.monotonic() - self.disk_full_at < DISK_FULL_S:
+            reasons.append("the data disk is full: uploads and deletes are refused (507)")
+        return reasons
+
     def query_params(self, question: str, *, top_k: int | None, max_tokens: int | None, **rest: Any) -> QueryParams:
         """Engine parameters, with this server's defaults for what the request left out."""
         return QueryParams(question, top_k=top_k or self.settings.retrieval.top_k,
-                           max_tokens=max_tokens or self.settings.limits.default_max_new_tokens, **rest)
+                           max_tokens=max_tokens or self.settings.limits.default_max_new_tokens,
+                           tenant=current_tenant().name, **rest)
 
     async def submit_query(self, params: QueryParams, kind: str) -> Job:
         """Queue a query for a slot on the model thread and wait until it has one. Its label, which /health
@@ -171,7 +197,8 @@ class Service:
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's tokens in the model's tokenizer, special tokens left out: the unit of the budgets."""
-        return [len(ids) for ids in self.serving.engine.parts.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        tokenizer = self.serving.engine.parts.tokenizer
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
 
     async def on_lane(self, request: Request, fn: Callable[[Callable[[], bool]], Any], label: str) -> Any:
         """Run `fn(cancelled)` on the ingest lane and return its result; cancelled if the client leaves."""
@@ -241,7 +268,7 @@ def health(request: Request) -> JSONResponse:
     503 otherwise (loading, failed to load, stuck, shutting down). The body says which, and what the
     model thread and the ingest lane are doing."""
     report = request.app.state.service.health()
-    return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
+    return JSONResponse(report, status_code=200 if report["status"] in ("ok", "degraded") else 503)
 
 
 @router.get("/health/live", responses=HEALTH_503)
@@ -256,7 +283,7 @@ def health_live(request: Request) -> JSONResponse:
 def health_ready(request: Request) -> JSONResponse:
     """Readiness: 200 when /health is (send traffic here)."""
     status = request.app.state.service.health()["status"]
-    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+    return JSONResponse({"status": status}, status_code=200 if status in ("ok", "degraded") else 503)
 
 
 @router.get("/metrics", response_class=Response)

@@ -110,13 +110,12 @@ def one_turn(engine: RagEngine, messages: list[dict], mode: str, ratio: float, a
 
     def program():
         start, cpu = time.perf_counter(), time.process_time()
-        plan, prefill = yield from engine.prefill(params, answer_tokens, stats)
+        plan, loaded, prefill = yield from engine.prefill(params, answer_tokens, stats)
         int(prefill.logits.argmax())  # the first token is chosen from these
         seconds["prefill_s"], seconds["cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
         start = time.perf_counter()
-        if mode != "full":
-            engine.store_as_prompted(plan, prefill)
-            yield from engine.store_after(plan, prefill, None)
+        if mode != "full":  # the spans the store lacked, cut from the prefill (app.planner): no compute
+            engine.planner.store(plan, loaded, prefill)
         seconds["store_s"] = time.perf_counter() - start
         yield plan, prefill
 

@@ -4,9 +4,11 @@ Contract:
     precompute(ids, context_ids) -> ChunkKV        a chunk's K/V, computed after `context_ids`
     prefill(segments, suffix_ids, ratio) -> Prefill
         segments: cached ChunkKVs laid out in order, or LayerSources (a store entry read a layer at a
-        time; with pipeline=True a loader thread reads layer i+1 while layer i computes: blend.pipeline);
+        time; with pipeline=True a loader thread reads layer i+1 while layer i computes: blend.pipeline),
+        or `fresh(ids, position)` spans with no KV, computed in the prefill through every layer;
         the suffix is always computed fresh.
-        ratio 1 reproduces full prefill, ratio 0 is full reuse (shifted KV concatenated).
+        ratio 1 reproduces full prefill, ratio 0 is full reuse (shifted KV concatenated); the ratio is of the
+        cached tokens (fresh ones always run).
     prefill_steps(...) -> Generator[None, None, Prefill]
         the same prefill, resumable: it yields after each layer, so a scheduler can run other
         requests' decode steps between the layers of a long prefill
@@ -43,7 +45,7 @@ from blend.attention import BLEND_ATTENTION
 from blend.backend import Backend, backend_for
 from blend.cache import BlendCache
 from blend.gate import judge, sliding_window, static_refusal, tolerance
-from blend.pipeline import ChunkMiss, KVLayers, LayerLoader, LayerSource, as_source
+from blend.pipeline import ChunkMiss, Fresh, LayerLoader, LayerSource, as_source
 from blend.rope import RopeShifter, RopeUnsupportedError
 from blend.selection import Policy, SelectionContext, get_policy, select
 from common.chunk_kv import ChunkKV, KVMismatchError, hash_ids
@@ -241,6 +243,11 @@ class Blender:
 
     # ---- prefill --------------------------------------------------------------------------
 
+    def fresh(self, ids: Sequence[int], position: int) -> Fresh:
+        """A segment of `ids` at `position` with no KV: computed in the prefill (any ratio), with the suffix."""
+        return Fresh(torch.tensor(list(ids), dtype=torch.int64), position, self.kv_heads, self.head_dim,
+                     self.num_layers)
+
     @torch.inference_mode()
     def full_prefill(self, ids: Sequence[int], *, reserve: int = 0) -> Prefill:
         """Every token through the model's own forward (its own attention, masks and head): the reference.
@@ -292,7 +299,7 @@ class Blender:
                     log.warning("chunk KV failed to load, recomputing it", extra={"chunk": miss.index,
                                                                                   "reason": str(miss.cause)})
                     sources[miss.index].close()
-                    sources[miss.index] = KVLayers(recompute(miss.index))
+                    sources[miss.index] = as_source(recompute(miss.index))
                     reloaded += 1
         finally:
             for source in sources:
@@ -348,20 +355,26 @@ class Blender:
         total, cached = ids.numel(), bounds[-1][1] if bounds else 0
         # 2. The exact prefix needs nothing; the rest of the cached tokens (the candidates) may be repaired.
         exact = self._exact_prefix(segments)
-        n_select = round(ratio * (cached - exact))
-        stats = PrefillStats(total, cached, exact, n_select, ratio)
+        forced = torch.cat([torch.arange(lo, hi) for s, (lo, hi) in zip(segments, bounds) if isinstance(s, Fresh)]
+                           or [torch.empty(0, dtype=torch.long)]).to(self.device) - exact   # [f] candidate rows
+        n_select = round(ratio * (cached - exact - forced.numel()))
+        stats = PrefillStats(total, cached - forced.numel(), exact, n_select, ratio)
         scores = torch.full((total,), float("nan"))
         suffix = torch.arange(cached, total, device=self.device)
+        if n_select == 0 and forced.numel():  # only the fresh spans and the question run
+            hidden, run, first = self._keep(ids, forced + exact, suffix, None, None, 0)
+            hidden = yield from self._layers(hidden, run, cache, 0, self.num_layers)
+            return self._finish(cache, hidden, clock, run[:forced.numel()], scores, stats)
         if n_select == 0:     # full reuse: only the question runs
             hidden = yield from self._layers(self._embed(ids, suffix), suffix, cache, 0, self.num_layers)
             return self._finish(cache, hidden, clock, torch.empty(0, dtype=torch.long), scores, stats)
-        if n_select == cached - exact:  # every candidate: full prefill
+        if n_select + forced.numel() == cached - exact:  # every candidate: full prefill
             run = torch.arange(exact, total, device=self.device)
             hidden = yield from self._layers(self._embed(ids, run), run, cache, 0, self.num_layers)
-            return self._finish(cache, hidden, clock, run[:n_select], scores, stats)
+            return self._finish(cache, hidden, clock, run[:cached - exact], scores, stats)
 
-        # 3. Score the candidates with what the policy reads.
-        ctx = SelectionContext(n_select, exact, cached, self.num_layers, seed=seed)
+        # 3. Score the candidates with what the policy reads (the fresh ones are picked whatever they score).
+        ctx = SelectionContext(n_select + forced.numel(), exact, cached, self.num_layers, seed=seed, forced=forced)
         stats.selection = policy.name
         if policy.question_layers:  # the question alone over the cached keys (cost ≈ its own length)
             layers = policy.layer_range(self.num_layers)
@@ -382,7 +395,7 @@ class Blender:
         # 4. The selected candidates plus the suffix run the remaining layers.
         hidden, run, first = self._keep(ids, picked + exact, suffix, hidden, run, first)
         hidden = yield from self._layers(hidden, run, cache, first, self.num_layers)
-        return self._finish(cache, hidden, clock, run[:n_select], scores, stats)
+        return self._finish(cache, hidden, clock, run[:ctx.count], scores, stats)
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.decoder.embed_tokens(ids[positions][None])                  # [1, T, hidden]
@@ -437,6 +450,8 @@ class Blender:
         return exact
 
     def _check_segment(self, seg: LayerSource) -> None:
+        if isinstance(seg, Fresh):
+            return
         if seg.fingerprint != self.fingerprint:
             raise KVMismatchError(f"chunk KV belongs to model {seg.fingerprint}, not {self.fingerprint}")
         expected = (self.num_layers, self.kv_heads, len(seg.token_ids), self.head_dim)

@@ -73,6 +73,26 @@ class KVLayers:
         pass
 
 
+class Fresh:
+    """Tokens with no KV, laid out between cached segments: the prefill computes them through every layer
+    (forced into the recompute set), so a span the store lacks needs no compute before the prefill. Its
+    layers read as zeros until the prefill writes them."""
+
+    context_hash = ""  # never an exact prefix
+
+    def __init__(self, token_ids: torch.Tensor, position: int, kv_heads: int, head_dim: int, num_layers: int):
+        self.token_ids, self.position, self.fingerprint = token_ids, position, ""
+        self.shape = (num_layers, kv_heads, len(token_ids), head_dim)
+
+    def layer(self, i: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        zeros = torch.zeros(self.shape[1:], device=device, dtype=dtype)                   # [H, T, D]
+        return zeros, zeros
+
+    def close(self) -> None:
+        pass
+
+
 def as_source(segment: ChunkKV | LayerSource) -> LayerSource:
     return KVLayers(segment) if isinstance(segment, ChunkKV) else segment
 

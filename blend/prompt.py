@@ -9,6 +9,9 @@ render of the first j + 1 messages adds to the render of the first j, so the pie
 template's own rendering of the whole chat (checked on the token ids), tool calls and results included.
 The instruction sits after the passages, next to the question: small models follow it far
 better there than in the system turn alone.
+Text from clients and documents is text: a control token's string written inside it (`<|im_end|>`, say)
+is tokenized as plain text, never as the token (`PromptFormat.plain` marks it before the template renders it,
+`PromptFormat.encode` splits it), so no one can forge a turn; text without one tokenizes as before.
 Each piece is tokenized on its own; a passage reuses its chunk's stored token ids between the
 tokens of its title line and of the blank line after it, so a query tokenizes only its question.
 A full prefill runs the concatenation of the same ids: blended and full prefill read exactly the
@@ -17,13 +20,18 @@ same tokens.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from transformers import PreTrainedTokenizerBase
 
 _SLOT = "\u0000RAGBLEND_SLOT\u0000"
+# A control token's string inside client text stands as one plane-15 private-use character (this + the token's
+# index) from `plain` until `encode`, so the template renders it as text and encode knows it for text.
+_MARK = 0xF0000
+_MARKS = re.compile("[\U000F0000-\U000FFFFD]")
 INSTRUCTION = "Answer the question with a short phrase from the passages above."
 
 
@@ -52,10 +60,49 @@ class PromptFormat:
 
     def system_text(self, system: str | None = None) -> str:
         """The system turn: ours, then the client's system message if it sent one."""
-        return f"{self.system_prompt}\n\n{system.strip()}" if system and system.strip() else self.system_prompt
+        return f"{self.system_prompt}\n\n{self.plain(system.strip())}" if system and system.strip() \
+            else self.system_prompt
+
+    @cached_property
+    def _controls(self) -> tuple[list[str], re.Pattern[str]]:
+        """The tokenizer's control (special) tokens' strings, and a pattern finding them, longest first."""
+        names = {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}
+        names = sorted(names | set(self.tokenizer.all_special_tokens), key=len, reverse=True)
+        return names, re.compile("|".join(map(re.escape, names)) or "(?!)")
+
+    def plain(self, text: str) -> str:
+        """Client or document text made safe to render: each control token's string in it marked as text."""
+        names, pattern = self._controls
+        index = {name: i for i, name in enumerate(names)}
+        return pattern.sub(lambda m: chr(_MARK + index[m.group()]), text)
+
+    def plain_data(self, value):
+        """`plain` on every string of a message or tool definition (JSON data)."""
+        if isinstance(value, str):
+            return self.plain(value)
+        if isinstance(value, dict):
+            return {k: v if k == "role" else self.plain_data(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.plain_data(v) for v in value]
+        return value
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """Token ids of rendered text: the control tokens written in it are tokens, the marked ones text."""
+        if not _MARKS.search(text):  # nothing marked: the tokenizer's own reading
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        names, pattern = self._controls
+        ids, position = [], 0
+        for match in pattern.finditer(text):  # the template's own control tokens
+            ids += self._text_ids(text[position:match.start()])
+            ids.append(self.tokenizer.convert_tokens_to_ids(match.group()))
+            position = match.end()
+        return ids + self._text_ids(text[position:])
+
+    def _text_ids(self, text: str) -> list[int]:
+        names = self._controls[0]
+        text = _MARKS.sub(lambda m: names[ord(m.group()) - _MARK] if ord(m.group()) - _MARK < len(names)
+                          else m.group(), text)
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
 
     @cached_property
     def head_ids(self) -> list[int]:
@@ -67,17 +114,17 @@ class PromptFormat:
 
     def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
         """A passage as the model reads it: its title line, the chunk's own token ids, a blank line."""
-        title_ids = self.encode(f"{title.strip()}\n") if title and title.strip() else []
+        title_ids = self.encode(self.plain(f"{title.strip()}\n")) if title and title.strip() else []
         return title_ids + list(chunk_ids) + self.separator_ids
 
     def text_passage_ids(self, text: str, title: str | None = None) -> list[int]:
         """`passage_ids` of a raw text (the compare harness's dataset passages)."""
-        return self.passage_ids(self.encode(text.strip()), title)
+        return self.passage_ids(self.encode(self.plain(text.strip())), title)
 
     def suffix_ids(self, question: str, system: str | None = None) -> list[int]:
         """Instruction, question, the user turn's end and the assistant turn's opening."""
         tail = self.tail_text if not system or not system.strip() else self._split_template(system)[1]
-        return self.encode(f"{INSTRUCTION}\nQuestion: {question.strip()}{tail}")
+        return self.encode(f"{INSTRUCTION}\nQuestion: {self.plain(question.strip())}{tail}")
 
     @cached_property
     def chat(self) -> ChatTemplate:
@@ -127,7 +174,7 @@ class ChatTemplate:
     def system_message(self, system: str | None, tools: Sequence[dict] | None) -> dict:
         text = self.prompt.system_text(system)
         if tools and not self.native_tools:
-            text += "\n\n" + hermes_tools(tools)
+            text += "\n\n" + hermes_tools(tools, self.prompt.plain)
         return {"role": "system", "content": text}
 
     def normalized(self, message: dict) -> dict:
@@ -141,13 +188,13 @@ class ChatTemplate:
             out["content"] = "\n".join([out["content"]] * bool(out["content"])
                                        + [f"<tool_call>\n{t}\n</tool_call>" for t in texts])
             del out["tool_calls"]
-        return out
+        return self.prompt.plain_data(out)
 
     def render(self, system: dict, messages: Sequence[dict], tools: Sequence[dict] | None,
                generation: bool) -> str:
         return self.prompt.tokenizer.apply_chat_template(
-            [system, *messages], tools=list(tools) if tools and self.native_tools else None, tokenize=False,
-            add_generation_prompt=generation)
+            [system, *messages], tools=self.prompt.plain_data(list(tools)) if tools and self.native_tools else None,
+            tokenize=False, add_generation_prompt=generation)
 
     def layout(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
                system: str | None = None) -> ChatLayout:
@@ -181,9 +228,10 @@ class ChatTemplate:
         return self.prompt.encode(head[len(full):]) if head.startswith(full) else self.prompt.encode(head)
 
 
-def hermes_tools(tools: Sequence[dict]) -> str:
-    """Tools (OpenAI's form) described in the Hermes form, and how to call them (app.tool_calls parses it)."""
-    listed = "\n".join(json.dumps(t, sort_keys=True) for t in tools)
+def hermes_tools(tools: Sequence[dict], plain: Callable[[str], str] = str) -> str:
+    """Tools (OpenAI's form) described in the Hermes form, and how to call them (app.tool_calls parses it);
+    `plain`: what makes the client's text safe to render (PromptFormat.plain)."""
+    listed = plain("\n".join(json.dumps(t, sort_keys=True) for t in tools))
     return (f"You may call these tools:\n<tools>\n{listed}\n</tools>\nTo call one, write "
             f'<tool_call>\n{{"name": <its name>, "arguments": <its arguments>}}\n</tool_call>')
 

@@ -39,6 +39,7 @@ class SelectionContext:
     deviation: torch.Tensor | None = None      # [n]
     attention: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hq, n]
     seed: int = 0
+    forced: torch.Tensor | None = None         # [f] candidate indices picked whatever they score (no KV yet)
 
     @property
     def n(self) -> int:
@@ -88,7 +89,11 @@ def select(policy: Policy, ctx: SelectionContext) -> tuple[torch.Tensor, torch.T
     scores = policy.score(ctx).float()
     if scores.shape != (ctx.n,):
         raise ValueError(f"policy {policy.name!r} returned scores of shape {tuple(scores.shape)}, expected ({ctx.n},)")
-    picked = scores.topk(ctx.count).indices if ctx.count else torch.empty(0, dtype=torch.long, device=scores.device)
+    ranked = scores
+    if ctx.forced is not None and ctx.forced.numel():
+        ranked = scores.clone()
+        ranked[ctx.forced.to(scores.device)] = float("inf")
+    picked = ranked.topk(ctx.count).indices if ctx.count else torch.empty(0, dtype=torch.long, device=scores.device)
     return picked.sort().values, scores
 
 

@@ -5,8 +5,9 @@ Contract (tested):
 - only whitespace, or text the tokenizer drops entirely (control characters), lies before the
   first chunk, between chunks and after the last one, so the chunks in order cover every
   character the model would see exactly once;
-- `chunk.token_ids == tokenizer(chunk.text, add_special_tokens=False)["input_ids"]`: each chunk is
-  tokenized on its own (never a slice of the document's tokens), so the ids are what the model
+- `chunk.token_ids == tokenizer(chunk.text, add_special_tokens=False, split_special_tokens=True)["input_ids"]`:
+  a document is text, so a control token's string in it (`<|im_start|>`) is read as text, never as the token
+  (a document cannot forge a turn in the prompts that retrieve it); each chunk is tokenized on its own (never a slice of the document's tokens), so the ids are what the model
   sees when the chunk is rendered alone, and no token straddles two chunks;
 - `1 <= chunk.n_tokens <= max_tokens`; chunks aim at `target_tokens`, and a chunk under
   `min_tokens` is merged into a neighbour whenever the merge fits in `max_tokens`.
@@ -80,7 +81,7 @@ class Chunker:
         self.min_tokens = min(settings.min_tokens, self.target_tokens)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     def chunk(self, doc_id: str, text: str) -> list[Chunk]:
         """The chunks of `text` in order; [] when it holds only whitespace."""
@@ -120,7 +121,7 @@ class Chunker:
         re-tokenized alone (BPE may read a part's edges differently) and shortened by a character
         at a time in the rare case that it grew past the target. Linear in the run's length.
         """
-        offsets = self.tokenizer(text[start:end], add_special_tokens=False,
+        offsets = self.tokenizer(text[start:end], add_special_tokens=False, split_special_tokens=True,
                                  return_offsets_mapping=True)["offset_mapping"]
         token_ends = [start + e for _, e in offsets]  # non-decreasing character ends
         pieces: list[_Piece] = []

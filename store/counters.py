@@ -42,17 +42,25 @@ class CodecCounts:
 
 
 class StoreCounters:
-    """Totals (gets, hits, misses, puts, corrupt, stale) and per tier its TierCounts. Thread-safe."""
+    """Totals (gets, hits, misses, puts, corrupt, stale; of the background writes: pending_hits, queued_puts,
+    dropped_puts, write_downs, write_s_total) and per tier its TierCounts. Thread-safe."""
 
     def __init__(self, tier_names: Iterable[str]) -> None:
         self._lock = threading.Lock()
         self._tiers = {name: TierCounts() for name in tier_names}
         self._codecs: dict[str, CodecCounts] = {}
-        self._totals = dict.fromkeys(("gets", "hits", "misses", "puts", "corrupt", "stale"), 0)
+        self._totals: dict[str, Any] = dict.fromkeys(("gets", "hits", "misses", "puts", "corrupt", "stale",
+                                                      "pending_hits", "queued_puts", "dropped_puts", "write_downs"), 0)
+        self._totals["write_s_total"] = 0.0
 
     def bump(self, total: str) -> None:
         with self._lock:
             self._totals[total] += 1
+
+    def add_write_s(self, seconds: float) -> None:
+        """A background write's time (encoding and tier writes, off the caller's thread)."""
+        with self._lock:
+            self._totals["write_s_total"] += seconds
 
     def looked_up(self, tier: str, load_s: float | None) -> None:
         """A hit in `tier` that took `load_s` seconds (read + check + decode, or the head for an open),

@@ -68,6 +68,16 @@ class _BytesDisk(diskcache.Disk):
             raise TypeError("disk tier values are bytes")
         return super().store(value, read, key)  # min_file_size=0: always a file, MODE_BINARY
 
+    def _write(self, full_path: str, iterator: Any, mode: str, encoding: str | None = None) -> int:
+        """diskcache's file write; a write that fails (a full disk) leaves no partial file behind."""
+        try:
+            return super()._write(full_path, iterator, mode, encoding)
+        except FileExistsError:  # another put's file (mode "x"): not ours to remove
+            raise
+        except BaseException:
+            Path(full_path).unlink(missing_ok=True)
+            raise
+
     def fetch(self, mode: int, filename: str, value: Any, read: bool) -> Any:
         if mode != diskcache.core.MODE_BINARY:
             raise _Unreadable(f"value of mode {mode}; only files of bytes are read")

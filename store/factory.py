@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from common.placement import HOST, Placement
+from store.admission import Admission
 from store.base import Tier
 from store.codecs import Codec
 from store.disk import DiskTier
@@ -69,4 +70,6 @@ def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None,
                                timeout_s=settings.redis_timeout_s, backoff_s=settings.redis_backoff_s,
                                queue_size=settings.redis_queue_size, pinned=pinned("redis")))
     return TieredStore(tiers, codec=codecs or settings.codecs(), fingerprint=fingerprint, placement=placement,
-                       read_threads=settings.read_threads, leases=leases)
+                       read_threads=settings.read_threads, leases=leases,
+                       admission=Admission(settings.admission, settings.admission_window),
+                       write_queue=settings.write_queue, write_queue_bytes=settings.write_queue_bytes)

@@ -83,11 +83,25 @@ class LeaseLedger(Protocol):
         """The leases running at `now`: (family, key, tier, bytes, ttl_s, soft, expires_at)."""
 
 
-def family_id(family: str) -> str:
-    """The id a family is known by: 32 hex digits of sha256 (its text is kept nowhere)."""
+def family_id(family: str, tenant: str = "") -> str:
+    """The id a family is known by: 32 hex digits of sha256 (its text is kept nowhere), after its tenant's tag
+    and a dot for a named tenant."""
     if not family:
         raise ValueError("a lease family must not be empty")
-    return hashlib.sha256(b"ragblend.lease-family\0" + family.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    scoped = f"{tenant}\0{family}" if tenant else family
+    digest = hashlib.sha256(b"ragblend.lease-family\0" + scoped.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"{tenant_tag(tenant)}.{digest}" if tenant else digest
+
+
+def tenant_tag(tenant: str) -> str:
+    """The tag a tenant's family ids start with ("" for the default tenant)."""
+    if not tenant:
+        return ""
+    return hashlib.sha256(b"ragblend.tenant\0" + tenant.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+
+
+def _tag_of(family: str) -> str:
+    return family.partition(".")[0] if "." in family else ""
 
 
 @dataclass(frozen=True)
@@ -176,19 +190,37 @@ class Leases:
     # --- changes: each goes to the ledger, then the snapshot is read again -----------------------
 
     def grant(self, family: str, sizes: Mapping[str, Mapping[str, int]], missing: Collection[str], ttl_s: float,
-              soft: bool) -> LeaseResult:
-        """Lease the keys of `sizes` (key -> tier -> bytes) to `family` (an id) where the caps allow."""
+              soft: bool, share: float = 1.0) -> LeaseResult:
+        """Lease the keys of `sizes` (key -> tier -> bytes) to `family` (an id) where the caps allow, and a
+        named tenant's share of them (`share`)."""
         self._flush_hits()
         now = self.clock()
-        outcome = self.ledger.grant_leases(family, sizes, self.caps, ttl_s, soft, now)
+        over_share = self._over_share(family, sizes, share)
+        caps = {tier: cap for tier, cap in self.caps.items() if tier not in over_share}
+        outcome = self.ledger.grant_leases(family, sizes, caps, ttl_s, soft, now)
         self.refresh()
         refused = {tier: _why(self.caps[tier], before, adds) for tier, (granted, before, adds) in outcome.items()
-                   if not granted}
+                   if not granted} | over_share
         with self._lock:
             self._refused.update(refused.keys())
         tiers = tuple(tier for tier, (granted, _, _) in outcome.items() if granted)
         return LeaseResult(family, tuple(sizes) if tiers else (), tuple(missing), tiers, refused,
                            now + ttl_s if tiers else None, self.pinned_bytes())
+
+    def _over_share(self, family: str, sizes: Mapping[str, Mapping[str, int]], share: float) -> dict[str, str]:
+        """Tier -> why, for each tier where this lease would take the family's tenant past its share."""
+        tag = _tag_of(family)
+        if not tag or share >= 1.0:
+            return {}
+        mine = [lease for lease in self._running() if _tag_of(lease.family) == tag]
+        pinned, held = self.pinned_bytes(mine), {(lease.tier, lease.key) for lease in mine}
+        over = {}
+        for tier, cap in self.caps.items():
+            adds = sum(s.get(tier, 0) for key, s in sizes.items() if (tier, key) not in held)
+            if pinned.get(tier, 0) + adds > share * cap:
+                over[tier] = (f"{adds} bytes more would pass this tenant's share of the tier's pinned cap "
+                              f"({share:g} of {cap}; {pinned.get(tier, 0)} pinned already)")
+        return over
 
     def release(self, family: str) -> list[Freed]:
         self._flush_hits()
@@ -242,11 +274,14 @@ class Leases:
             pinned[tier] = pinned.get(tier, 0) + nbytes
         return pinned
 
-    def stats(self, family: str | None = None, limit: int = 100) -> dict[str, Any]:
+    def stats(self, family: str | None = None, limit: int = 100, tenant: str | None = None) -> dict[str, Any]:
         """Leases (family, key pairs), families, entries, pinned bytes and caps per tier, refusals per tier and
         lease holds ended by expiry (this process's counts), and `by_family`: the `limit` families pinning the
-        most (or `family` alone, an id), each with its entries, bytes per tier, softness and latest end."""
+        most (or `family` alone, an id), each with its entries, bytes per tier, softness and latest end. With
+        `tenant`, the leases of that tenant's families alone."""
         running = self._running()
+        if tenant is not None:
+            running = [lease for lease in running if _tag_of(lease.family) == tenant_tag(tenant)]
         families: dict[str, dict[str, Any]] = {}
         for lease in running:
             f = families.setdefault(lease.family, {"family": lease.family, "entries": set(), "pinned_bytes": {},

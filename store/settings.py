@@ -5,6 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from store.admission import AdmissionPolicy
 from store.codecs import DEFAULT_BINS, BinPlan
 
 
@@ -60,6 +61,14 @@ class StoreSettings(BaseModel):
     disk_pinned_bytes: int = Field(2 << 30, ge=0)
     redis_pinned_bytes: int = Field(1 << 30, ge=0)
     lease_refresh_s: float = Field(1.0, gt=0)  # how stale a store's view of the shared leases may be
+    # What a request stores from its prompt is written by the store's own thread (TieredStore.put_nowait): at most
+    # this many chunks / bytes wait at once; past either, a chunk is dropped (counted), never waited for.
+    write_queue: int = Field(64, ge=1)
+    write_queue_bytes: int = Field(512 << 20, ge=0)
+    # Which tiers take what requests store (store/admission.py): everywhere, or second_sight (gpu/memory at once,
+    # disk and Redis once the key is seen again within the last `admission_window` keys, or leased).
+    admission: AdmissionPolicy = "second_sight"
+    admission_window: int = Field(65536, ge=1)
 
     def codec_of(self, tier: str) -> str:
         """The codec `tier` (gpu, memory, disk, redis) keeps its entries in."""

@@ -145,7 +145,7 @@ def live_server(make_app, corpus) -> Iterator[LiveServer]:
 
 # ---- a stub engine, for timing-controlled tests -------------------------------------------------
 
-def split_words(texts: list[str], add_special_tokens: bool = False) -> dict[str, list[list[str]]]:
+def split_words(texts: list[str], add_special_tokens: bool = False, **_) -> dict[str, list[list[str]]]:
     """The stub's tokenizer: a word a token (for the prompt budgets)."""
     return {"input_ids": [text.split() for text in texts]}
 

@@ -84,13 +84,20 @@ def test_a_breakpoint_covers_its_prefix():
 
 
 def test_usage_counts_each_prompt_token_once():
-    result = QueryResult("ok", [], QueryStats(mode="blend", prompt_tokens=170, completion_tokens=3), "stop",
-                         kv_keys=uses())
+    # 70 tokens read (head, x1, p1), of which the blend recomputed 5: 65 read and not recomputed
+    result = QueryResult("ok", [], QueryStats(mode="blend", prompt_tokens=170, completion_tokens=3, cached_tokens=65,
+                                              recomputed_tokens=5), "stop", kv_keys=uses())
     marks = [(None, 3600.0), (3, 300.0)]  # x3 is computed under the 5m breakpoint
     u = usage(result, marks, last=4)
     assert (u.cache_read_input_tokens, u.cache_creation_input_tokens, u.input_tokens, u.output_tokens) == \
-        (70, 30, 70, 3)
+        (65, 30, 75, 3)
     assert (u.cache_creation.ephemeral_5m_input_tokens, u.cache_creation.ephemeral_1h_input_tokens) == (30, 0)
     whole = usage(result, [(4, 3600.0)], last=4)  # on the last message: the whole prompt, passages too
     assert (whole.cache_creation_input_tokens, whole.cache_creation.ephemeral_1h_input_tokens) == (80, 80)
     assert usage(result, [], last=4).cache_creation_input_tokens == 0  # no breakpoint: nothing asked to cache
+
+
+def test_top_k_is_anthropics_sampling_parameter_not_the_passages():
+    request = parse(body(top_k=500, retrieval=True))  # any sampling top_k: accepted (and ignored)
+    assert request.top_k == 500 and request.retrieval_top_k is None  # the passages: retrieval.top_k
+    assert parse(body(retrieval=True, retrieval_top_k=3)).retrieval_top_k == 3

@@ -150,13 +150,15 @@ def test_oldest_turns_are_dropped_when_the_context_is_full(lighthouses, server_e
     assert squeezed.usage.prompt_tokens + 8 <= limit
     # The layout the engine chose: the system message and the question stay, with the newest messages.
     params = QueryParams(turns[-1]["content"], top_k=1, messages=tuple(turns))
-    plan = server_engine._plan(params, 8, QueryStats(mode="blend"))
+    plan, _ = server_engine._plan(params, 8, QueryStats(mode="blend"))
     prompt = server_engine.parts.prompt
-    assert [p.kind for p in plan.pieces] == ["head", "message", "message", "opening", "passage"]
-    assert plan.pieces[0].ids == prompt.chat.layout([], system="Be brief.").head
-    assert plan.suffix == prompt.suffix_ids(turns[-1]["content"], "Be brief.")
-    assert [p.message for p in plan.pieces[1:3]] == [6, 7] and plan.dropped == 6
-    assert "story number 3" in prompt.tokenizer.decode(plan.pieces[1].ids)
+    kinds = [s.kind for s in plan.spans]
+    assert kinds[0] == "head" and kinds[-2:] == ["opening", "passage"] and set(kinds[1:-2]) == {"message"}
+    assert list(plan.spans[0].ids) == prompt.chat.layout([], system="Be brief.").head
+    assert list(plan.suffix) == prompt.suffix_ids(turns[-1]["content"], "Be brief.")
+    messages = [s for s in plan.spans if s.kind == "message"]
+    assert sorted({s.message for s in messages}) == [6, 7] and plan.dropped == 6
+    assert "story number 3" in prompt.tokenizer.decode([t for s in messages if s.message == 6 for t in s.ids])
 
 
 @pytest.mark.slow
@@ -178,10 +180,10 @@ def test_a_conversation_far_over_the_context_keeps_the_newest_messages_that_fit(
 
     params = QueryParams(turns[-1]["content"], top_k=1, messages=tuple(turns))
     monkeypatch.setattr(template, "layout", counting)
-    plan = server_engine._plan(params, 16, QueryStats(mode="blend"))
-    kept = sum(len(p.ids) for p in plan.pieces) + len(plan.suffix) + 16
+    plan, _ = server_engine._plan(params, 16, QueryStats(mode="blend"))
+    kept = plan.prompt_tokens + 16
     limit = server_engine._context_limit()
-    messages = [p for p in plan.pieces if p.kind == "message"]
-    assert 0 < plan.dropped < len(turns) and [p.message for p in messages] == list(range(plan.dropped, 6000))
+    messages = [s for s in plan.spans if s.kind == "message"]
+    assert 0 < plan.dropped < len(turns) and sorted({s.message for s in messages}) == list(range(plan.dropped, 6000))
     assert kept <= limit and limit - kept < 300  # one more message (~150 tokens) would not have fit
     assert len(rendered) <= 4 and max(rendered) < 2000

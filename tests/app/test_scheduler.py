@@ -152,6 +152,34 @@ def test_a_long_prefill_is_cut_so_streams_wait_at_most_the_stall_bound():
         assert sum(1 for t in slice_times if before <= t <= after) <= most
 
 
+def test_a_short_request_sent_during_a_long_prefill_gets_its_first_token_first(decoder):
+    """Least served first: the long prefill (200 slices) started first, yet the short one's prefill runs in
+    the next slice and its first token comes out before the long one's (order, not wall-clock)."""
+    scheduler, log, firsts = make(decoder, slice_s=0.001), [], []
+
+    async def main():
+        async def first_token(job, name):
+            await job.wait_started(30)
+            async for _ in job:
+                firsts.append(name)
+                break
+            async for _ in job:
+                pass
+        long = asyncio.create_task(first_token(scheduler.submit(counting("long", 3, prefill_slices=200,
+                                                                         slice_s=0.002, log=log)), "long"))
+        while ("slice", "long") not in log:
+            await asyncio.sleep(0.005)
+        short = first_token(scheduler.submit(counting("short", 3, prefill_slices=3, slice_s=0.002, log=log)),
+                            "short")
+        await asyncio.gather(long, short)
+
+    run(main())
+    assert scheduler.stop()
+    assert firsts == ["short", "long"]
+    last_short = max(i for i, entry in enumerate(log) if entry == ("slice", "short"))
+    assert sum(1 for entry in log[:last_short] if entry == ("slice", "long")) < 100  # long's prefill went on after
+
+
 def test_max_batch_bounds_the_slots_and_the_queue_bounds_the_wait(decoder):
     scheduler = make(decoder, max_batch=2, queue_size=1)
     gate = threading.Event()

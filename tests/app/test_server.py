@@ -335,7 +335,7 @@ def test_parallel_clients_all_get_their_answer_and_are_counted(live_server, corp
         match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.MULTILINE)
         return float(match.group(1)) if match else 0.0
 
-    counter = 'ragblend:http_requests_total{endpoint="/v1/query",status="200"}'
+    counter = 'ragblend:http_requests_total{endpoint="/v1/query",status="200",tenant="default"}'
     before = httpx.get(f"{live_server.url}/metrics").text
 
     def ask(item: tuple[str, str, str]) -> tuple[str, dict]:

@@ -144,7 +144,7 @@ def test_usage_and_metrics_from_stub(stub_app, stream):
         response = client.post("/v1/chat/completions", json=body)
         assert response.status_code == 200
         metrics = client.get("/metrics").text
-    assert 'ragblend:http_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in metrics
+    assert 'ragblend:http_requests_total{endpoint="/v1/chat/completions",status="200",tenant="default"} 1.0' in metrics
     assert "ragblend:prompt_tokens_total 10.0" in metrics
     assert 'ragblend:time_to_first_token_seconds_count{mode="blend"} 1.0' in metrics
 
@@ -181,6 +181,21 @@ def test_health_is_503_while_the_model_thread_is_stuck(stub_app):
         wait_until(lambda: client.get("/health").status_code == 200)
         assert client.get("/health/live").status_code == 200 and client.get("/health/ready").status_code == 200
         assert client.get("/health").json()["model_thread"]["current"] is None
+
+
+def test_health_is_degraded_while_a_request_waits_past_the_bound(stub_app):
+    app, engine = stub_app(server={"degraded_wait_s": 0.3, "max_batch": 1})
+    engine.gate.clear()  # the first query holds the one slot; the second waits in the queue
+    with TestClient(app) as client, ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(client.post, "/v1/query", json=QUERY) for _ in range(2)]
+        assert engine.started.acquire(timeout=10)
+        wait_until(lambda: client.get("/health").json()["status"] == "degraded")
+        health = client.get("/health")
+        assert health.status_code == 200 and "waited" in health.json()["degraded"][0]  # still answering
+        assert health.json()["model_thread"]["oldest_wait_s"] > 0.3
+        engine.gate.set()
+        assert [r.result(10).status_code for r in running] == [200, 200]
+        wait_until(lambda: client.get("/health").json()["status"] == "ok")
 
 
 def test_health_paths_need_no_api_key(stub_app):

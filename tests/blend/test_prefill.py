@@ -146,3 +146,30 @@ def test_a_vanishing_temperature_samples_greedily(temperature):
     logits = torch.tensor([1.0, 30.0, -5.0, 29.9])
     params = SamplingParams(temperature=temperature)
     assert [sample_next(logits, params, torch.Generator().manual_seed(s)) for s in range(5)] == [1] * 5
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.3])
+def test_a_fresh_span_between_cached_ones_is_computed_in_the_prefill(tiny_blender, ratio):
+    """A span with no KV between cached chunks runs through every layer in the prefill: with every chunk fresh
+    it is the full prefill; with one fresh, its KV is what the model computes there given the layout."""
+    head = tiny_blender.precompute(HEAD)
+    start = len(HEAD)
+    fresh = []
+    for chunk in CHUNKS:
+        fresh.append(tiny_blender.fresh(chunk, start))
+        start += len(chunk)
+    all_fresh = tiny_blender.prefill([head, *fresh], SUFFIX, ratio=ratio)
+    full = tiny_blender.full_prefill(prompt_ids())
+    assert (all_fresh.logits - full.logits).abs().max() < 1e-3
+    assert all_fresh.stats.cached_tokens == len(HEAD) and sorted(all_fresh.selected.tolist()) == list(
+        range(len(HEAD), start))
+
+    segs = segments(tiny_blender)  # head + chunks computed after the head: the middle one left without KV
+    middle = tiny_blender.fresh(CHUNKS[1], len(HEAD) + len(CHUNKS[0]))
+    mixed = tiny_blender.prefill([segs[0], segs[1], middle, segs[3]], SUFFIX, ratio=ratio)
+    lo, hi = middle.position, middle.position + len(CHUNKS[1])
+    assert set(range(lo, hi)) <= set(mixed.selected.tolist())
+    # its KV at layer 0 is exactly the model's (layer 0 sees only exact K/V before it: head + chunk 0, computed
+    # in place): the full prefill's
+    assert torch.allclose(mixed.cache.layers[0].keys[0, :, lo:hi], full.cache.layers[0].keys[0, :, lo:hi], atol=1e-4)
+    assert mixed.stats.cached_tokens == len(HEAD) + len(CHUNKS[0]) + len(CHUNKS[2])

@@ -22,7 +22,8 @@ def check_contract(chunker: Chunker, text: str, chunks: list[Chunk]) -> None:
         assert chunk.ordinal == ordinal
         assert chunk.text == text[chunk.start:chunk.end] == chunk.text.strip() != ""
         assert invisible(chunker, text[position:chunk.start])  # nothing the model sees between chunks
-        assert chunk.token_ids == chunker.tokenizer(chunk.text, add_special_tokens=False)["input_ids"]
+        assert chunk.token_ids == chunker.tokenizer(chunk.text, add_special_tokens=False,
+                                                    split_special_tokens=True)["input_ids"]
         assert 1 <= chunk.n_tokens <= chunker.max_tokens
         assert chunk.content_hash == hashlib.sha256(chunk.text.encode()).hexdigest()
         position = chunk.end

@@ -207,6 +207,27 @@ def test_release_and_drop_family(stores):
     assert store.lease_stats()["leases"] == 0
 
 
+def test_tenants_families_are_their_own_and_each_pins_at_most_its_share(stores):
+    store = stores(Clock(), memory_bytes=8 * KV_BYTES, memory_pinned_bytes=4 * KV_BYTES)
+    keys = [random_kv(i)[0] for i in range(4)]
+    for i in range(4):
+        store.put(*random_kv(i))
+    # one family name, two tenants: two families, each seen and dropped by its own tenant alone
+    alice = store.lease(keys[:1], "team", ttl_s=300, tenant="alice", share=0.5)
+    bob = store.lease(keys[1:2], "team", ttl_s=300, tenant="bob", share=0.5)
+    assert alice.complete and bob.complete and alice.family != bob.family != family_id("team")
+    assert [f["family"] for f in store.lease_stats(tenant="alice")["by_family"]] == [alice.family]
+    assert store.lease_stats("team", tenant="bob")["by_family"][0]["family"] == bob.family
+    assert store.lease_stats(tenant="")["families"] == 0  # the default tenant's: none
+    # alice's share is half the cap (2 entries): one more fits, two more do not, whatever bob holds
+    assert store.lease(keys[2:3], "more", ttl_s=300, tenant="alice", share=0.5).complete
+    over = store.lease(keys[3:], "most", ttl_s=300, tenant="alice", share=0.5)
+    assert list(over.refused) == ["memory"] and "tenant's share" in over.refused["memory"]
+    assert store.lease(keys[3:], "most", ttl_s=300, tenant="bob", share=0.5).complete
+    assert store.drop_family("team", tenant="bob") == (1, 1)  # bob's own: alice's "team" stays
+    assert store.contains(keys[0]) and store.lease_stats(tenant="alice")["families"] == 2
+
+
 def test_a_leased_redis_entry_keeps_no_ttl_until_its_last_lease_ends(stores, redis_url):
     store = stores(Clock(), redis_url=redis_url, redis_ttl_s=600)
     key, kv = random_kv(0)

@@ -1,0 +1,71 @@
+"""Bring your own retrieval: a client pastes its documents into one user message (retrieval off), then sends
+them again in another order with another question. The official `openai` and `anthropic` clients against a
+real server: most passage tokens are read from the store (app.planner found their spans by content)."""
+from __future__ import annotations
+
+import uuid
+
+import anthropic
+import openai
+import pytest
+
+from tests.helpers import shared_tokenizer
+
+pytestmark = pytest.mark.slow
+FACTS = [
+    "The lighthouse of Port Velmar was built in 1887 by the engineer Ada Quenby. Its lamp shines green and can be "
+    "seen thirty kilometres out at sea. The keeper's cottage beside it is now a small museum of ship models.",
+    "The Kestrel Bakery in Dunmore bakes rye bread with caraway seeds every Tuesday. It was founded by Tomas Brell "
+    "in 1952 and still uses his wood-fired oven, which burns beech logs cut in the hills above the town.",
+    "Mount Orrin is a dormant volcano on the island of Sarne. It last erupted in 1402, burying the village of Kell "
+    "under ash. Its crater holds a blue lake that freezes over in the coldest winters.",
+    "The Halden Open is a chess tournament held every August in the town of Halden. The 2019 edition was won by "
+    "Mira Sokol, who played the Caro-Kann defence in every game and lost none of them.",
+    "The river Aske runs for ninety kilometres from the Morrow hills to the sea at Lenby. Salmon swim up it every "
+    "autumn, and a stone bridge with seven arches crosses it at the market town of Hobb.",
+]
+
+
+def documents(tag: str) -> list[str]:
+    return [f"{fact} (Archive note {tag}-{i}.)" for i, fact in enumerate(FACTS)]
+
+
+def stuffed(docs: list[str], order: list[int], question: str) -> str:
+    """A LangChain-style prompt: the documents numbered in the order given, then the question."""
+    listed = "\n\n".join(f"Document [{n + 1}] (Title: record {i}): {docs[i]}" for n, i in enumerate(order))
+    return f"Use the following documents to answer the question.\n\n{listed}\n\nQuestion: {question}"
+
+
+def passage_tokens(docs: list[str]) -> int:
+    return sum(len(shared_tokenizer().encode(d)) for d in docs)
+
+
+def test_openai_client_reuses_pasted_passages_in_another_order(live_server):
+    client = openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    docs = documents(uuid.uuid4().hex[:8])
+
+    def ask(order, question):
+        return client.chat.completions.create(
+            model="ragblend", max_tokens=2, extra_body={"retrieval": False},
+            messages=[{"role": "user", "content": stuffed(docs, order, question)}])
+
+    first = ask([0, 1, 2, 3, 4], "Who built the lighthouse of Port Velmar?")
+    assert first.usage.prompt_tokens_details.cached_tokens < passage_tokens(docs) / 4  # nothing pasted yet
+    again = ask([4, 2, 0, 3, 1], "In which year did Mount Orrin last erupt?")
+    details = again.usage.prompt_tokens_details
+    assert details.cached_tokens >= 0.6 * passage_tokens(docs)  # read from the store and not recomputed
+    assert details.cached_tokens + details.recomputed_tokens >= 0.75 * passage_tokens(docs)
+    assert details.cached_tokens + details.recomputed_tokens <= again.usage.prompt_tokens
+
+
+def test_anthropic_client_reuses_pasted_passages_in_another_order(live_server):
+    client = anthropic.Anthropic(base_url=live_server.url, api_key="unused", max_retries=0, timeout=300)
+    docs = documents(uuid.uuid4().hex[:8])
+
+    def ask(order, question):
+        return client.messages.create(model="ragblend", max_tokens=2,
+                                      messages=[{"role": "user", "content": stuffed(docs, order, question)}])
+
+    first = ask([0, 1, 2, 3, 4], "Who won the Halden Open in 2019?")  # (the facts' spans may be known already)
+    again = ask([3, 1, 4, 0, 2], "Who founded the Kestrel Bakery?")
+    assert again.usage.cache_read_input_tokens >= max(0.6 * passage_tokens(docs), first.usage.cache_read_input_tokens)

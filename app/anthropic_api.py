@@ -36,164 +36,30 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 from sse_starlette import ServerSentEvent
 
-from app.api_models import MAX_SEED, RETRY_AFTER, NonBlank, RequestBody, Text, check_budget, check_limits
+from app.anthropic_models import (ERRORS, CacheControl, CacheCreation, Message, MessageOut, MessagesRequest,
+                                   MessageUsage, TextBlock, TextOut, ToolChoice, ToolResultBlock, ToolUseBlock,
+                                   ToolUseOut)
+from app.api_models import MAX_SEED, check_budget, check_limits
 from app.config import LimitsSettings
 from app.query import KeyUse, QueryResult
 from app.errors import ApiError, as_api_error
 from app.prompt_cache import LeaseNote, lease, lease_headers, prefix_keys
 from app.query_routes import QueryRun, sse
 from app.service import Service, service
-from app.tool_calls import CallStream, SchemaLimitError, ToolCallOut, tools_grammar
+from app.tool_calls import CLOSE, OPEN, CallStream, SchemaLimitError, ToolCallOut, tools_grammar
+from blend.prompt import hermes_tools
 
 router = APIRouter()
 MAX_BREAKPOINTS = 4
 TTL_S = {"5m": 300.0, "1h": 3600.0}
 STOP_REASONS = {"length": "max_tokens"}  # else end_turn
-
-
-class AnthropicBody(RequestBody):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class CacheControl(AnthropicBody):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    type: Literal["ephemeral"]
-    ttl: Literal["5m", "1h"] = "5m"
-
-
-BREAKPOINT = ("A prompt caching breakpoint: the prefix up to here is leased for its ttl. At most 4 in a request "
-              "(tools, system and message blocks and the request's own together).")
-
-
-class Cacheable(AnthropicBody):
-    cache_control: CacheControl | None = Field(None, description=BREAKPOINT)
-
-
-class TextBlock(Cacheable):
-    type: Literal["text"]
-    text: NonBlank = Field(description="Not blank (as Anthropic's API requires).")
-
-
-class ToolUseBlock(Cacheable):
-    type: Literal["tool_use"]
-    id: Text
-    name: Text
-    input: dict[str, Any]
-
-
-class ToolResultBlock(Cacheable):
-    type: Literal["tool_result"]
-    tool_use_id: Text
-    content: Text | list[TextBlock] = ""
-    is_error: bool = False
-
-
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
-
-
-class Message(AnthropicBody):
-    role: Literal["user", "assistant"]
-    content: NonBlank | Annotated[list[Block], Field(min_length=1)]
-
-
-class Tool(Cacheable):
-    name: Text = Field(min_length=1)
-    description: Text | None = None
-    input_schema: dict[str, Any] = Field(default_factory=dict)
-
-
-class ToolChoice(AnthropicBody):
-    type: Literal["auto", "any", "tool", "none"]
-    name: Text | None = None
-    disable_parallel_tool_use: bool = False
-
-
-class Metadata(AnthropicBody):
-    user_id: Text | None = None
-
-
-class MessagesRequest(AnthropicBody):
-    model: Text
-    messages: list[Message] = Field(min_length=1, description="The conversation; the last message is a user's "
-                                                              "(the question).")
-    max_tokens: int = Field(ge=1)
-    system: Text | list[TextBlock] | None = None
-    tools: list[Tool] = Field(default_factory=list)
-    tool_choice: ToolChoice | None = Field(None, description=(
-        "Enforced by grammar-constrained decoding: auto (text until the model opens a call, then a valid call), "
-        "any (calls only), tool (one call of `name`), none (text only)."))
-    temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    stop_sequences: list[Text] = Field(default_factory=list, max_length=4)
-    stream: bool = False
-    metadata: Metadata | None = None
-    cache_control: CacheControl | None = Field(None, description=f"On the last block (automatic caching). {BREAKPOINT}")
-    # ragblend extras
-    retrieval: bool = Field(False, description="Retrieve passages for the question (default: off).")
-    top_k: int | None = Field(None, ge=1, description="Anthropic's sampling top_k: accepted and ignored (ragblend "
-                                                      "samples with temperature and top_p); not the passages.")
-    retrieval_top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-
-
-class CacheCreation(BaseModel):
-    ephemeral_5m_input_tokens: int
-    ephemeral_1h_input_tokens: int
-
-
-class MessageUsage(BaseModel):
-    input_tokens: int
-    cache_creation_input_tokens: int
-    cache_read_input_tokens: int
-    cache_creation: CacheCreation
-    output_tokens: int
-
-
-class TextOut(BaseModel):
-    type: Literal["text"] = "text"
-    text: str
-
-
-class ToolUseOut(BaseModel):
-    type: Literal["tool_use"] = "tool_use"
-    id: str
-    name: str
-    input: dict[str, Any]
-
-
-class AnthropicErrorDetail(BaseModel):
-    type: str = Field(description="invalid_request_error, authentication_error, request_too_large, "
-                                  "rate_limit_error, overloaded_error, api_error...")
-    message: str
-
-
-class AnthropicError(BaseModel):
-    type: Literal["error"] = "error"
-    error: AnthropicErrorDetail
-
-
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": AnthropicError, **({"headers": RETRY_AFTER} if code in (429, 503) else {})}
-    for code in (400, 401, 413, 429, 503)}
-
-
-class MessageOut(BaseModel):
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    model: str
-    content: list[TextOut | ToolUseOut]
-    stop_reason: str | None
-    stop_sequence: str | None = None
-    usage: MessageUsage
-    lease: LeaseNote | None = Field(None, description="ragblend extra: the lease of the cache_control prefixes.")
 
 
 # The body's schema, read by the route itself (for Anthropic's errors): its parts go into the OpenAPI
@@ -223,7 +89,7 @@ def block_text(block: TextBlock | ToolUseBlock | ToolResultBlock) -> str:
         case TextBlock():
             return block.text
         case ToolUseBlock():
-            return f"[tool call {block.id}: {block.name}({json.dumps(block.input, sort_keys=True)})]"
+            return f"{OPEN}\n{json.dumps({'name': block.name, 'arguments': block.input})}\n{CLOSE}"  # (Hermes)
         case ToolResultBlock():
             content = block.content if isinstance(block.content, str) else "\n".join(b.text for b in block.content)
             return f"[tool result {block.tool_use_id}{' (error)' if block.is_error else ''}: {content}]"
@@ -234,10 +100,12 @@ def message_text(message: Message) -> str:
 
 
 def system_text(body: MessagesRequest) -> str | None:
-    """The system blocks: the system turn (the tools join it, rendered by blend.prompt: `openai_tools`)."""
+    """The tools (in the Hermes form the calls are parsed from: blend.prompt.hermes_tools) and the system
+    blocks: the system turn."""
     system = body.system if isinstance(body.system, str) or body.system is None else \
         "\n".join(b.text for b in body.system)
-    return system or None
+    parts = ([hermes_tools(openai_tools(body))] if body.tools else []) + ([system] if system else [])
+    return "\n\n".join(parts) or None
 
 
 def openai_tools(body: MessagesRequest) -> list[dict]:
@@ -319,8 +187,7 @@ async def messages(request: Request, svc: Service = Depends(service)):
     # documents: the token budget alone); a tool result counts against the budgets, as an OpenAI tool message does
     check_limits(svc.settings.limits, question=question_text(body.messages[-1]) if body.retrieval else "",
                  top_k=body.retrieval_top_k, question_field="messages", max_tokens={"max_tokens": body.max_tokens})
-    fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts)),
-              *([("tools", json.dumps(tools))] if tools else [])]
+    fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts))]
     await asyncio.to_thread(check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
     params = svc.query_params(texts[-1], top_k=body.retrieval_top_k, max_tokens=body.max_tokens,
                               temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
@@ -329,8 +196,8 @@ async def messages(request: Request, svc: Service = Depends(service)):
                               # the head wherever it stands, goes last so the indices stay the client's)
                               messages=tuple({"role": m.role, "content": t} for m, t in zip(body.messages, texts))
                               + (({"role": "system", "content": system},) if system else ()),
-                              tools=tuple(tools), grammar=grammar,
-                              tool_calls=not body.tool_choice or body.tool_choice.type != "none",
+                              grammar=grammar,
+                              tool_calls=bool(tools) and getattr(body.tool_choice, "type", "auto") != "none",
                               retrieve=body.retrieval)
     run = await QueryRun.start(svc, params, request, "messages")
     head = {"id": f"msg_{uuid.uuid4().hex}", "model": body.model}
@@ -341,7 +208,7 @@ async def messages(request: Request, svc: Service = Depends(service)):
         return await lease(svc.serving.store, family, [(_prefix(result.kv_keys, at, last), ttl) for at, ttl in marks])
 
     if body.stream:
-        return sse(run, events(run, head, marks, last, retain, bool(tools) and params.tool_calls))
+        return sse(run, events(run, head, marks, last, retain, params.tool_calls))
     result = await run.result(request)
     note = await retain(result)
     out = MessageOut(**head, content=content_blocks(result), stop_reason=_stop_reason(result),

@@ -91,7 +91,7 @@ class RagEngine:
         stats.completion_tokens = len(text.tokens)
         stats.total_ms = _ms(start)
         answer, finish = text.text.strip(), text.finish_reason or "length"
-        content, calls = split_tool_calls(answer) if params.tools and params.tool_calls else (answer, [])
+        content, calls = split_tool_calls(answer) if params.tool_calls else (answer, [])
         sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text)
                    for h in plan.hits]
         explain = None

@@ -38,7 +38,7 @@ class QueryParams:
     tenant: str = ""  # who asks (set from the API key): the store keys of a client's prompt text mix it in
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
     grammar: str | None = None  # the answer's grammar (llguidance Lark, app.tool_calls): tool_choice, response_format
-    tool_calls: bool = True  # parse the calls in the answer (with tools; not under tool_choice none)
+    tool_calls: bool = False  # parse the calls in the answer (with tools, but for tool_choice none)
 
 
 @dataclass

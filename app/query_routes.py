@@ -166,8 +166,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        calls = bool(params.tools) and params.tool_calls
-        return sse(run, chat_chunks(run, head, include_usage, retain, calls))
+        return sse(run, chat_chunks(run, head, include_usage, retain, params.tool_calls))
     result = await run.result(request)
     note = await retain(result)
     response.headers.update(lease_headers(note))
@@ -199,7 +198,7 @@ async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
                             top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed,
                             messages=tuple(m.as_prompt() for m in body.messages), tools=tuple(tools),
                             retrieve=retrieve, retrieval_query=chat.retrieval_query(),
-                            grammar=grammar, tool_calls=body.tool_choice != "none")
+                            grammar=grammar, tool_calls=bool(tools) and body.tool_choice != "none")
 
 
 def answer_grammar(body: ChatCompletionRequest, tools: list[dict]) -> str | None:

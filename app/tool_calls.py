@@ -8,7 +8,7 @@ The form is the one blend.prompt tells the model to use (Hermes): free text, the
 Grammars (llguidance's Lark, blend.grammar), the JSON of a call pinned to its tool's name and parameters:
     auto       free text that never opens a call, optionally followed by calls: the text stays free until the
                model writes `<tool_call>`; from there the call must be a valid call of one of the tools
-    required   one call or more (one only with parallel_tool_calls false), nothing before
+    required   one call or more (at most MAX_PARALLEL_CALLS; one with parallel_tool_calls false), nothing before
     named      one call of that function
     none       free text that never opens a call
     json       (response_format json_object / json_schema) the JSON document alone
@@ -26,6 +26,7 @@ from blend.grammar import json_rule
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_SCHEMA_CHARS = 16_000  # a tool's parameters or a response schema, as JSON text
 MAX_SCHEMA_DEPTH = 12      # nesting of objects and arrays in one schema
+MAX_PARALLEL_CALLS = 4     # calls in one answer (a weak model may otherwise call on until max_tokens)
 # free text that never contains `<tool_call>` (llguidance's regex `&` and `~`)
 _TEXT = r'TEXT: /(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/'
 
@@ -79,7 +80,7 @@ def tools_grammar(tools: list[dict], choice: str | None, parallel: bool = True,
     for tool in chosen:
         check_schema(tool["function"].get("parameters") or {}, f"tools: {tool['function']['name']}")
     body = {"anyOf": [call_schema(t) for t in chosen]} if len(chosen) > 1 else call_schema(chosen[0])
-    more = ' ("\\n" call)*' if parallel and choice in ("auto", "required") else ""
+    more = _up_to(MAX_PARALLEL_CALLS - 1) if parallel and choice in ("auto", "required") else ""
     rules = (f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
              f"body: {json_rule(body)}\n")
     if choice == "auto":  # text until the model opens a call (the lazy opener ends at the first one), then calls
@@ -87,6 +88,11 @@ def tools_grammar(tools: list[dict], choice: str | None, parallel: bool = True,
         start = f"start: answer | {calls}\n" if answer else f"start: TEXT | {calls}\n"
         return start + rules + f"opener[lazy]: /(.|\\n)*{OPEN}/\n" + (answer or f"{_TEXT}\n")
     return f"start: call{more}\n" + rules
+
+
+def _up_to(n: int) -> str:
+    """At most `n` more calls, each after a newline: ( "\\n" call ( "\\n" call )? )? ..."""
+    return f' ("\\n" call{_up_to(n - 1)})?' if n else ""
 
 
 def response_schema(response_format: dict | None) -> dict | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -174,8 +174,7 @@ class ChatTemplate:
     def system_message(self, system: str | None, tools: Sequence[dict] | None) -> dict:
         text = self.prompt.system_text(system)
         if tools and not self.native_tools:
-            listed = self.prompt.plain("\n".join(json.dumps(t, sort_keys=True) for t in tools))
-            text += f"\n\nYou may call these tools:\n<tools>\n{listed}\n</tools>"
+            text += "\n\n" + hermes_tools(tools, self.prompt.plain)
         return {"role": "system", "content": text}
 
     def normalized(self, message: dict) -> dict:
@@ -227,6 +226,14 @@ class ChatTemplate:
         head, rest = self.prompt._split_template(system)
         full = self.render(self.system_message(system, None), [], None, False)
         return self.prompt.encode(head[len(full):]) if head.startswith(full) else self.prompt.encode(head)
+
+
+def hermes_tools(tools: Sequence[dict], plain: Callable[[str], str] = str) -> str:
+    """Tools (OpenAI's form) described in the Hermes form, and how to call them (app.tool_calls parses it);
+    `plain`: what makes the client's text safe to render (PromptFormat.plain)."""
+    listed = plain("\n".join(json.dumps(t, sort_keys=True) for t in tools))
+    return (f"You may call these tools:\n<tools>\n{listed}\n</tools>\nTo call one, write "
+            f'<tool_call>\n{{"name": <its name>, "arguments": <its arguments>}}\n</tool_call>')
 
 
 class ChatTemplateError(ValueError):

@@ -30,10 +30,11 @@ def test_a_body_becomes_the_system_turn_and_text_turns():
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": True,
                                                 "content": [{"type": "text", "text": "not found"}]},
                                                {"type": "text", "text": "Try again?"}]}]))
-    assert system_text(request) == ('Tools you may call:\n- lookup: Find a fact. (input: {"type": "object"})'
-                                    "\n\nBe brief.")
+    system = system_text(request)  # the tools in the Hermes form, then the system blocks
+    assert system.startswith("You may call these tools:\n<tools>\n") and system.endswith("</tool_call>\n\nBe brief.")
+    assert '"name": "lookup"' in system and "<tool_call>" in system
     assert [message_text(m) for m in request.messages] == [
-        "Who built it?", '[tool call t1: lookup({"q": "builder"})]', "[tool result t1 (error): not found]\nTry again?"]
+        "Who built it?", '<tool_call>\n{"name": "lookup", "arguments": {"q": "builder"}}\n</tool_call>', "[tool result t1 (error): not found]\nTry again?"]
 
 
 def test_breakpoints_anywhere_count_up_to_four():

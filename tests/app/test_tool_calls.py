@@ -156,3 +156,29 @@ def test_anthropic_tool_use_any_streamed_and_a_long_tool_result(live_server):
     stopped = client.messages.create(model="m", max_tokens=30, stop_sequences=["zzz", "e"],
                                      messages=[{"role": "user", "content": "Describe the weather in Paris."}])
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "e")
+
+
+def test_an_openai_agents_loop_runs_its_tool(live_server):
+    """The OpenAI Agents SDK, unmodified, over the chat endpoint: the model calls the tool (required on the
+    first turn; the SDK resets it to auto after), the SDK runs it and sends the result, the model answers."""
+    agents = pytest.importorskip("agents")  # optional: openai-agents is not a requirement of the server
+    ran: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        ran.append(city)
+        return f"Sunny and 21 degrees in {city}."
+
+    client = openai.AsyncOpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    model_id = [m.id for m in client_of(live_server.url).models.list()][1]  # `<model>-chat`: no retrieval
+    agents.set_tracing_disabled(True)
+    agent = agents.Agent(name="weather", instructions="Answer with the weather tool's help.", tools=[get_weather],
+                         model=agents.OpenAIChatCompletionsModel(model=model_id, openai_client=client),
+                         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=60, temperature=0))
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert ran, "the tool never ran"
+    calls = [i for i in result.new_items if i.type == "tool_call_item"]
+    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
+    assert calls and outputs and outputs[0].output.startswith("Sunny")
+    assert isinstance(result.final_output, str) and result.final_output.strip()

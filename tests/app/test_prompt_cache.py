@@ -77,8 +77,8 @@ def test_openai_prompt_cache_key_and_24h_retention_lease_the_conversation(make_a
         chunks = list(client.chat.completions.create(messages=messages, stream=True,
                                                      stream_options={"include_usage": True}, **request))
         [finish] = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-        # ... and the two messages of the first exchange
-        assert finish.model_extra["lease"]["status"] == "held" and finish.model_extra["lease"]["entries"] == 5
+        # ... and the spans of the two messages of the first exchange (one or more each: app.planner)
+        assert finish.model_extra["lease"]["status"] == "held" and finish.model_extra["lease"]["entries"] >= 5
         second = chunks[-1].usage  # the head and the first exchange come from the store now
         assert second.prompt_tokens_details.cached_tokens > usage.prompt_tokens_details.cached_tokens
 

@@ -115,6 +115,7 @@ def test_a_lease_over_the_pinned_cap_is_refused_and_the_response_says_so(server_
     probe = engine()
     head = probe.answer(QueryParams("Hello?", max_tokens=1, retrieve=False, messages=(
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}))).kv_keys[0]
+    probe.parts.store.flush()  # the spans are written by the store's writer thread (put_nowait)
     head_bytes = probe.parts.store.tiers[0].size_of(head.key)
     probe.parts.close()
     capped = engine(memory_pinned_bytes=head_bytes * 3 // 2, disk_pinned_bytes=0)

@@ -60,7 +60,7 @@ class Span:
     message: int | None     # the last message it covers (None: head, opening, passage)
     shared: bool            # the standard head or a collection passage: keyed without the tenant
     source: Source = "compute"
-    key: str = ""           # the entry read; compute: the entry it is stored under
+    key: str = ""           # its entry by chain (a passage, a head: its one key): what the same prompt reads next
     tier: str | None = None
     after: str = ""         # hash_ids of the ids before it: what its KV is computed after here
 
@@ -186,7 +186,7 @@ class Planner:
             before = chain.hexdigest()  # sha256 of the ids before: hash_ids(before), computed incrementally
             chain.update(torch.tensor(span.ids, dtype=torch.int64).numpy().tobytes())
             keys = [key for _, key in self.entries(span, before, tenant)]
-            found, source, key = Loaded(list(span.ids), None, None, span.start), "compute", keys[-1]
+            found, source = Loaded(list(span.ids), None, None, span.start), "compute"
             if mode != "full" and (exact or mode != "prefix"):
                 for k, candidate in enumerate(keys):
                     if k == 0 and len(keys) == 2 and not exact:
@@ -195,15 +195,15 @@ class Planner:
                     if found.tier is not None:  # exact by its chain key, or a passage computed right here
                         here = (k == 0 and len(keys) == 2) or span.kind == "head" or (
                             found.kv.position == span.start and found.kv.context_hash == before)
-                        source, key = "exact" if exact and here else "blended", candidate
+                        source = "exact" if exact and here else "blended"
                         break
             if source == "blended" and mode == "prefix":  # prefix caching: what is not exact is computed
                 _close(found)
-                found, source, key = Loaded(list(span.ids), None, None, span.start), "compute", keys[-1]
-            if source == "blended" and not span.shared:
-                key = keys[0]  # stored as this prompt had it (`store`): the same prompt again reads it exact
+                found, source = Loaded(list(span.ids), None, None, span.start), "compute"
             exact = exact and source == "exact"
-            spans.append(Span(span.kind, span.ids, span.start, span.message, span.shared, source, key,
+            # its entry (kv_keys, leases): the chain's, the one the same prompt reads next (a blended or computed
+            # span is stored there: `store`); a passage's or a head's only key
+            spans.append(Span(span.kind, span.ids, span.start, span.message, span.shared, source, keys[0],
                               found.tier, before))
             loaded.append(found)
         return Plan(spans=tuple(spans), suffix=tuple(suffix), tenant=tenant, **rest), loaded

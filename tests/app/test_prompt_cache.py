@@ -77,8 +77,8 @@ def test_openai_prompt_cache_key_and_24h_retention_lease_the_conversation(make_a
         chunks = list(client.chat.completions.create(messages=messages, stream=True,
                                                      stream_options={"include_usage": True}, **request))
         [finish] = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-        # ... and the two messages of the first exchange
-        assert finish.model_extra["lease"]["status"] == "held" and finish.model_extra["lease"]["entries"] == 5
+        # ... and the spans of the two messages of the first exchange (one or more each: app.planner)
+        assert finish.model_extra["lease"]["status"] == "held" and finish.model_extra["lease"]["entries"] >= 5
         second = chunks[-1].usage  # the head and the first exchange come from the store now
         assert second.prompt_tokens_details.cached_tokens > usage.prompt_tokens_details.cached_tokens
 
@@ -115,6 +115,7 @@ def test_a_lease_over_the_pinned_cap_is_refused_and_the_response_says_so(server_
     probe = engine()
     head = probe.answer(QueryParams("Hello?", max_tokens=1, retrieve=False, messages=(
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}))).kv_keys[0]
+    probe.parts.store.flush()  # the spans are written by the store's writer thread (put_nowait)
     head_bytes = probe.parts.store.tiers[0].size_of(head.key)
     probe.parts.close()
     capped = engine(memory_pinned_bytes=head_bytes * 3 // 2, disk_pinned_bytes=0)

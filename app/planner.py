@@ -206,6 +206,7 @@ class Planner:
             spans.append(Span(span.kind, span.ids, span.start, span.message, span.shared, source, keys[0],
                               found.tier, before))
             loaded.append(found)
+        _compute_when_mostly_new(spans, loaded, self.settings.min_reused_share)
         return Plan(spans=tuple(spans), suffix=tuple(suffix), tenant=tenant, **rest), loaded
 
     def entries(self, span: Span, before: str, tenant: str) -> list[tuple[str, str]]:
@@ -320,6 +321,21 @@ def _exact(kv: ChunkKV | LayerSource, before: str) -> ChunkKV | LayerSource:
         return replace(kv, context_hash=before)
     kv.context_hash = before  # an opened entry: its own, read once by this prefill
     return kv
+
+
+def _compute_when_mostly_new(spans: list[Span], loaded: list[Loaded], share: float) -> None:
+    """Past the exact prefix, stored spans covering less than `share` of the tokens: all of them computed with the
+    question instead (prefix caching). Blending mostly new text costs more than the prefill it saves: many small
+    fresh spans between a few blended ones ran at ~2x full prefill (bench/byo_rag.py, 21% of the tokens read)."""
+    start = next((i for i, s in enumerate(spans) if s.source != "exact"), len(spans))
+    total = sum(len(s.ids) for s in spans[start:])
+    if sum(len(s.ids) for s in spans[start:] if s.source == "blended") >= share * total:
+        return
+    for i in range(start, len(spans)):
+        if spans[i].source == "blended":
+            _close(loaded[i])
+            spans[i] = replace(spans[i], source="compute", tier=None)
+            loaded[i] = Loaded(list(spans[i].ids), None, None, spans[i].start)
 
 
 def _close(read: Loaded) -> None:

@@ -155,3 +155,15 @@ def test_the_computed_spans_at_the_end_run_with_the_question(mode):
     plan, loaded = p.plan([Part("head", HEAD), message(text(14, 50))], [7, 8], mode=mode)
     assert plan.tail == (1 if mode == "blend" else 0) or plan.spans[0].source == "compute"
     assert plan.prompt_tokens == len(HEAD) + 50 + 2
+
+
+def test_a_prompt_of_mostly_new_text_is_computed_whole_past_its_exact_prefix():
+    p = planner(min_reused_share=0.3)
+    seen, new = text(21, 40), text(22, 200)
+    first, _ = p.plan([Part("head", HEAD), message(seen, 0)], [1], mode="blend")
+    store_plan(p, first)
+    mostly_new, loaded = p.plan([Part("head", HEAD), message(new, 0), message(seen, 1)], [1], mode="blend")
+    assert {s.source for s in mostly_new.spans[1:]} == {"compute"}  # 40 of 240 tokens stored: not worth a blend
+    assert all(r.kv is None for r in loaded[1:]) and mostly_new.tail == 1
+    some_new, _ = p.plan([Part("head", HEAD), message(new[:60], 0), message(seen, 1)], [1], mode="blend")
+    assert "blended" in {s.source for s in some_new.spans[1:]}  # 40 of 100: blended

@@ -158,7 +158,7 @@ def test_the_computed_spans_at_the_end_run_with_the_question(mode):
 
 
 def test_a_prompt_of_mostly_new_text_is_computed_whole_past_its_exact_prefix():
-    p = planner(min_reused_share=0.3)
+    p = planner(min_reused_share=0.3)  # (the default is measured; the rule is what is tested)
     seen, new = text(21, 40), text(22, 200)
     first, _ = p.plan([Part("head", HEAD), message(seen, 0)], [1], mode="blend")
     store_plan(p, first)

@@ -10,7 +10,8 @@ a 32-token head and before a 32-token question.
   phases     each case's PrefillStats.timings_ms (each phase waits for the device: Backend.synchronize)
   exactness  float32 and bfloat16: HF one vs two pieces, eager vs sdpa, full_prefill vs HF, blend@1 vs HF
              (max |Δlogit|, KL, top-1 equal); the start-up gate's verdict in each dtype
-  decode     DecodeRuntime.step at batch 1, 8, 32 (graphed, as served), and the model's own forward at batch 1
+  decode     DecodeRuntime.step at batch 1, 8, 32 (graphed, as served), the same rows under a token mask (the
+             grammar-constrained step: masked rows beside a free one), and the model's own forward at batch 1
   codecs     every store codec (issue #42): random KV of the 8B shape encoded on the host and stored on disk, read
              back as a pipelined loader reads it (host part on the read threads, dequantised on the device in the
              model's dtype), every layer checked against the codec's stated bound; decode MB/s (`--only codecs`)
@@ -33,6 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -323,7 +325,8 @@ def decode(blender: Blender, device, context: int, batches: list[int], steps: in
                         position += 1
                     sync(device)
                 out["own forward batch 1"] = {"step_ms": round((time.perf_counter() - start) / steps * 1000, 2)}
-            log(f"  decode batch {batch} @ {context}: {out[f'batch {batch}']}")
+            out[f"batch {batch} masked"] = masked_steps(runtime, sequences, positions, vocab, steps, device)
+            log(f"  decode batch {batch} @ {context}: {out[f'batch {batch}']}, masked {out[f'batch {batch} masked']}")
         except Exception as exc:  # noqa: BLE001
             out[f"batch {batch}"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1200:]}
         finally:
@@ -332,6 +335,45 @@ def decode(blender: Blender, device, context: int, batches: list[int], steps: in
         if device.type == "cuda":
             torch.cuda.empty_cache()
         report.dump()
+
+
+class BandMask:
+    """A grammar's stand-in for the masked step (blend.grammar.Constraint's interface): tokens [lo, hi) allowed.
+    The mask is built on the host and applied on the device inside the one step, as a real grammar's is."""
+
+    def __init__(self, vocab: int, lo: int, hi: int):
+        allowed = np.zeros(((vocab + 31) // 32) * 32, dtype=np.uint8)
+        allowed[lo:hi] = 1
+        self.words = torch.from_numpy(np.packbits(allowed, bitorder="little").view(np.int32).copy())
+        self.lo, self.hi, self.finished = lo, hi, False
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = self.words
+
+    def advance(self, token: int) -> None:
+        pass
+
+
+def masked_steps(runtime: DecodeRuntime, sequences: list, positions: list[int], vocab: int, steps: int,
+                 device: torch.device) -> dict:
+    """The same rows stepped under a mask on every row but the first (rows with and without a grammar share the
+    step): ms a step, and whether every masked row's token stayed inside its band."""
+    bands = [None] + [BandMask(vocab, 100 + 50 * b, 150 + 50 * b) for b in range(1, len(sequences))]
+    for sequence, band in zip(sequences, bands):
+        sequence.constraint = band
+    inside, taken = True, []
+    runtime.step(sequences, [12] * len(sequences), positions)  # warm-up (on CUDA: the masked graph's capture)
+    positions = [p + 1 for p in positions]
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        taken = runtime.step(sequences, [12] * len(sequences), positions)
+        positions = [p + 1 for p in positions]
+        inside = inside and all(band.lo <= t < band.hi for t, band in zip(taken, bands) if band is not None)
+    sync(device)
+    for sequence in sequences:
+        sequence.constraint = None
+    return {"step_ms": round((time.perf_counter() - start) / steps * 1000, 2), "tokens_inside_masks": inside}
 
 
 def table(data: dict) -> list[str]:

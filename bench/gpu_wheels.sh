@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=".venv/bin/pip"
 WANTED="transformers pydantic pydantic_core pydantic-settings python-dotenv annotated-types typing-inspection
-        typing_extensions redis diskcache constriction"
+        typing_extensions redis diskcache constriction llguidance"
 pins=()
 for name in $WANTED; do
     pin=$("$PIP" freeze 2>/dev/null | grep -i "^${name//[-_]/[-_]}==" || true)

@@ -48,6 +48,8 @@ def test_device_check_smoke_mode_runs_on_the_cpu(tmp_path):
     for rows in ("batch 1", "batch 2"):
         assert decode[rows]["step_ms"] > 0 and decode[rows]["tokens_per_s"] > 0 and decode[rows]["graphs"] == "off"
     assert decode["own forward batch 1"]["step_ms"] > 0
+    assert decode["batch 2 masked"]["tokens_inside_masks"] and decode["batch 2 masked"]["step_ms"] > 0  # the
+    # grammar-constrained step: a masked row beside a free one, every masked token inside its band
     assert "hf sdpa full" in done.stdout and "decode step:" in done.stdout and "JSON:" in done.stdout.splitlines()[-1]
 
 

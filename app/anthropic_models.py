@@ -79,7 +79,8 @@ class MessagesRequest(AnthropicBody):
     tools: list[Tool] = Field(default_factory=list)
     tool_choice: ToolChoice | None = Field(None, description=(
         "Enforced by grammar-constrained decoding: auto (text until the model opens a call, then a valid call), "
-        "any (calls only), tool (one call of `name`), none (text only)."))
+        "any (calls only), tool (one call of `name`, which must be one of `tools`), none (text only); any and "
+        "tool need tools."))
     temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     stop_sequences: list[Text] = Field(default_factory=list, max_length=4)

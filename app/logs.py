@@ -36,7 +36,7 @@ def setup_logging(level: str | None = None) -> None:
     # JSON lines through the same handler, at WARNING and above
     for library in LIBRARY_LOGGERS:
         logger = logging.getLogger(library)
-        logger.addHandler(handler)
+        logger.handlers = [handler]  # ours alone, whatever an earlier setup left
         logger.setLevel(logging.WARNING)
         logger.propagate = False
     for noisy in ("transformers", "sentence_transformers", "httpx", "faiss"):

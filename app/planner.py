@@ -239,7 +239,8 @@ class Planner:
         tail = plan.tail
         blender = self.kv.blender
         segments = [blender.fresh(span.ids, span.start) if read.kv is None
-                    else _exact(read.kv, span.after) if span.source == "exact" else read.kv
+                    else _exact(read.kv, span.after) if span.source == "exact" and read.tier != COMPUTED
+                    else read.kv  # (a span the loading controller made fresh is never exact)
                     for span, read in zip(plan.spans[:tail], loaded[:tail])]
         for read in loaded[tail:]:
             _close(read)

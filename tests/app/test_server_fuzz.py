@@ -88,7 +88,8 @@ def _a_file_that_is_not_text(recorder, case_id: str, check) -> bool:
 def _a_rule_json_schema_cannot_state(recorder, case_id: str, check) -> bool:
     """Valid data refused by a rule the description states in words: on /v1/messages, an assistant's message
     last (Anthropic's prefill, not supported: JSON Schema has no keyword for an array's last item) and more than
-    4 cache_control breakpoints (JSON Schema cannot count them across the body's parts); and a body
+    4 cache_control breakpoints (JSON Schema cannot count them across the body's parts); a tool_choice naming no
+    tool of the request, or forcing a call without tools, and a schema the grammar engine cannot compile; and a body
     over limits.max_body_bytes, valid or not (a document's size in bytes, checked before the body is read;
     /v1/messages takes free-form tool inputs and schemas, so the fuzzer's bodies can be any size)."""
     interaction = recorder.interactions.get(case_id)
@@ -100,7 +101,11 @@ def _a_rule_json_schema_cannot_state(recorder, case_id: str, check) -> bool:
     if check.name != "positive_data_acceptance":
         return False
     message = body.get("error", {}).get("message", "")
-    in_words = ("the last message must be a user message", "A maximum of 4 blocks with cache_control")
+    in_words = ("the last message must be a user message", "A maximum of 4 blocks with cache_control",
+                # tool_choice's tool must be one of `tools`, and a forced call needs tools (a reference across
+                # fields); a schema the grammar engine cannot compile, or past its stated size and depth
+                "is not among the tools", "not among the tools (", "needs tools", "the schema does not compile",
+                "a schema of", "a schema nested deeper than")
     return status == 400 and any(rule in message for rule in in_words)
 
 

@@ -14,7 +14,8 @@ from app.validation import MAX_ID_CHARS, NOT_BLANK, ONE_LINE_NOT_BLANK
 
 
 class TextPart(OpenAIBody):
-    type: Text
+    type: Text = Field(description="text; any other part (image_url, input_audio, file) is a 400: this model "
+                                   "reads text only")
     text: Text | None = None
 
 

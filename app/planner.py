@@ -258,10 +258,12 @@ class Planner:
             had = "compute" if read.tier == COMPUTED else span.source  # an entry that failed to load: again
             if had == "exact" or (had == "blended" and span.shared) or (span.kind == "head" and span.shared):
                 continue  # (the standard head: kept exact by ChunkKVCache, stored at warm-up)
-            entries = self.entries(span, span.after, plan.tenant)
+            entries, kv = self.entries(span, span.after, plan.tenant), None
             for context, key in entries[:1] if had == "blended" else entries:  # blended: as prompted only
-                if key not in written:
-                    self.kv.store.put_nowait(key, span_kv(prefill, span, context, self.fingerprint))
+                if key not in written:  # one copy out of the prefill, named by each entry's context
+                    kv = span_kv(prefill, span, context, self.fingerprint) if kv is None \
+                        else replace(kv, context_hash=context)
+                    self.kv.store.put_nowait(key, kv)
                     written.add(key)
             if self.settings.chunking == "windows" and len(span.ids) == self.settings.window_tokens:
                 self._remember_window(span.ids)

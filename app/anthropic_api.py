@@ -257,7 +257,7 @@ def _tool_use_id(call: ToolCallOut) -> str:
 
 
 def _stop_reason(result: QueryResult) -> str:
-    if result.tool_calls:
+    if result.tool_calls and result.finish_reason != "length":  # cut by max_tokens: "max_tokens", calls or not
         return "tool_use"
     if result.stop_sequence is not None:
         return "stop_sequence"

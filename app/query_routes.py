@@ -281,6 +281,7 @@ def _usage(result: QueryResult) -> Usage:
 
 
 def _finish_reason(result: QueryResult) -> str:
-    if result.tool_calls:
-        return "tool_calls"
-    return "length" if result.finish_reason == "length" else "stop"  # "cancelled" never reaches a client
+    """"length" whenever max_tokens cut the answer (its whole calls still returned, the cut one dropped)."""
+    if result.finish_reason == "length":
+        return "length"
+    return "tool_calls" if result.tool_calls else "stop"  # "cancelled" never reaches a client

@@ -110,10 +110,12 @@ def response_schema(response_format: dict | None) -> dict | None:
 class CallStream:
     """An answer's text as it arrives, split into content and calls: `feed(delta)` and `finish()` return the
     events ("text", str) and ("call", ToolCallOut) in order. Text that could open a call is held back until it
-    cannot; a call is released when closed; one left open at the end (max_tokens) comes out as text."""
+    cannot; a call is released when closed. A call left open at the end (cut by max_tokens or a stop string) is
+    dropped (`cut`): never returned as a call, nor as text. A call identical to an earlier one (name and
+    arguments: a small model repeats itself) is dropped too: its tool would answer it the same."""
 
     def __init__(self) -> None:
-        self.buffer, self.in_call, self.calls = "", False, 0
+        self.buffer, self.in_call, self.cut = "", False, False
         self.content: list[str] = []
         self.tool_calls: list[ToolCallOut] = []
 
@@ -125,7 +127,7 @@ class CallStream:
                 end = self.buffer.find(CLOSE)
                 if end < 0:
                     return events
-                events.append(self._call(self.buffer[:end]))
+                events += self._call(self.buffer[:end])
                 self.buffer, self.in_call = self.buffer[end + len(CLOSE):], False
                 continue
             start = self.buffer.find(OPEN)
@@ -138,8 +140,10 @@ class CallStream:
             self.buffer, self.in_call = self.buffer[start + len(OPEN):], True
 
     def finish(self) -> list[tuple[str, Any]]:
-        rest, self.buffer = (OPEN if self.in_call else "") + self.buffer, ""
-        self.in_call = False
+        rest, self.buffer = self.buffer, ""
+        if self.in_call:
+            self.cut, self.in_call = True, False
+            return []
         return self._text(rest)
 
     def _text(self, text: str) -> list[tuple[str, Any]]:
@@ -148,18 +152,20 @@ class CallStream:
         self.content.append(text)
         return [("text", text)]
 
-    def _call(self, body: str) -> tuple[str, Any]:
+    def _call(self, body: str) -> list[tuple[str, Any]]:
         try:
             call = json.loads(body)
             name, arguments = call["name"], call.get("arguments", {})
             if not isinstance(name, str):
                 raise TypeError(name)
         except (ValueError, KeyError, TypeError):
-            return self._text(OPEN + body + CLOSE)[0] if body else ("text", "")
+            return self._text(OPEN + body + CLOSE)
         arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        if any(c.name == name and c.arguments == arguments for c in self.tool_calls):
+            return []
         out = ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", name, arguments)
         self.tool_calls.append(out)
-        return ("call", out)
+        return [("call", out)]
 
 
 def split_tool_calls(text: str) -> tuple[str, list[ToolCallOut]]:

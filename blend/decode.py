@@ -158,7 +158,8 @@ def decode_loop(sequence: Decoding, answer: TokenStream, cancelled: Callable[[],
             break
         if sequence.constraint is not None:
             sequence.constraint.advance(token)
-            if sequence.constraint.finished:  # the grammar is complete: nothing more may follow
+            # the grammar is complete, or the answer ends at a whole call rather than be cut in the next
+            if sequence.constraint.finished or sequence.constraint.out_of_room(limit - step - 1):
                 answer.finish_reason = answer.finish_reason or "stop"
                 break
         if cancelled():

@@ -54,6 +54,8 @@ class Constraint:
 
     def __init__(self, matcher):
         self.matcher = matcher
+        self.since = 0    # tokens since the grammar last accepted (could have ended)
+        self.longest = 0  # the longest such stretch so far (a tool call, say)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of bitmask ([B, ceil(V/32)] int32, host): the tokens allowed next."""
@@ -67,6 +69,15 @@ class Constraint:
         """The answer took `token` (one its mask allowed)."""
         if not self.matcher.consume_token(token):
             raise GrammarDeadEnd(f"the answer's grammar refused token {token}: {self.matcher.get_error()}")
+        self.since += 1
+        if self.matcher.is_accepting():
+            self.longest, self.since = max(self.longest, self.since), 0
+
+    def out_of_room(self, tokens_left: int) -> bool:
+        """The answer may end here, and another stretch as long as the longest so far (another call) would not
+        fit in `tokens_left`: ending here keeps it whole, where max_tokens would cut it mid-call. Free text
+        accepts at every token (stretches of 1), so it is never ended early."""
+        return self.since == 0 and self.longest > tokens_left and self.matcher.is_accepting()
 
     @property
     def finished(self) -> bool:

@@ -48,7 +48,10 @@ def test_parse_calls_from_text():
     events += stream.finish()
     assert "".join(v for k, v in events if k == "text") == "Let me look.\n"
     assert [v.name for k, v in events if k == "call"] == ["get_time", "get_weather"]
-    assert split_tool_calls("no call <tool_call>\n{broken")[1] == []  # an unfinished call stays text
+    # a call cut by max_tokens is dropped, neither a call nor text; a repeated identical call is dropped
+    assert split_tool_calls('no call <tool_call>\n{"name": "get_time", "argu') == ("no call", [])
+    content, calls = split_tool_calls(text + "\n" + text.split("\n", 1)[1])
+    assert content == "Let me look." and [c.name for c in calls] == ["get_time", "get_weather"]
 
 
 def test_tool_choice_required_named_parallel_and_streamed(live_server):

@@ -91,3 +91,32 @@ def test_a_schema_that_does_not_compile_says_why(decoder):
     first = decoder.grammars.constraint(GRAMMAR)
     assert decoder.grammars.constraint(GRAMMAR).matcher is not first.matcher  # a fresh copy per answer
 
+
+
+MANY = f'start: doc ("\\n" doc)*\ndoc: {json_rule(SCHEMA)}'  # documents one after another, as calls are
+
+
+def test_an_answer_ends_at_a_whole_document_rather_than_be_cut_by_max_tokens(decoder):
+    tokenizer = BLENDERS[decoder].tokenizer
+    first, second = '{"unit": "celsius", "rain": true}', '{"unit": "fahrenheit", "rain": false}'
+    constraint = decoder.grammars.constraint(MANY)
+    ids = tokenizer.encode(first, add_special_tokens=False)
+    for token in ids[:-1]:
+        constraint.advance(token)
+    assert not constraint.out_of_room(0)  # mid-document: never ended here
+    constraint.advance(ids[-1])
+    assert constraint.longest == len(ids) and constraint.out_of_room(len(ids) - 1)
+    assert not constraint.out_of_room(len(ids))  # another as long still fits
+    for token in tokenizer.encode("\n" + second, add_special_tokens=False):
+        constraint.advance(token)
+    assert constraint.longest >= len(ids) and constraint.since == 0
+
+    # in the decode loop: whatever max_tokens, the answer is whole documents (it ends at eos, which the grammar
+    # allows between documents, or where the next would not fit)
+    for budget in (20, 45, 60, 75):
+        tokens = run_together(decoder, [(random_ids(9, budget), SamplingParams(max_new_tokens=budget), MANY)],
+                              eos=frozenset())[0]
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        assert len(tokens) < budget, text
+        for line in text.split("\n"):
+            assert set(json.loads(line)) == {"unit", "rain"}

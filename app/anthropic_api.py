@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
@@ -43,15 +44,15 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sse_starlette import ServerSentEvent
 
-from app.anthropic_models import (ERRORS, CacheControl, CacheCreation, Message, MessageOut, MessagesRequest,
-                                   MessageUsage, TextBlock, TextOut, ToolChoice, ToolResultBlock, ToolUseBlock,
-                                   ToolUseOut)
+from app.anthropic_models import (ERRORS, CacheControl, CacheCreation, CountTokensRequest, Message, MessageOut,
+                                   MessagesRequest, MessageUsage, TextBlock, TextOut, TokenCount, ToolChoice,
+                                   ToolResultBlock, ToolUseBlock, ToolUseOut)
 from app.api_models import MAX_SEED, check_budget, check_limits
 from app.config import LimitsSettings
-from app.query import KeyUse, QueryResult
+from app.query import KeyUse, QueryParams, QueryResult
 from app.errors import ApiError, as_api_error
 from app.prompt_cache import LeaseNote, lease, lease_headers, prefix_keys
-from app.query_routes import QueryRun, sse
+from app.query_routes import QueryRun, check_model, sse
 from app.service import Service, service
 from app.tool_calls import CLOSE, OPEN, CallStream, SchemaLimitError, ToolCallOut, tools_grammar
 from blend.prompt import hermes_tools
@@ -66,19 +67,24 @@ STOP_REASONS = {"length": "max_tokens"}  # else end_turn
 # components as Anthropic<Name> (`describe`), clear of the OpenAI models' names.
 BODY_SCHEMA = MessagesRequest.model_json_schema(ref_template="#/components/schemas/Anthropic{model}")
 BODY_PARTS = {f"Anthropic{name}": part for name, part in BODY_SCHEMA.pop("$defs").items()}
+COUNT_SCHEMA = CountTokensRequest.model_json_schema(ref_template="#/components/schemas/Anthropic{model}")
+COUNT_SCHEMA.pop("$defs")
 
 
 def describe(openapi: dict[str, Any], limits: LimitsSettings) -> None:
     """The body's parts, and this server's limits in the body's description (as app.api_models.state_limits)."""
     openapi["components"]["schemas"].update(BODY_PARTS)
-    schema = openapi["paths"]["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    schema["properties"]["max_tokens"]["maximum"] = limits.max_new_tokens
-    for name, maximum in (("retrieval_top_k", limits.max_top_k), ("seed", MAX_SEED)):  # (the seed exactly: not as a float)
-        next(s for s in schema["properties"][name]["anyOf"] if s.get("type") == "integer")["maximum"] = maximum
-    schema["properties"]["messages"]["description"] += (
-        f" The question has at most {limits.max_question_chars} characters (limits.max_question_chars); at most "
-        f"{limits.max_message_tokens} tokens a message and {limits.max_prompt_tokens} in the whole prompt; the body "
-        f"at most {limits.max_body_bytes} bytes (limits.max_body_bytes).")
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        schema = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        limited = [("retrieval_top_k", limits.max_top_k)] + ([("seed", MAX_SEED)] if path == "/v1/messages" else [])
+        for name, maximum in limited:  # (the seed exactly: not as a float)
+            next(s for s in schema["properties"][name]["anyOf"] if s.get("type") == "integer")["maximum"] = maximum
+        schema["properties"]["messages"]["description"] += (
+            f" The question has at most {limits.max_question_chars} characters (limits.max_question_chars); at "
+            f"most {limits.max_message_tokens} tokens a message and {limits.max_prompt_tokens} in the whole prompt; "
+            f"the body at most {limits.max_body_bytes} bytes (limits.max_body_bytes).")
+    openapi["paths"]["/v1/messages"]["post"]["requestBody"]["content"]["application/json"]["schema"][
+        "properties"]["max_tokens"]["maximum"] = limits.max_new_tokens
 
 
 # ---- the request, as the engine's ----------------------------------------------------------------
@@ -99,7 +105,7 @@ def message_text(message: Message) -> str:
     return message.content if isinstance(message.content, str) else "\n".join(map(block_text, message.content))
 
 
-def system_text(body: MessagesRequest) -> str | None:
+def system_text(body: CountTokensRequest) -> str | None:
     """The tools (in the Hermes form the calls are parsed from: blend.prompt.hermes_tools) and the system
     blocks: the system turn."""
     system = body.system if isinstance(body.system, str) or body.system is None else \
@@ -108,14 +114,14 @@ def system_text(body: MessagesRequest) -> str | None:
     return "\n\n".join(parts) or None
 
 
-def openai_tools(body: MessagesRequest) -> list[dict]:
+def openai_tools(body: CountTokensRequest) -> list[dict]:
     """The tools as the engine takes them (OpenAI's form): the prompt tells the model how to call them."""
     return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                               "parameters": t.input_schema or {"type": "object"}}}
             for t in body.tools]
 
 
-def tool_grammar(body: MessagesRequest, tools: list[dict]) -> str | None:
+def tool_grammar(body: CountTokensRequest, tools: list[dict]) -> str | None:
     """The answer's grammar under tool_choice (app.tool_calls); a 400 for a choice it cannot follow."""
     choice = body.tool_choice or ToolChoice(type="auto")
     if choice.type == "tool" and choice.name not in [t.name for t in body.tools]:
@@ -129,7 +135,7 @@ def tool_grammar(body: MessagesRequest, tools: list[dict]) -> str | None:
         raise ApiError(400, str(exc)) from None
 
 
-def breakpoints(body: MessagesRequest) -> list[tuple[int | None, float]]:
+def breakpoints(body: CountTokensRequest) -> list[tuple[int | None, float]]:
     """(message index or None for tools and system, ttl_s) of each cache_control; a 400 past MAX_BREAKPOINTS."""
     found: list[tuple[int | None, CacheControl]] = []
     system = body.system if isinstance(body.system, list) else []
@@ -150,9 +156,9 @@ def _controls(block: TextBlock | ToolUseBlock | ToolResultBlock) -> list[CacheCo
     return [b.cache_control for b in (block, *inner) if b.cache_control]
 
 
-def parse(raw: bytes) -> MessagesRequest:
+def parse(raw: bytes, model: type[CountTokensRequest] = MessagesRequest) -> Any:
     try:
-        body = MessagesRequest.model_validate_json(raw)
+        body = model.model_validate_json(raw)
     except ValidationError as exc:
         raise ApiError(400, _invalid(exc.errors(include_url=False))) from None
     if body.messages[-1].role != "user":
@@ -180,25 +186,8 @@ async def messages(request: Request, svc: Service = Depends(service)):
     """Anthropic's Messages API (see the module docstring)."""
     body = parse(await request.body())
     marks = breakpoints(body)
-    texts = [message_text(m) for m in body.messages]
-    system, tools = system_text(body), openai_tools(body)
-    grammar = tool_grammar(body, tools)
-    # the question's limit is on what the user writes, and only with retrieval (without it a message may carry
-    # documents: the token budget alone); a tool result counts against the budgets, as an OpenAI tool message does
-    check_limits(svc.settings.limits, question=question_text(body.messages[-1]) if body.retrieval else "",
-                 top_k=body.retrieval_top_k, question_field="messages", max_tokens={"max_tokens": body.max_tokens})
-    fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts))]
-    await asyncio.to_thread(check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
-    params = svc.query_params(texts[-1], top_k=body.retrieval_top_k, max_tokens=body.max_tokens,
-                              temperature=body.temperature or 0.0, top_p=body.top_p or 1.0,
-                              stop=tuple(s for s in body.stop_sequences if s), seed=body.seed,
-                              # each message a piece, indexed as in body.messages (the system text, which joins
-                              # the head wherever it stands, goes last so the indices stay the client's)
-                              messages=tuple({"role": m.role, "content": t} for m, t in zip(body.messages, texts))
-                              + (({"role": "system", "content": system},) if system else ()),
-                              grammar=grammar,
-                              tool_calls=bool(tools) and getattr(body.tool_choice, "type", "auto") != "none",
-                              retrieve=body.retrieval)
+    params = replace(await engine_params(body, svc, body.max_tokens), temperature=body.temperature or 0.0,
+                     top_p=body.top_p or 1.0, stop=tuple(s for s in body.stop_sequences if s), seed=body.seed)
     run = await QueryRun.start(svc, params, request, "messages")
     head = {"id": f"msg_{uuid.uuid4().hex}", "model": body.model}
     family = f"anthropic:{body.metadata.user_id}" if body.metadata and body.metadata.user_id else "anthropic"
@@ -215,6 +204,41 @@ async def messages(request: Request, svc: Service = Depends(service)):
                      stop_sequence=result.stop_sequence,
                      usage=usage(result, marks, last), lease=note)
     return JSONResponse(out.model_dump(exclude=set() if note else {"lease"}), headers=lease_headers(note))
+
+
+@router.post("/v1/messages/count_tokens", response_model=TokenCount, openapi_extra={
+                 "requestBody": {"required": True, "content": {"application/json": {"schema": COUNT_SCHEMA}}}},
+             responses=ERRORS)
+async def count_tokens(request: Request, svc: Service = Depends(service)) -> TokenCount:
+    """Anthropic's token counting: the prompt /v1/messages would run for the same body (chat template, system,
+    tools, passages with retrieval), laid out by the engine's own plan (nothing computed)."""
+    body = parse(await request.body(), CountTokensRequest)
+    breakpoints(body)  # the same 400s as /v1/messages
+    params = await engine_params(body, svc, 1)
+    plan = await asyncio.to_thread(svc.serving.engine.lookup, params)
+    return TokenCount(input_tokens=plan.prompt_tokens)
+
+
+async def engine_params(body: CountTokensRequest, svc: Service, max_tokens: int) -> QueryParams:
+    """The engine request of a Messages body (sampling left at its defaults), its model and limits checked."""
+    check_model(svc, body.model)
+    texts = [message_text(m) for m in body.messages]
+    system, tools = system_text(body), openai_tools(body)
+    grammar = tool_grammar(body, tools)
+    # the question's limit is on what the user writes, and only with retrieval (without it a message may carry
+    # documents: the token budget alone); a tool result counts against the budgets, as an OpenAI tool message does
+    check_limits(svc.settings.limits, question=question_text(body.messages[-1]) if body.retrieval else "",
+                 top_k=body.retrieval_top_k, question_field="messages", max_tokens={"max_tokens": max_tokens})
+    fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts))]
+    await asyncio.to_thread(check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
+    return svc.query_params(texts[-1], top_k=body.retrieval_top_k, max_tokens=max_tokens,
+                            # each message a piece, indexed as in body.messages (the system text, which joins the
+                            # head wherever it stands, goes last so the indices stay the client's)
+                            messages=tuple({"role": m.role, "content": t} for m, t in zip(body.messages, texts))
+                            + (({"role": "system", "content": system},) if system else ()),
+                            grammar=grammar,
+                            tool_calls=bool(tools) and getattr(body.tool_choice, "type", "auto") != "none",
+                            retrieve=body.retrieval)
 
 
 def _prefix(uses: Sequence[KeyUse], at: int | None, last: int) -> list[str]:

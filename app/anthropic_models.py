@@ -70,28 +70,33 @@ class Metadata(AnthropicBody):
     user_id: Text | None = None
 
 
-class MessagesRequest(AnthropicBody):
-    model: Text
+class CountTokensRequest(AnthropicBody):
+    """POST /v1/messages/count_tokens: a Messages request without max_tokens (what else it holds is ignored)."""
+    model: Text = Field(description="One of the ids GET /v1/models lists (another is a 404 not_found_error).")
     messages: list[Message] = Field(min_length=1, description="The conversation; the last message is a user's "
                                                               "(the question).")
-    max_tokens: int = Field(ge=1)
     system: Text | list[TextBlock] | None = None
     tools: list[Tool] = Field(default_factory=list)
     tool_choice: ToolChoice | None = Field(None, description=(
         "Enforced by grammar-constrained decoding: auto (text until the model opens a call, then a valid call), "
         "any (calls only), tool (one call of `name`, which must be one of `tools`), none (text only); any and "
         "tool need tools."))
+    cache_control: CacheControl | None = Field(None, description=f"On the last block (automatic caching). {BREAKPOINT}")
+    # ragblend extras
+    retrieval: bool = Field(False, description="Retrieve passages for the question (default: off).")
+    retrieval_top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
     temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     stop_sequences: list[Text] = Field(default_factory=list, max_length=4)
     stream: bool = False
     metadata: Metadata | None = None
-    cache_control: CacheControl | None = Field(None, description=f"On the last block (automatic caching). {BREAKPOINT}")
-    # ragblend extras
-    retrieval: bool = Field(False, description="Retrieve passages for the question (default: off).")
     top_k: int | None = Field(None, ge=1, description="Anthropic's sampling top_k: accepted and ignored (ragblend "
                                                       "samples with temperature and top_p); not the passages.")
-    retrieval_top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
+    # ragblend extra
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
 
 
@@ -133,7 +138,12 @@ class AnthropicError(BaseModel):
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": AnthropicError, **({"headers": RETRY_AFTER} if code in (429, 503) else {})}
-    for code in (400, 401, 413, 429, 503)}
+    for code in (400, 401, 404, 413, 429, 503)}  # 404: an unknown model id (not_found_error)
+
+
+class TokenCount(BaseModel):
+    input_tokens: int = Field(description="The prompt's tokens as the server renders it (chat template, system, "
+                                          "tools, and passages with retrieval).")
 
 
 class MessageOut(BaseModel):

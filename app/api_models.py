@@ -93,6 +93,9 @@ RETRY_AFTER = {"Retry-After": {"description": "Seconds after which a retry may s
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, **({"headers": RETRY_AFTER} if code in (429, 503) else {})}
     for code in (400, 401, 413, 422, 429, 503)}
+# The routes that take a model id: one GET /v1/models does not list is a 404
+MODEL_NOT_FOUND = {404: {"model": ErrorResponse, "description": "An unknown model id (code model_not_found): the "
+                                                                "`model` enum, GET /v1/models, lists the served ones."}}
 DISK_FULL = {507: {"model": ErrorResponse, "headers": RETRY_AFTER,
                    "description": "The data disk is full: nothing was written (code disk_full)."}}
 DOCUMENT_ERRORS = {**ERRORS, **DISK_FULL, 409: {"model": ErrorResponse, "description": "A different document has that id "
@@ -258,6 +261,18 @@ def state_limits(openapi: dict[str, Any], limits: LimitsSettings) -> None:
     messages = schemas["ChatCompletionRequest"]["properties"]["messages"]
     messages["description"] += (f" The question has at most {limits.max_question_chars} characters "
                                 f"(limits.max_question_chars). {budget}")
+
+
+def state_models(openapi: dict[str, Any], names: list[str]) -> None:
+    """The served model ids as the `model` enum of each request body that names one (another id is a 404)."""
+    schemas = openapi["components"]["schemas"]
+    props = [schemas[name]["properties"]["model"] for name in ("ChatCompletionRequest", "LookupRequest",
+                                                               "CompletionRequest")]
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        body = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        props.append(body["properties"]["model"])
+    for prop in props:
+        next(s for s in prop.get("anyOf", [prop]) if s.get("type") == "string")["enum"] = names
 
 
 def openapi_body(model: type[BaseModel], *, multipart: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from app.api_models import ERRORS, MAX_CACHE_KEY_CHARS, NonBlank, check_budget, check_limits
+from app.api_models import ERRORS, MAX_CACHE_KEY_CHARS, MODEL_NOT_FOUND, NonBlank, check_budget, check_limits
 from app.openai_models import USER_TEXT, ChatCompletionRequest, ChatMessage
 from app.components import Serving
 from app.middleware import current_tenant
@@ -150,7 +150,7 @@ class LookupReport(BaseModel):
                                                   "is left out).")
 
 
-@router.post("/v1/cache/lookup", response_model=LookupReport, responses=ERRORS)
+@router.post("/v1/cache/lookup", response_model=LookupReport, responses={**ERRORS, **MODEL_NOT_FOUND})
 async def cache_lookup(body: LookupRequest, svc: Service = Depends(service)) -> LookupReport:
     """How many of a prompt's tokens the store holds, exact or blendable, and where: from the same plan the
     request would run (app.engine.RagEngine.lookup), as it would be laid out now."""

@@ -90,7 +90,8 @@ class RagEngine:
             sequence.release()
         stats.completion_tokens = len(text.tokens)
         stats.total_ms = _ms(start)
-        answer, finish = text.text.strip(), text.finish_reason or "length"
+        answer = text.text if params.prompt_ids else text.text.strip()  # a raw prompt's continuation as it is
+        finish = text.finish_reason or "length"
         content, calls = split_tool_calls(answer) if params.tool_calls else (answer, [])
         sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text)
                    for h in plan.hits]
@@ -164,7 +165,10 @@ class RagEngine:
                                       params.top_k or self.settings.retrieval.top_k) if params.retrieve else []
         passages = [Part("passage", tuple(parts.kv_cache.passage_ids(h.chunk.token_ids, h.title))) for h in hits]
         stats.retrieve_ms = _ms(t)
-        if params.messages:
+        if params.prompt_ids:  # a raw prompt (/v1/completions): no template; its last token computed for the logits
+            ids = params.prompt_ids
+            given, suffix, dropped = ([Part("message", ids[:-1], 0)] if len(ids) > 1 else []), list(ids[-1:]), 0
+        elif params.messages:
             try:
                 given, suffix, dropped = self._chat_parts(params, passages, max_tokens)
             except ChatTemplateError as exc:

@@ -151,7 +151,8 @@ def _at_most_4_stops(schema: dict[str, Any]) -> None:
 
 
 class ChatCompletionRequest(OpenAIBody):
-    model: Text | None = None
+    model: Text | None = Field(None, description="One of the ids GET /v1/models lists (another is a 404 "
+                                                "model_not_found): `<model>-chat` turns retrieval off.")
     messages: list[ChatMessage] = Field(min_length=1, json_schema_extra={"contains": USER_TEXT}, description=(
         "The conversation: at least one user message with text; the last such message is the question."))
     max_tokens: int | None = Field(None, ge=1)

@@ -39,6 +39,7 @@ class QueryParams:
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
     grammar: str | None = None  # the answer's grammar (llguidance Lark, app.tool_calls): tool_choice, response_format
     tool_calls: bool = False  # parse the calls in the answer (with tools, but for tool_choice none)
+    prompt_ids: tuple[int, ...] = ()  # a raw prompt's tokens (/v1/completions): no template, no messages
 
 
 @dataclass

@@ -11,7 +11,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import APIRouter, Depends, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from app.api_models import ERRORS, QueryRequest, QueryResponse, LimitError, check_budget, check_limits
+from app.api_models import (ERRORS, MODEL_NOT_FOUND, QueryRequest, QueryResponse, LimitError, check_budget,
+                            check_limits)
 from app.openai_models import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Choice,
                                ChunkChoice, Delta, FunctionCall, ModelCard, ModelList, NamedToolChoice,
                                PromptTokensDetails, ToolCall, Usage)
@@ -111,12 +112,25 @@ def sse(run: QueryRun, events: AsyncIterator[ServerSentEvent]) -> EventSourceRes
 NO_RETRIEVAL = "-chat"  # a served name with this suffix: the chat model without retrieval
 
 
+def served_models(name: str) -> list[str]:
+    """The model ids this server answers to: the model with retrieval, and `<model>-chat` without."""
+    return [name, name + NO_RETRIEVAL]
+
+
+def check_model(svc: Service, model: str | None) -> None:
+    """A 404 model_not_found (as OpenAI answers; Anthropic's not_found_error on /v1/messages) for an id GET
+    /v1/models does not list; no model at all is the served one."""
+    if model is not None and model not in served_models(svc.model_name):
+        raise ApiError(404, f"The model {model!r} does not exist: this server serves "
+                            f"{' and '.join(served_models(svc.model_name))} (GET /v1/models)",
+                       code="model_not_found", param="model")
+
+
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 def models(svc: Service = Depends(service)) -> ModelList:
     """The model with retrieval (RAG over the documents) and, named `<model>-chat`, without (a plain chat model
     whose messages' KV is reused wherever it reappears): a client picks one by `model`."""
-    return ModelList(data=[ModelCard(id=name, created=svc.created)
-                           for name in (svc.model_name, svc.model_name + NO_RETRIEVAL)])
+    return ModelList(data=[ModelCard(id=name, created=svc.created) for name in served_models(svc.model_name)])
 
 
 @router.post("/v1/query", response_model=QueryResponse, responses={200: SSE, **ERRORS})
@@ -144,7 +158,8 @@ async def query_events(run: QueryRun) -> AsyncIterator[ServerSentEvent]:
             yield ServerSentEvent(run.response(event).model_dump_json(), event="result")
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion, responses={200: SSE, **ERRORS})
+@router.post("/v1/chat/completions", response_model=ChatCompletion,
+             responses={200: SSE, **ERRORS, **MODEL_NOT_FOUND})
 async def chat_completions(body: ChatCompletionRequest, request: Request, response: Response,
                            svc: Service = Depends(service)):
     """Every message goes into the prompt through the model's chat template (tool calls and results too), each
@@ -172,13 +187,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     response.headers.update(lease_headers(note))
     calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in result.tool_calls]
     message = ChatMessageOut(content=result.answer or (None if calls else ""), tool_calls=calls or None)
-    return ChatCompletion(**head, usage=_usage(result), sources=result.sources,
+    return ChatCompletion(**head, usage=usage_of(result), sources=result.sources,
                           dropped_messages=result.stats.dropped_messages, lease=note,
-                          choices=[Choice(message=message, finish_reason=_finish_reason(result))])
+                          choices=[Choice(message=message, finish_reason=finish_reason(result))])
 
 
 async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
     """A chat request's engine parameters, its limits checked (LimitError: 422 naming the field)."""
+    check_model(svc, body.model)
     body.question()  # 422 without a user message
     limits = svc.settings.limits
     if len(body.messages) > limits.max_messages:
@@ -262,9 +278,9 @@ async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool,
             for sent in deltas(split.finish()) if calls else []:
                 yield sent
             note = await retain(event)
-            yield chunk(Delta(), finish=_finish_reason(event), dropped=event.stats.dropped_messages, note=note)
+            yield chunk(Delta(), finish=finish_reason(event), dropped=event.stats.dropped_messages, note=note)
             if include_usage:
-                yield chunk(None, usage=_usage(event))
+                yield chunk(None, usage=usage_of(event))
     yield ServerSentEvent("[DONE]")
 
 
@@ -272,7 +288,7 @@ def _fragments(text: str, size: int = 16) -> list[str]:
     return [text[i:i + size] for i in range(0, len(text), size)] or [""]
 
 
-def _usage(result: QueryResult) -> Usage:
+def usage_of(result: QueryResult) -> Usage:
     s = result.stats
     return Usage(prompt_tokens=s.prompt_tokens, completion_tokens=s.completion_tokens,
                  total_tokens=s.prompt_tokens + s.completion_tokens,
@@ -280,7 +296,7 @@ def _usage(result: QueryResult) -> Usage:
                                                            recomputed_tokens=s.recomputed_tokens))
 
 
-def _finish_reason(result: QueryResult) -> str:
+def finish_reason(result: QueryResult) -> str:
     """"length" whenever max_tokens cut the answer (its whole calls still returned, the cut one dropped)."""
     if result.finish_reason == "length":
         return "length"

@@ -20,14 +20,15 @@ from typing import Any, Iterator
 
 from fastapi import FastAPI
 
-from app import anthropic_api, cache_routes, document_routes, query_routes, service
-from app.api_models import state_limits
+from app import anthropic_api, cache_routes, document_routes, openai_completions, query_routes, service
+from app.api_models import state_limits, state_models
 from app.components import Engine
 from app.config import Settings
 from app.engine import RagEngine
 from app.errors import HANDLED, handle_error
 from app.middleware import HEALTH_PATHS, CountRequests, LimitBody, RequireApiKey
 from app.page import PUBLIC_PATHS, PUBLIC_PREFIX, page_routes
+from blend.model import served_name
 from app.service import STOP_MARGIN_S, Service
 
 
@@ -50,10 +51,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         if app.openapi_schema is None:  # built once (FastAPI keeps it), then this server's limits written in
             state_limits(default_openapi(), settings.limits)
             anthropic_api.describe(app.openapi_schema, settings.limits)
+            state_models(app.openapi_schema, query_routes.served_models(served_name(settings.model.name)))
         return app.openapi_schema
 
     app.openapi = openapi
-    routers = (service.router, query_routes.router, anthropic_api.router, document_routes.router, cache_routes.router)
+    routers = (service.router, query_routes.router, openai_completions.router, anthropic_api.router, document_routes.router, cache_routes.router)
     for router in routers:
         app.include_router(router)
     page = page_routes()

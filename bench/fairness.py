@@ -37,7 +37,7 @@ def log(message: str) -> None:
 
 def chat(url: str, messages: list[dict], firsts: list[str], name: str) -> dict:
     """One streamed chat (max_tokens 4): client-side TTFT and total; `name` goes to `firsts` at its first delta."""
-    body = {"model": "m", "messages": messages, "max_tokens": 4, "retrieval": False, "stream": True}
+    body = {"messages": messages, "max_tokens": 4, "retrieval": False, "stream": True}
     start, first = time.perf_counter(), None
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=3600) as response:
         response.raise_for_status()

@@ -137,4 +137,9 @@ def load_model(name: str = EMBEDDED, cache_dir: str | Path = "data/models", dtyp
     load_s = time.perf_counter() - start
     log.info("model loaded", extra={"model": name, "fingerprint": fingerprint, "load_s": round(load_s, 2),
                                     "device": str(target), "dtype": str(torch_dtype)})
-    return LoadedModel(model, tokenizer, fingerprint, EMBEDDED_DIRNAME if name == EMBEDDED else name, load_s)
+    return LoadedModel(model, tokenizer, fingerprint, served_name(name), load_s)
+
+
+def served_name(name: str) -> str:
+    """The name a model is served under (the API's model id): the embedded one by its folder's name."""
+    return EMBEDDED_DIRNAME if name == EMBEDDED else name

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from app.config import Settings, load_settings
+from blend.model import EMBEDDED, served_name
 from common.chunk_kv import ChunkKV, hash_ids
 from retrieval import EmbedderSettings
 from retrieval.embedder import Embedder, open_embedder
@@ -20,6 +21,7 @@ from store.keys import kv_key
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = ROOT / "data" / "models"  # the converted LLM, shared so tests never reconvert
+MODEL = served_name(EMBEDDED)  # the embedded model's id (GET /v1/models): with retrieval; MODEL + "-chat" without
 MUSIQUE = ROOT.parent / "shared" / "data" / "musique_dev.json"  # read in place, never copied
 
 

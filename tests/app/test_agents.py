@@ -13,7 +13,7 @@ import pytest
 
 from app.query import QueryParams, QueryStats
 from blend import PromptFormat
-from tests.helpers import shared_tokenizer
+from tests.helpers import MODEL, shared_tokenizer
 
 TOOLS = ({"type": "function", "function": {"name": "search", "description": "Search the documents.",
                                            "parameters": {"type": "object",
@@ -217,7 +217,7 @@ def wait_for_exact(client, body: dict, messages: int) -> dict:
 @pytest.mark.slow
 def test_lookup_reports_what_the_next_request_reuses(client):
     nonce = uuid.uuid4().hex
-    body = {"model": "m", "messages": list(trace(nonce, [0, 1])), "tools": list(TOOLS), "retrieval": False,
+    body = {"model": MODEL, "messages": list(trace(nonce, [0, 1])), "tools": list(TOOLS), "retrieval": False,
             "max_tokens": 4}
     cold = client.post("/v1/cache/lookup", json=body).json()
     kinds = [p["kind"] for p in cold["pieces"]]  # app.planner's spans: each message one or more
@@ -254,7 +254,7 @@ def test_lookup_reports_what_the_next_request_reuses(client):
     ({"role": "tool", "tool_call_id": "c", "content": "x" * 2_000_000}, "max_message_tokens"),
 ])
 def test_bad_messages_get_a_4xx_with_the_reason(client, message, reason):
-    body = {"model": "m", "messages": [{"role": "user", "content": "What now?"}, message], "max_tokens": 4}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "What now?"}, message], "max_tokens": 4}
     response = client.post("/v1/chat/completions", json=body)
     assert 400 <= response.status_code < 500, response.text
     assert reason in response.json()["error"]["message"], response.text
@@ -265,7 +265,7 @@ def test_too_many_messages_get_a_422(make_app, corpus):
     from fastapi.testclient import TestClient
 
     with TestClient(make_app(limits={"max_messages": 3})) as small:
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}] * 4, "max_tokens": 4}
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * 4, "max_tokens": 4}
         response = small.post("/v1/chat/completions", json=body)
     assert response.status_code == 422 and "at most 3 messages" in response.json()["error"]["message"]
 

@@ -9,6 +9,7 @@ import pytest
 
 from app.prompt_cache import LEASE_HEADER
 from store import family_id
+from tests.helpers import MODEL
 
 pytestmark = pytest.mark.slow
 EPHEMERAL = {"type": "ephemeral"}
@@ -95,10 +96,10 @@ def test_the_same_answer_streamed_and_not_with_the_lease_header(make_app, corpus
     with serve_live(make_app()) as live:
         client = make_client(live.url)
         messages = first_turn("Answer in one word: who?", tag=" (header)")
-        raw = client.messages.with_raw_response.create(model="m", max_tokens=10, messages=messages, tools=TOOLS)
+        raw = client.messages.with_raw_response.create(model=MODEL, max_tokens=10, messages=messages, tools=TOOLS)
         assert raw.headers[LEASE_HEADER] == "held"
         whole = raw.parse()
-        with client.messages.stream(model="m", max_tokens=10, messages=messages, tools=TOOLS) as events:
+        with client.messages.stream(model=MODEL, max_tokens=10, messages=messages, tools=TOOLS) as events:
             streamed = events.get_final_message()
         assert streamed.content[0].text.strip() == whole.content[0].text.strip()  # greedy: the same tokens
         assert streamed.usage.output_tokens == whole.usage.output_tokens
@@ -115,7 +116,7 @@ BAD_CACHE_CONTROL = [
 def test_bad_cache_control_gets_anthropics_400(live_server, control, where):
     client = make_client(live_server.url)
     with pytest.raises(anthropic.BadRequestError) as error:
-        client.messages.create(model="m", max_tokens=4, messages=[
+        client.messages.create(model=MODEL, max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": control}]}])
     assert error.value.status_code == 400
     assert error.value.body["type"] == "error" and error.value.body["error"]["type"] == "invalid_request_error"
@@ -125,7 +126,7 @@ def test_bad_cache_control_gets_anthropics_400(live_server, control, where):
 def test_more_than_four_breakpoints_get_anthropics_400(live_server):
     blocks = [{"type": "text", "text": f"part {i}", "cache_control": EPHEMERAL} for i in range(5)]
     with pytest.raises(anthropic.BadRequestError) as error:
-        make_client(live_server.url).messages.create(model="m", max_tokens=4,
+        make_client(live_server.url).messages.create(model=MODEL, max_tokens=4,
                                                      messages=[{"role": "user", "content": blocks}])
     assert error.value.body["error"] == {"type": "invalid_request_error", "message": (
         "A maximum of 4 blocks with cache_control may be provided. Found 5.")}
@@ -134,25 +135,25 @@ def test_more_than_four_breakpoints_get_anthropics_400(live_server):
 def test_other_errors_are_anthropic_shaped(live_server):
     client = make_client(live_server.url)
     with pytest.raises(anthropic.BadRequestError) as error:  # the assistant's prefill
-        client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "hi"},
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"},
                                                                   {"role": "assistant", "content": "Well"}])
     assert "last message must be a user message" in error.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as error:  # a limit from settings: OpenAI's 422, Anthropic's 400
-        client.messages.create(model="m", max_tokens=100_000, messages=[{"role": "user", "content": "hi"}])
+        client.messages.create(model=MODEL, max_tokens=100_000, messages=[{"role": "user", "content": "hi"}])
     assert error.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in \
         error.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError):  # an image block: not supported
-        client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [
+        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
 
 
 def test_x_api_key_and_anthropic_version_are_accepted(make_app, corpus, serve_live):
     with serve_live(make_app(server={"api_key": "k-123"})) as live:
         message = make_client(live.url, "k-123").messages.create(  # sends x-api-key and anthropic-version
-            model="m", max_tokens=2, messages=[{"role": "user", "content": "Who founded the Kestrel Bakery?"}])
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Who founded the Kestrel Bakery?"}])
         assert message.content[0].type == "text"
         with pytest.raises(anthropic.AuthenticationError) as error:
-            make_client(live.url, "wrong").messages.create(model="m", max_tokens=2,
+            make_client(live.url, "wrong").messages.create(model=MODEL, max_tokens=2,
                                                            messages=[{"role": "user", "content": "hi"}])
         assert error.value.body["error"]["type"] == "authentication_error"
         bearer = httpx.get(f"{live.url}/v1/models", headers={"Authorization": "Bearer k-123"})

@@ -10,13 +10,14 @@ from app.anthropic_api import breakpoints, message_text, parse, system_text, usa
 from app.query import KeyUse, QueryResult, QueryStats
 from app.errors import ApiError
 from app.prompt_cache import prefix_keys
+from tests.helpers import MODEL
 
 EPHEMERAL = {"type": "ephemeral"}
 HOUR = {"type": "ephemeral", "ttl": "1h"}
 
 
 def body(**fields) -> bytes:
-    defaults = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    defaults = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     return json.dumps(defaults | fields).encode()
 
 

@@ -12,7 +12,7 @@ import pytest
 from app.conversation import Conversation, is_follow_up
 from app.query import QueryParams, QueryStats
 from blend import PromptFormat
-from tests.helpers import shared_tokenizer
+from tests.helpers import MODEL, shared_tokenizer
 
 # Two lighthouses in the demo corpus' style: which lamp "its" means depends on the first turn.
 LIGHTHOUSES = {
@@ -95,7 +95,7 @@ def lighthouses(live_server, corpus):
 @pytest.mark.slow
 def test_two_turns_follow_up_uses_the_first_and_reads_it_from_the_cache(lighthouses):
     client = lighthouses
-    ask = dict(model="m", max_tokens=24, temperature=0, extra_body={"top_k": 1})
+    ask = dict(model=MODEL, max_tokens=24, temperature=0, extra_body={"top_k": 1})
     turns = [{"role": "user", "content": "Who built Cape Dorrin Lighthouse?"}]
     first = client.chat.completions.create(messages=turns, **ask)
     assert "Hesk" in first.choices[0].message.content, first.choices[0].message.content
@@ -138,7 +138,7 @@ def test_oldest_turns_are_dropped_when_the_context_is_full(lighthouses, server_e
                   {"role": "assistant", "content": f"Story {i}: {filler}"}]
     turns += [{"role": "system", "content": "Be brief."},
               {"role": "user", "content": "Who built Cape Dorrin Lighthouse?"}]
-    ask = dict(model="m", max_tokens=8, temperature=0, extra_body={"top_k": 1})
+    ask = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"top_k": 1})
     everything = client.chat.completions.create(messages=turns, **ask)
     assert everything.model_extra["dropped_messages"] == 0
     # A context that holds everything but about two and a half exchanges: the two oldest go.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+from tests.helpers import MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +49,10 @@ def test_chat_completion_streamed_and_not(live_server, corpus):
 def test_errors_arrive_as_openai_errors(live_server):
     client = make_client(live_server.url)
     with pytest.raises(openai.UnprocessableEntityError) as error:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
     assert error.value.body["param"] == "n" and error.value.code == "invalid_value"
     with pytest.raises(openai.UnprocessableEntityError):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
                                        max_tokens=100_000)
 
 

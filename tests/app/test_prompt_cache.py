@@ -10,6 +10,7 @@ import pytest
 from app.query import QueryParams
 from app.prompt_cache import LEASE_HEADER
 from store import family_id
+from tests.helpers import MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +62,7 @@ def test_openai_prompt_cache_key_and_24h_retention_lease_the_conversation(make_a
         client = make_client(live.url)
         messages = [{"role": "system", "content": "Answer from the passages. (openai 24h)"},
                     {"role": "user", "content": "Who won the Halden Open in 2019?"}]
-        request = dict(model="m", max_tokens=8, temperature=0, prompt_cache_key="team-7: chess",
+        request = dict(model=MODEL, max_tokens=8, temperature=0, prompt_cache_key="team-7: chess",
                        prompt_cache_retention="24h", extra_body={"top_k": 1})
         raw = client.chat.completions.with_raw_response.create(messages=messages, **request)
         first = raw.parse()
@@ -126,7 +127,7 @@ def test_a_lease_over_the_pinned_cap_is_refused_and_the_response_says_so(server_
 
             def ask(user: str, system: str):
                 return client.messages.with_raw_response.create(
-                    model="m", max_tokens=4, metadata={"user_id": user}, messages=question,
+                    model=MODEL, max_tokens=4, metadata={"user_id": user}, messages=question,
                     system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}])
 
             for user in ("alice", "bob"):  # bob's head is alice's: a key pinned already adds no bytes

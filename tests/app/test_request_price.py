@@ -11,7 +11,7 @@ WORDS = "one two three four five six seven eight".split()
 
 
 def chat(client: TestClient, messages: list[dict]):
-    return client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 1, "messages": messages})
+    return client.post("/v1/chat/completions", json={"model": "stub", "max_tokens": 1, "messages": messages})
 
 
 def test_many_tiny_messages_are_priced_as_their_work(stub_app):

@@ -12,6 +12,7 @@ from typing import Iterator
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from tests.helpers import MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +108,7 @@ def test_query_selection_per_request(client, corpus, selection):
 def test_chat_completion_shape_and_usage(client, corpus):
     question, doc_id, words = corpus.questions[0]
     response = client.post("/v1/chat/completions", json={
-        "model": "whatever", "messages": [{"role": "system", "content": "Be brief."},
+        "model": MODEL, "messages": [{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": question}],
         "max_tokens": 14, "temperature": 0, "user": "u1", "logit_bias": {}, "unknown_extra": True, "top_k": 1})
     assert response.status_code == 200, response.text

@@ -9,7 +9,7 @@ import anthropic
 import openai
 import pytest
 
-from tests.helpers import shared_tokenizer
+from tests.helpers import MODEL, shared_tokenizer
 
 pytestmark = pytest.mark.slow
 FACTS = [
@@ -46,7 +46,7 @@ def test_openai_client_reuses_pasted_passages_in_another_order(live_server):
 
     def ask(order, question):
         return client.chat.completions.create(
-            model="ragblend", max_tokens=2, extra_body={"retrieval": False},
+            model=MODEL, max_tokens=2, extra_body={"retrieval": False},
             messages=[{"role": "user", "content": stuffed(docs, order, question)}])
 
     first = ask([0, 1, 2, 3, 4], "Who built the lighthouse of Port Velmar?")
@@ -63,7 +63,7 @@ def test_anthropic_client_reuses_pasted_passages_in_another_order(live_server):
     docs = documents(uuid.uuid4().hex[:8])
 
     def ask(order, question):
-        return client.messages.create(model="ragblend", max_tokens=2,
+        return client.messages.create(model=MODEL, max_tokens=2,
                                       messages=[{"role": "user", "content": stuffed(docs, order, question)}])
 
     first = ask([0, 1, 2, 3, 4], "Who won the Halden Open in 2019?")  # (the facts' spans may be known already)

@@ -7,6 +7,7 @@ from fastapi.testclient import TestClient
 
 from app.config import load_settings
 from store import family_id
+from tests.helpers import MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,7 @@ def tenants(make_app, corpus, server_engine):
 
 def chat(client: TestClient, headers: dict, text: str) -> dict:
     response = client.post("/v1/chat/completions", headers=headers, json={
-        "model": "m", "max_tokens": 1, "retrieval": False, "prompt_cache_key": "secret plans",
+        "model": MODEL, "max_tokens": 1, "retrieval": False, "prompt_cache_key": "secret plans",
         "prompt_cache_retention": "24h", "messages": [{"role": "system", "content": "Be brief (tenants)."},
                                                       {"role": "user", "content": text}]})
     assert response.status_code == 200, response.text

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from app.tool_calls import CallStream, split_tool_calls
+from tests.helpers import MODEL
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -56,7 +57,7 @@ def test_parse_calls_from_text():
 
 def test_tool_choice_required_named_parallel_and_streamed(live_server):
     client = client_of(live_server.url)
-    common = dict(model="m", messages=ASK, tools=TOOLS, max_tokens=80, extra_body=CHAT)
+    common = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, extra_body=CHAT)
     required = client.chat.completions.create(**common, tool_choice="required", temperature=0)
     choice = required.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice.message
@@ -86,7 +87,7 @@ def test_parallel_calls(live_server):
     client = client_of(live_server.url)
     messages = [{"role": "system", "content": "Call every tool the question needs, one call per tool."}, *ASK]
     for seed in range(8):  # sampled: some answer makes both calls
-        out = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required",
+        out = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required",
                                              max_tokens=120, temperature=0.8, seed=seed, extra_body=CHAT)
         calls = out.choices[0].message.tool_calls
         check_calls(calls)
@@ -102,24 +103,24 @@ def test_json_schema_strict_and_bad_schemas(live_server):
                                                "confident": {"type": "boolean"}},
               "required": ["answer", "confident"], "additionalProperties": False}
     out = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=60,
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=60,
         temperature=0, extra_body=CHAT,
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}})
     jsonschema.validate(json.loads(out.choices[0].message.content), schema)
     assert out.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError, match="compile"):
-        client.chat.completions.create(model="m", messages=ASK, max_tokens=5, extra_body=CHAT, response_format={
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=CHAT, response_format={
             "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}})
     deep: dict = {"type": "object"}
     for _ in range(20):
         deep = {"type": "object", "properties": {"x": deep}}
     with pytest.raises(openai.BadRequestError, match="nested deeper"):
-        client.chat.completions.create(model="m", messages=ASK, max_tokens=5, extra_body=CHAT, response_format={
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=CHAT, response_format={
             "type": "json_schema", "json_schema": {"name": "a", "schema": deep}})
     with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.chat.completions.create(model="m", messages=ASK, max_tokens=5, logprobs=True, extra_body=CHAT)
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, logprobs=True, extra_body=CHAT)
     with pytest.raises(openai.BadRequestError, match="image_url"):
-        client.chat.completions.create(model="m", max_tokens=5, extra_body=CHAT, messages=[{"role": "user", "content": [
+        client.chat.completions.create(model=MODEL, max_tokens=5, extra_body=CHAT, messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
 
@@ -130,7 +131,7 @@ ANTHROPIC_TOOLS = [{"name": f["function"]["name"], "description": f["function"][
 
 def test_anthropic_tool_use_any_streamed_and_a_long_tool_result(live_server):
     client = anthropic.Anthropic(base_url=live_server.url, api_key="unused", max_retries=0, timeout=300)
-    request = dict(model="m", max_tokens=80, messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"})
+    request = dict(model=MODEL, max_tokens=80, messages=ASK, tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"})
     message = client.messages.create(**request)
     uses = [b for b in message.content if b.type == "tool_use"]
     assert message.stop_reason == "tool_use" and uses, message.content
@@ -148,7 +149,7 @@ def test_anthropic_tool_use_any_streamed_and_a_long_tool_result(live_server):
 
     # the client runs the tool; its result (longer than a question may be, as OpenAI tool messages take it)
     result = "Sunny, 21 degrees. " + "x" * 3_004
-    answer = client.messages.create(model="m", max_tokens=20, tools=ANTHROPIC_TOOLS, 
+    answer = client.messages.create(model=MODEL, max_tokens=20, tools=ANTHROPIC_TOOLS, 
                                     messages=[*ASK, {"role": "assistant", "content": message.content},
                                               {"role": "user", "content": [{"type": "tool_result",
                                                                             "tool_use_id": uses[0].id,
@@ -156,7 +157,7 @@ def test_anthropic_tool_use_any_streamed_and_a_long_tool_result(live_server):
                                     tool_choice={"type": "none"})
     assert answer.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
     assert all(b.type == "text" for b in answer.content)
-    stopped = client.messages.create(model="m", max_tokens=30, stop_sequences=["zzz", "e"],
+    stopped = client.messages.create(model=MODEL, max_tokens=30, stop_sequences=["zzz", "e"],
                                      messages=[{"role": "user", "content": "Describe the weather in Paris."}])
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "e")
 

@@ -1,4 +1,6 @@
-"""Anthropic's Messages API, POST /v1/messages, over the chat endpoint's engine.
+"""Anthropic's Messages API, POST /v1/messages, over the chat endpoint's engine; POST /v1/messages/count_tokens
+counts the prompt a Messages body would run (the engine's own plan of it, nothing computed). `model` is one of the
+ids GET /v1/models lists (another is a 404 not_found_error).
 
 A request becomes the same engine request /v1/chat/completions builds: `tools` and `system` form the system
 turn (so the prompt head), every message but the last an earlier turn (tool_use and tool_result blocks as

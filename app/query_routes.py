@@ -1,5 +1,6 @@
-"""The query routes: ragblend's own /v1/query and OpenAI-compatible /v1/chat/completions (and /v1/models),
-JSON or server-sent events. Both run as a QueryRun: one program in a slot on the model thread."""
+"""The query routes: ragblend's own /v1/query and OpenAI-compatible /v1/chat/completions (and /v1/models: a model
+id it does not list is a 404 model_not_found), JSON or server-sent events. Both run as a QueryRun: one program in a
+slot on the model thread (app.openai_completions' /v1/completions too)."""
 from __future__ import annotations
 
 import asyncio

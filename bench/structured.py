@@ -35,7 +35,7 @@ from app.query import QueryParams, QueryResult  # noqa: E402
 from app.tool_calls import tools_grammar  # noqa: E402
 from blend import SamplingParams  # noqa: E402
 from blend.driver import Driver, Slot  # noqa: E402
-from blend.grammar import Grammars  # noqa: E402
+from blend.grammar import Grammars, token_masks  # noqa: E402
 from common import git_commit  # noqa: E402
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
@@ -110,15 +110,17 @@ def valid(result: QueryResult | Exception, kind: str) -> bool:
         return False
 
 
-def step_cost(engine: RagEngine, grammar: str | None, batch: int, steps: int) -> float:
-    """ms per token of `steps` DecodeRuntime.steps over `batch` rows, each constrained by `grammar` or not."""
+def step_cost(engine: RagEngine, grammar: str | None, batch: int, steps: int) -> tuple[float, float]:
+    """ms per token of `steps` DecodeRuntime.steps over `batch` rows, each constrained by `grammar` or not; and
+    ms per step of building the rows' mask alone (token_masks, as the step does: timed apart, a load-robust
+    part of the difference)."""
     runtime, parts = engine.parts.runtime, engine.parts
     prefill = parts.blender.full_prefill(parts.tokenizer(question(0))["input_ids"] * 8)
     constraint = (lambda: runtime.grammars.constraint(grammar)) if grammar else (lambda: None)
     sampling = SamplingParams(max_new_tokens=steps + 1, temperature=0.7, seed=1)
     rows = [runtime.start(prefill, sampling, constraint()) for _ in range(batch)]
     try:
-        tokens, elapsed = [r.first_token for r in rows], 0.0
+        tokens, elapsed, masking = [r.first_token for r in rows], 0.0, 0.0
         for _ in range(steps):
             for r, token in zip(rows, tokens):  # the decode loop's part: the grammar takes each token
                 if r.constraint is not None:
@@ -126,9 +128,12 @@ def step_cost(engine: RagEngine, grammar: str | None, batch: int, steps: int) ->
                     if r.constraint.finished:  # done: a new answer's grammar (the cost stays that of a grammar)
                         r.constraint = constraint()
             t = time.perf_counter()
+            token_masks([r.constraint for r in rows], runtime.vocab)
+            masking += time.perf_counter() - t
+            t = time.perf_counter()
             tokens = runtime.step(rows, tokens, [r.length for r in rows])
             elapsed += time.perf_counter() - t
-        return elapsed * 1000 / (steps * batch)
+        return elapsed * 1000 / (steps * batch), masking * 1000 / steps
     finally:
         for r in rows:
             r.release()
@@ -162,15 +167,20 @@ def main() -> None:
         report: dict = {"commit": git_commit(), "n": args.n, "compile": compile_times(engine)}
         costs: dict = {}
         for batch in (1, 4):
-            runs: dict[str, list[float]] = {"free": [], "constrained": []}
+            runs: dict[str, list[float]] = {"free": [], "constrained": [], "mask": []}
             step_cost(engine, CASES["json_schema"][0], batch, 4)  # warm-up
             for _ in range(args.repeats):  # interleaved: load drifts hit both alike
-                runs["free"].append(step_cost(engine, None, batch, args.steps))
-                runs["constrained"].append(step_cost(engine, CASES["json_schema"][0], batch, args.steps))
+                runs["free"].append(step_cost(engine, None, batch, args.steps)[0])
+                bound, mask = step_cost(engine, CASES["json_schema"][0], batch, args.steps)
+                runs["constrained"].append(bound)
+                runs["mask"].append(mask)
             free, bound = statistics.median(runs["free"]), statistics.median(runs["constrained"])
+            mask = statistics.median(runs["mask"])
             costs[f"batch_{batch}"] = {"free_ms_per_token": round(free, 3),
                                        "constrained_ms_per_token": round(bound, 3),
-                                       "ratio": round(bound / free, 3)}
+                                       "ratio": round(bound / free, 3), "mask_ms_per_step": round(mask, 3),
+                                       "mask_share_of_free_step": round(mask / (free * batch), 3),
+                                       "runs": {k: [round(x, 2) for x in v] for k, v in runs.items()}}
             log(f"batch {batch}: {costs[f'batch_{batch}']}")
         report["decode"] = costs
         validity: dict = {}

@@ -97,6 +97,23 @@ def test_parallel_calls(live_server):
     pytest.fail("no answer made parallel calls")
 
 
+def test_required_calls_are_whole_whatever_max_tokens(live_server):
+    """Under "one call or more" a small model calls on until max_tokens: the answer ends at its last whole call
+    where another as long would not fit, so every answer is whole calls (none cut, none repeated) and says
+    tool_calls."""
+    client = client_of(live_server.url)
+    for seed, max_tokens in enumerate((45, 60, 75, 90, 45, 60)):
+        out = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                             max_tokens=max_tokens, temperature=0.7 if seed else 0, seed=seed,
+                                             extra_body=CHAT)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, (max_tokens, choice)
+        assert not choice.message.content and out.usage.completion_tokens < max_tokens
+        check_calls(choice.message.tool_calls)
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert len(set(calls)) == len(calls)
+
+
 def test_json_schema_strict_and_bad_schemas(live_server):
     client = client_of(live_server.url)
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40},

@@ -44,7 +44,7 @@ def first_turn(user: str, tag: str = "") -> list[dict]:
 
 def ask(client: anthropic.Anthropic, messages: list[dict], stream: bool, system: str = SYSTEM,
         **extra) -> anthropic.types.Message:
-    request = dict(model="smollm2", max_tokens=12, messages=messages, tools=TOOLS,  # greedy: no temperature
+    request = dict(model=MODEL, max_tokens=12, messages=messages, tools=TOOLS,  # greedy: no temperature
                    system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
                    metadata={"user_id": "tester"}, **extra)
     if not stream:

@@ -37,8 +37,8 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from dataclasses import replace
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request

@@ -17,7 +17,7 @@ from sse_starlette import ServerSentEvent
 
 from app.api_models import ERRORS, MODEL_NOT_FOUND, MAX_SEED, LimitError, OpenAIBody, Text, check_limits
 from app.errors import ApiError
-from app.openai_models import StreamOptions, Usage
+from app.openai_models import StreamOptions, Usage, at_most_4_stops, stop_sequences
 from app.query import QueryParams
 from app.query_routes import SSE, QueryRun, check_model, finish_reason, sse, usage_of
 from app.service import Service, service
@@ -35,7 +35,7 @@ class CompletionRequest(OpenAIBody):
     max_tokens: int | None = Field(None, ge=1, description=f"Default {DEFAULT_MAX_TOKENS}.")
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False, description="Default 0 (greedy).")
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    stop: Text | list[Text] | None = Field(None, validate_default=True)
+    stop: Text | list[Text] | None = Field(None, validate_default=True, json_schema_extra=at_most_4_stops)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -51,10 +51,7 @@ class CompletionRequest(OpenAIBody):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return [s for s in stops if s]
+        return stop_sequences(value)
 
 
 class CompletionChoice(BaseModel):
@@ -103,7 +100,7 @@ async def completion_params(body: CompletionRequest, svc: Service) -> QueryParam
     if len(ids) > budget:
         raise LimitError("prompt", f"{len(ids)} tokens, over limits.max_message_tokens / max_prompt_tokens ({budget})")
     return svc.query_params(prompt if isinstance(prompt, str) else "", top_k=None,
-                            max_tokens=body.max_tokens or DEFAULT_MAX_TOKENS, temperature=body.temperature or 0.0,
+                            max_tokens=body.max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_new_tokens), temperature=body.temperature or 0.0,
                             top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed, retrieve=False,
                             prompt_ids=tuple(ids))
 

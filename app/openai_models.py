@@ -144,10 +144,18 @@ USER_TEXT = {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"const": "user"}, "content": {"anyOf": [_WITH_TEXT, {"type": "array", "contains": _TEXT_PART}]}}}
 
 
-def _at_most_4_stops(schema: dict[str, Any]) -> None:
+def at_most_4_stops(schema: dict[str, Any]) -> None:
     for branch in schema["anyOf"]:
         if branch.get("type") == "array":
             branch["maxItems"] = 4
+
+
+def stop_sequences(value: str | list[str] | None) -> list[str]:
+    """`stop` as a list (at most 4; OpenAI's limit), empty strings left out."""
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > 4:
+        raise ValueError("at most 4 stop sequences")
+    return [s for s in stops if s]  # an empty stop string would end every answer at once
 
 
 class ChatCompletionRequest(OpenAIBody):
@@ -159,7 +167,7 @@ class ChatCompletionRequest(OpenAIBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
-    stop: Text | list[Text] | None = Field(None, validate_default=True, json_schema_extra=_at_most_4_stops)
+    stop: Text | list[Text] | None = Field(None, validate_default=True, json_schema_extra=at_most_4_stops)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -194,10 +202,7 @@ class ChatCompletionRequest(OpenAIBody):
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return [s for s in stops if s]  # an empty stop string would end every answer at once
+        return stop_sequences(value)
 
     def question(self) -> str:
         """The last user message with text (app.conversation lays out the rest of the conversation)."""

@@ -238,6 +238,7 @@ _STATED_LIMITS = {("QueryRequest", "question"): ("maxLength", "max_question_char
                   ("LookupRequest", "top_k"): ("maximum", "max_top_k"),
                   ("LookupRequest", "max_tokens"): ("maximum", "max_new_tokens"),
                   ("LookupRequest", "max_completion_tokens"): ("maximum", "max_new_tokens"),
+                  ("CompletionRequest", "max_tokens"): ("maximum", "max_new_tokens"),
                   ("LookupRequest", "prompt"): ("maxLength", "max_question_chars")}
 
 
@@ -248,7 +249,8 @@ def state_limits(openapi: dict[str, Any], limits: LimitsSettings) -> None:
     limited = [(model, name, keyword, getattr(limits, setting))
                for (model, name), (keyword, setting) in _STATED_LIMITS.items()]
     # FastAPI's OpenAPI models hold bounds as floats, and 2**63 - 1 rounds up to 2**63: state it exactly.
-    limited += [(model, "seed", "maximum", MAX_SEED) for model in ("ChatCompletionRequest", "LookupRequest")]
+    limited += [(model, "seed", "maximum", MAX_SEED) for model in ("ChatCompletionRequest", "LookupRequest",
+                                                                         "CompletionRequest")]
     for model, name, keyword, value in limited:
         prop = schemas[model]["properties"][name]
         typed = next(s for s in prop.get("anyOf", [prop]) if s.get("type") in ("integer", "string", "array"))

@@ -44,7 +44,8 @@ def first_turn(user: str, tag: str = "") -> list[dict]:
 
 def ask(client: anthropic.Anthropic, messages: list[dict], stream: bool, system: str = SYSTEM,
         **extra) -> anthropic.types.Message:
-    request = dict(model=MODEL, max_tokens=12, messages=messages, tools=TOOLS,  # greedy: no temperature
+    # greedy (no temperature); the tools in the prompt, the answer text (12 tokens would cut a call: no answer)
+    request = dict(model=MODEL, max_tokens=12, messages=messages, tools=TOOLS, tool_choice={"type": "none"},
                    system=[{"type": "text", "text": system, "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
                    metadata={"user_id": "tester"}, **extra)
     if not stream:

@@ -74,10 +74,12 @@ class Constraint:
             self.longest, self.since = max(self.longest, self.since), 0
 
     def out_of_room(self, tokens_left: int) -> bool:
-        """The answer may end here, and another stretch as long as the longest so far (another call) would not
-        fit in `tokens_left`: ending here keeps it whole, where max_tokens would cut it mid-call. Free text
-        accepts at every token (stretches of 1), so it is never ended early."""
-        return self.since == 0 and self.longest > tokens_left and self.matcher.is_accepting()
+        """The answer may end here, and another stretch half again as long as the longest so far (another call:
+        calls vary, a longer argument) would not fit in `tokens_left`: ending here keeps it whole, where
+        max_tokens would cut it mid-call. Free text accepts at every token (stretches of 1), so it is never
+        ended early."""
+        room = self.longest + self.longest // 2
+        return self.since == 0 and room > tokens_left and self.matcher.is_accepting()
 
     @property
     def finished(self) -> bool:

@@ -105,8 +105,9 @@ def test_an_answer_ends_at_a_whole_document_rather_than_be_cut_by_max_tokens(dec
         constraint.advance(token)
     assert not constraint.out_of_room(0)  # mid-document: never ended here
     constraint.advance(ids[-1])
-    assert constraint.longest == len(ids) and constraint.out_of_room(len(ids) - 1)
-    assert not constraint.out_of_room(len(ids))  # another as long still fits
+    room = len(ids) + len(ids) // 2  # another call half again as long as the longest
+    assert constraint.longest == len(ids) and constraint.out_of_room(room - 1)
+    assert not constraint.out_of_room(room)  # it still fits
     for token in tokenizer.encode("\n" + second, add_special_tokens=False):
         constraint.advance(token)
     assert constraint.longest >= len(ids) and constraint.since == 0

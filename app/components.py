@@ -47,7 +47,8 @@ class Components:
         b, m = self.settings.blend, self.settings.model
         try:
             return Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
-                           deviation=b.deviation, selection=b.selection, cpu_kernel=m.cpu_kernel)
+                           deviation=b.deviation, selection=b.selection, cpu_kernel=m.cpu_kernel,
+                           chunk_tokens=self.settings.server.prefill_chunk_tokens)
         except ValueError as exc:
             raise ValueError(f"invalid blend settings: {exc}") from None
 

@@ -1,6 +1,8 @@
 """Typed settings: configs/default.yaml < a --config file < RAGBLEND_* environment variables."""
 from __future__ import annotations
 
+import math
+
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -98,6 +100,14 @@ class LimitsSettings(BaseModel):
     # the prompt budget, so a message carrying pasted documents fits
     max_messages: int = Field(512, ge=1)  # messages of one chat request (else 422)
     piece_cost_tokens: int = Field(8, ge=0)  # each message priced as this many tokens more within max_prompt_tokens
+    read_token_cost: float = Field(0.0625, ge=0, le=1)  # a prompt token whose KV is read from the store, priced as
+    # this share of a computed one (its KV moved and RoPE-shifted, no layer run): checked once the store is looked up
+
+    def price(self, *, computed: int, read: int, pieces: int) -> int:
+        """A prompt's work in computed tokens: those computed, those whose KV is read from the store at
+        read_token_cost each, and piece_cost_tokens per piece (a message, a retrieved passage); a request priced
+        over max_prompt_tokens is refused before any work."""
+        return computed + math.ceil(self.read_token_cost * read) + self.piece_cost_tokens * pieces
 
 
 class PlannerSettings(BaseModel):

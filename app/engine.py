@@ -183,7 +183,27 @@ class RagEngine:
         plan, loaded = self.planner.plan(given, suffix, mode=params.mode, tenant=params.tenant, read=read,
                                          hits=tuple(hits), dropped=dropped)
         stats.kv_load_ms = _ms(t)
+        self._check_price(params, plan, loaded, prompt_tokens)
         return plan, loaded
+
+    def _check_price(self, params: QueryParams, plan: Plan, loaded: list[Loaded], prompt_tokens: int) -> None:
+        """The exact price, now that the store is looked up (with the pipeline, only the entries' headers are read:
+        no KV yet, no layer run): tokens computed, tokens read, the pieces (messages, or the question, and
+        passages). Over limits.max_prompt_tokens: a 400, the opened entries closed."""
+        limits = self.settings.limits
+        read = sum(len(r.ids) for r in loaded if r.kv is not None)
+        pieces = (len(params.messages) if params.messages else 1) + len(plan.hits)
+        price = limits.price(computed=prompt_tokens - read, read=read, pieces=pieces)
+        if price > limits.max_prompt_tokens:
+            for r in loaded:
+                if r.kv is not None and hasattr(r.kv, "close"):
+                    r.kv.close()
+            raise RequestError(f"prompt work priced at {price} tokens, over limits.max_prompt_tokens "
+                               f"({limits.max_prompt_tokens}): {prompt_tokens - read} tokens computed, {read} read "
+                               f"from the store (each {limits.read_token_cost} of a computed one, "
+                               f"limits.read_token_cost), {pieces} pieces (messages and passages, each "
+                               f"{limits.piece_cost_tokens}, limits.piece_cost_tokens); lower top_k or shorten the "
+                               f"messages")
 
     def _chat_parts(self, params: QueryParams, passages: list[Part], max_tokens: int
                     ) -> tuple[list[Part], list[int], int]:

@@ -19,10 +19,10 @@ prefill ends and gives it back when its program closes, cancelled or done). The 
     3. one batched decode step for every request waiting on logits, each then resumed with its row
 Least served first (least attained service): a request's size is not known ahead, but a new one has had
 none, so a short query sent during a long chat's prefill runs its prefill next, and its first token comes
-after one chunk of the long one (a slice ends early, at a chunk's end, when a new request is ready;
+after one chunk of the long one (a slice ends early, at a chunk's end, when a new request waits or is ready;
 blend.blender cuts a layer into server.prefill_chunk_tokens chunks), not after all of it; long prefills beside
-one another take turns. (Oldest
-first made a 4-token query wait for a 40-message chat's whole prefill: 94x its TTFT alone; see BENCHMARKS.)
+one another take turns. (Oldest first made a 4-token query wait for a 40-message chat's whole prefill: 94x its
+TTFT alone; see BENCHMARKS.)
 Prefill first (vLLM's and SGLang's default order): a request still prefilling adds a row to every later
 step, so its prefill runs before the streams already answering get their next token, but for at most
 `max_stall_s` between two of their tokens (plus the rest of the layer it is in): a long prompt is cut into

@@ -90,3 +90,18 @@ def test_a_refused_prompt_runs_the_models_own_forward_in_chunks():
 def test_chunk_tokens_must_be_positive():
     with pytest.raises(ValueError, match="chunk_tokens"):
         Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama", chunk_tokens=0)
+
+
+@pytest.mark.parametrize("selection", ["query", "hkvd"])
+def test_chunks_on_the_flex_backend_are_the_cpus_whole_layers(selection):
+    """The GPU backend's plans (FlexAttention block masks over a chunk's positions, keys up to the prompt's end),
+    run eagerly on the host: a chunked blend and a chunked full compute equal the CPU's in one piece."""
+    from blend.backend import CudaBackend
+    from tests.blend.conftest import TEST_DEVICE
+
+    blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama")
+    segs = segments(blender, conditioned=False)
+    blended, full = blender.prefill(segs, SUFFIX, 0.3, selection=selection), blender.prefill([], prompt_ids(), 1.0)
+    blender.backend = CudaBackend(TEST_DEVICE)
+    assert_same(steps(blender, 16, segs, SUFFIX, 0.3, selection=selection)[0], blended)
+    assert_same(steps(blender, 16, [], prompt_ids(), 1.0)[0], full)

@@ -338,10 +338,10 @@ def test_a_crash_mid_batch_keeps_what_was_committed(tmp_path, monkeypatch):
     (tmp_path / "b.txt").write_text("The island has one shop.\n\nIt opens at ten and closes at four.")
     real_ensure = ChunkKVCache.ensure
 
-    def ensure(self, ids):
+    def ensure(self, ids, collection=""):
         if "four" in shared_tokenizer().decode(ids):  # the last of b's three chunks
             raise RuntimeError("killed mid-precompute")
-        return real_ensure(self, ids)
+        return real_ensure(self, ids, collection)
 
     monkeypatch.setattr(ChunkKVCache, "ensure", ensure)
     settings = test_settings(tmp_path / "data", chunking={"target_tokens": 8, "max_tokens": 16, "min_tokens": 2})

@@ -161,9 +161,9 @@ class RagEngine:
     def _plan(self, params: QueryParams, max_tokens: int, stats: QueryStats, read: bool = True
               ) -> tuple[Plan, list[Loaded]]:
         parts, t = self.parts, time.perf_counter()
-        collection = self.settings.retrieval.collection(params.tenant)  # whose documents it retrieves
-        hits = parts.retriever.search(params.retrieval_query or params.question, params.top_k or
-                                      self.settings.retrieval.top_k, tenant=collection) if params.retrieve else []
+        hits = parts.retriever.search(params.retrieval_query or params.question,
+                                      params.top_k or self.settings.retrieval.top_k,
+                                      tenant=params.collection) if params.retrieve else []
         passages = [Part("passage", tuple(parts.kv_cache.passage_ids(h.chunk.token_ids, h.title))) for h in hits]
         stats.retrieve_ms = _ms(t)
         if params.messages:
@@ -183,7 +183,7 @@ class RagEngine:
                                f"limits.max_prompt_tokens ({budget}); lower top_k or shorten the messages")
         t = time.perf_counter()
         plan, loaded = self.planner.plan(given, suffix, mode=params.mode, tenant=params.tenant, read=read,
-                                         collection=collection, hits=tuple(hits), dropped=dropped)
+                                         collection=params.collection, hits=tuple(hits), dropped=dropped)
         stats.kv_load_ms = _ms(t)
         return plan, loaded
 

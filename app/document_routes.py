@@ -176,7 +176,8 @@ def _document(retriever: Retriever, doc_id: str, scope: str) -> DocumentInfo:
 
 @router.get("/v1/documents", response_model=DocumentList, responses=ERRORS)
 def list_documents(parts: Serving = Depends(serving), scope: str = Depends(collection)) -> DocumentList:
-    """The documents of the caller's collection: its tenant's own with `retrieval.documents: tenant`, else all."""
+    """The documents of the caller's collection: its tenant's own with `retrieval.documents: tenant`, else the
+    shared one."""
     return DocumentList(data=parts.retriever.list_documents(scope))
 
 

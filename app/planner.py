@@ -217,7 +217,7 @@ class Planner:
         anywhere: blended), each with the tenant mixed in; a head under its chain alone; a collection passage
         under its content alone (and its collection), as ingest stored it (after the prompt head)."""
         if span.shared and span.kind == "passage":
-            contexts = [self.kv.passage_context(collection) if collection else self.kv.context_hash()]
+            contexts = [self.kv.passage_context(collection)]
         elif span.kind == "head":
             contexts = [hash_ids([]) if span.shared else _salted(hash_ids([]), tenant)]
         else:  # "content" keeps a content entry's context from ever equalling a chain's

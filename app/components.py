@@ -203,17 +203,18 @@ class ModelThreadKV:
     def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
         return self.kv.passage_ids(chunk_ids, title)
 
-    def key(self, ids: Sequence[int]) -> str:
-        return self.kv.key(ids)
+    def key(self, ids: Sequence[int], collection: str = "") -> str:
+        return self.kv.key(ids, collection)
 
     def delete(self, key: str) -> None:
         self.kv.delete(key)
 
-    def ensure(self, ids: Sequence[int]) -> str:
-        if self.kv.store.contains(self.kv.key(ids)):
-            return self.kv.key(ids)
+    def ensure(self, ids: Sequence[int], collection: str = "") -> str:
+        if self.kv.store.contains(key := self.kv.key(ids, collection)):
+            return key
         try:
-            return self.scheduler.run_on_model(lambda: self.kv.ensure(ids), label="upload: chunk KV precompute",
+            return self.scheduler.run_on_model(lambda: self.kv.ensure(ids, collection),
+                                               label="upload: chunk KV precompute",
                                                cancelled=self.cancelled)
         except concurrent.futures.CancelledError:
             raise IngestCancelled("upload cancelled") from None

@@ -66,7 +66,7 @@ class ServerSettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None  # one key, the default tenant's
     # API key -> tenant name (JSON in RAGBLEND_SERVER__API_KEYS): each tenant's leases, cache views and metrics
-    # are its own; documents are shared by every tenant
+    # are its own; its documents too with retrieval.documents: tenant
     api_keys: dict[Annotated[str, Field(min_length=1)], Annotated[str, Field(min_length=1, max_length=64)]] = {}
     tenant_pinned_share: float = Field(0.5, gt=0, le=1)  # a named tenant's leases pin at most this of each tier's cap
     queue_size: int = Field(16, ge=1)

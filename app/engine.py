@@ -135,7 +135,8 @@ class RagEngine:
             stats.selection = params.selection or parts.blender.selection
             for span, read in zip(plan.spans, loaded):  # where each retrieved chunk's KV came from (app.usage)
                 if span.kind == "passage":
-                    parts.kv_cache.served(span.ids, read.tier if span.source != "compute" else COMPUTED)
+                    source = read.tier if span.source != "compute" else COMPUTED
+                    parts.kv_cache.served(span.ids, source, plan.collection)
         stats.prefill_ms = _ms(t)
         self.planner.fill_stats(stats, plan, loaded, prefill, params.mode)
         if params.mode == "blend" and prefill.stats.fallback is None:  # live compute cost, for the controller
@@ -161,7 +162,8 @@ class RagEngine:
               ) -> tuple[Plan, list[Loaded]]:
         parts, t = self.parts, time.perf_counter()
         hits = parts.retriever.search(params.retrieval_query or params.question,
-                                      params.top_k or self.settings.retrieval.top_k) if params.retrieve else []
+                                      params.top_k or self.settings.retrieval.top_k,
+                                      tenant=params.collection) if params.retrieve else []
         passages = [Part("passage", tuple(parts.kv_cache.passage_ids(h.chunk.token_ids, h.title))) for h in hits]
         stats.retrieve_ms = _ms(t)
         if params.messages:
@@ -181,7 +183,7 @@ class RagEngine:
                                f"limits.max_prompt_tokens ({budget}); lower top_k or shorten the messages")
         t = time.perf_counter()
         plan, loaded = self.planner.plan(given, suffix, mode=params.mode, tenant=params.tenant, read=read,
-                                         hits=tuple(hits), dropped=dropped)
+                                         collection=params.collection, hits=tuple(hits), dropped=dropped)
         stats.kv_load_ms = _ms(t)
         self._check_price(params, plan, loaded, prompt_tokens)
         return plan, loaded

@@ -294,7 +294,7 @@ class Blender:
                       selection: str | Policy | None = None, seed: int = 0, reserve: int = 0,
                       pipeline: bool = False, recompute: Callable[[int], ChunkKV] | None = None
                       ) -> Generator[None, None, Prefill]:
-        """Blend `segments` + the suffix, yielding after each layer; returns the Prefill. `selection` names a
+        """Blend `segments` + the suffix, yielding after each slice (a layer's chunk of tokens); returns the Prefill. `selection` names a
         policy in blend.selection (default: the Blender's); `reserve` leaves room in the cache for that many
         decoded tokens (the buffer would grow anyway, by a copy).
 

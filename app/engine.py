@@ -114,7 +114,8 @@ class RagEngine:
         # 1. Off the model thread: retrieve, cut the prompt into spans, read their KV from the store.
         plan, loaded = yield Offload(lambda: self._plan(params, max_tokens, stats))
 
-        # 2. Prefill, a slice per layer chunk (server.prefill_chunk_tokens): the spans read (RoPE-shifted, blended), the others computed in it.
+        # 2. Prefill, a slice per layer chunk (server.prefill_chunk_tokens): the spans read (RoPE-shifted,
+        #    blended), the others computed in it.
         t = time.perf_counter()
         if params.mode == "full":
             prompt_ids = [i for s in plan.spans for i in s.ids] + list(plan.suffix)

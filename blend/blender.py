@@ -294,9 +294,9 @@ class Blender:
                       selection: str | Policy | None = None, seed: int = 0, reserve: int = 0,
                       pipeline: bool = False, recompute: Callable[[int], ChunkKV] | None = None
                       ) -> Generator[None, None, Prefill]:
-        """Blend `segments` + the suffix, yielding after each slice (a layer's chunk of tokens); returns the Prefill. `selection` names a
-        policy in blend.selection (default: the Blender's); `reserve` leaves room in the cache for that many
-        decoded tokens (the buffer would grow anyway, by a copy).
+        """Blend `segments` + the suffix, yielding after each slice (a layer's chunk of tokens); returns the
+        Prefill. `selection` names a policy in blend.selection (default: the Blender's); `reserve` leaves room in
+        the cache for that many decoded tokens (the buffer would grow anyway, by a copy).
 
         Segments are ChunkKVs or LayerSources (blend.pipeline: a store entry read layer by layer); the
         prefill closes every LayerSource it is given. `pipeline`: a loader thread reads layer i+1 while

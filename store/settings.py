@@ -65,9 +65,11 @@ class StoreSettings(BaseModel):
     # this many chunks / bytes wait at once; past either, a chunk is dropped (counted), never waited for.
     write_queue: int = Field(64, ge=1)
     write_queue_bytes: int = Field(512 << 20, ge=0)
-    # Which tiers take what requests store (store/admission.py): everywhere, or second_sight (gpu/memory at once,
-    # disk and Redis once the key is seen again within the last `admission_window` keys, or leased).
-    admission: AdmissionPolicy = "second_sight"
+    # Which tiers take what requests store (store/admission.py): everywhere; second_sight (gpu/memory at once,
+    # disk and Redis once the key is seen again within the last `admission_window` keys, or leased); frequency
+    # (second_sight, but a tier with free room, or whose evictions would hit only never re-used entries, takes a
+    # first sight too).
+    admission: AdmissionPolicy = "frequency"
     admission_window: int = Field(65536, ge=1)
 
     def codec_of(self, tier: str) -> str:

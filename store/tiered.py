@@ -277,11 +277,17 @@ class TieredStore:
         start = time.perf_counter()
         try:
             for tier in self.tiers[write.start:]:
-                if not self.admission.admitted(key, tier.name, self._leased(key), fastest=tier is self.tiers[0]):
+                codec = self._codecs[tier.name]
+
+                def victims(tier: Tier = tier, codec: Codec = codec) -> list[str] | None:
+                    entry = write.entry(codec)  # (made once: the put below takes the same)
+                    return None if entry is None else tier.victims(tier.footprint(entry))
+                if not self.admission.admitted(key, tier.name, self._leased(key), fastest=tier is self.tiers[0],
+                                               victims=victims):
                     continue
                 if write.start and tier.contains(key):
                     continue
-                if (entry := write.entry(self._codecs[tier.name])) is None:
+                if (entry := write.entry(codec)) is None:
                     return  # a write-down of an entry evicted meanwhile: nothing to write
                 tier.put(key, entry)
             self._counters.bump("write_downs" if write.start else "puts")

@@ -200,12 +200,15 @@ def mode_overrides(mode: str, window_tokens: int) -> dict[str, Any]:
     return {}
 
 
-def engines(shared: Components, root: Path, modes: list[str], window_tokens: int, base: dict) -> dict[str, RagEngine]:
+def engines(shared: Components, root: Path, modes: list[str], window_tokens: int, base: dict,
+            planner: dict | None = None) -> dict[str, RagEngine]:
     """An engine per mode, each with a store (and database) of its own under `root`, all on `shared`'s model."""
     loaded = {name: getattr(shared, name) for name in ("llm", "blender", "runtime", "prompt", "embedder")}
     out = {}
     for mode in modes:
-        settings = load_settings(data_dir=root / mode, **base, **mode_overrides(mode, window_tokens))
+        overrides = mode_overrides(mode, window_tokens)
+        overrides["planner"] = {**overrides.get("planner", {}), **(planner or {})}
+        settings = load_settings(data_dir=root / mode, **base, **overrides)
         parts = Components(settings)
         parts.__dict__.update(loaded)
         out[mode] = RagEngine(settings, components=parts)
@@ -403,6 +406,8 @@ def main() -> None:
     parser.add_argument("--skip-back-to-back", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--admission", default=None, help="store.admission for every mode (default: the config's)")
+    parser.add_argument("--min-reused-share", type=float, default=None,
+                        help="planner.min_reused_share for every mode (default: the config's)")
     parser.add_argument("--plot", type=Path, default=REPO / "reports" / "byo_rag.png")
     args = parser.parse_args()
     if args.threads:
@@ -414,15 +419,16 @@ def main() -> None:
     base = {"model": {"cache_dir": str(REPO / "data/models")},
             "limits": {"max_question_chars": 200_000, "max_message_tokens": 8000, "max_prompt_tokens": 8000},
             **({"store": {"admission": args.admission}} if args.admission else {})}
+    share = {} if args.min_reused_share is None else {"min_reused_share": args.min_reused_share}
     with tempfile.TemporaryDirectory() as tmp:
         shared = Components(load_settings(data_dir=tmp, **base))
-        by_mode = engines(shared, Path(tmp), modes, args.window_tokens, base)
+        by_mode = engines(shared, Path(tmp), modes, args.window_tokens, base, share)
         try:
             warm = Request(-1, "warm", "Is this warm?", dataset[-1]["ctxs"][:2])
             for mode, engine in by_mode.items():  # first-call costs, untimed, in stores thrown away below
                 one_request(engine, params_for(warm, mode, args.ratio, args.answer_tokens))
                 engine.parts.close()
-            by_mode = engines(shared, Path(tmp) / "timed", modes, args.window_tokens, base)
+            by_mode = engines(shared, Path(tmp) / "timed", modes, args.window_tokens, base, share)
             summary = run_workload(by_mode, requests, args.ratio, args.answer_tokens)
             reference = None if args.skip_retrieval_path else retrieval_path(shared, requests, args.ratio,
                                                                              args.answer_tokens)
@@ -440,6 +446,7 @@ def main() -> None:
     print(json.dumps({"questions": args.questions, "passages": args.passages, "ratio": args.ratio,
                       "answer_tokens": args.answer_tokens, "planner": PLANNED, "modes": modes,
                       "admission": shared.settings.store.admission,
+                      "min_reused_share": by_mode["full"].settings.planner.min_reused_share,
                       "threads": torch.get_num_threads(), "commit": git_commit(),
                       "loadavg_before": [round(x, 2) for x in load_before],
                       "loadavg_after": [round(x, 2) for x in os.getloadavg()], "plot": str(args.plot),

@@ -277,22 +277,22 @@ class TieredStore:
         start = time.perf_counter()
         try:
             for tier in self.tiers[write.start:]:
-                codec = self._codecs[tier.name]
-
-                def victims(tier: Tier = tier, codec: Codec = codec) -> list[str] | None:
-                    entry = write.entry(codec)  # (made once: the put below takes the same)
-                    return None if entry is None else tier.victims(tier.footprint(entry))
                 if not self.admission.admitted(key, tier.name, self._leased(key), fastest=tier is self.tiers[0],
-                                               victims=victims):
+                                               victims=lambda tier=tier: self._victims(tier, write)):
                     continue
                 if write.start and tier.contains(key):
                     continue
-                if (entry := write.entry(codec)) is None:
+                if (entry := write.entry(self._codecs[tier.name])) is None:
                     return  # a write-down of an entry evicted meanwhile: nothing to write
                 tier.put(key, entry)
             self._counters.bump("write_downs" if write.start else "puts")
         finally:
             self._counters.add_write_s(time.perf_counter() - start)
+
+    def _victims(self, tier: Tier, write: _Write) -> list[str] | None:
+        """What `write` would evict in `tier` now (its entry is made once: the put that follows takes the same)."""
+        entry = write.entry(self._codecs[tier.name])
+        return None if entry is None else tier.victims(tier.footprint(entry))
 
     def _write_down(self, key: str, found_at: int) -> None:
         """Queue the entry a tensor tier holds (hit there) for the tiers below it, which admission may have

@@ -25,10 +25,12 @@ to back on every request so load drifts hit them alike:
 Per mode: `seen_reuse`, the share of previously seen passages' tokens whose KV was read from the store (a passage
 is seen once any earlier prompt held it) and `seen_passages_90`, the share of seen passages with >= 90% of their
 tokens reused; TTFT (the plan, store reads and computes, the prefill, the first token) relative to full prefill
-on the same prompt, first and second sight apart; KL(full || mode) and top-1, teacher-forced over full prefill's
+on the same prompt, first and second sight apart (means; the second sight's median too); KL(full || mode) and top-1, teacher-forced over full prefill's
 greedy answer (--answer-tokens) as `ragblend compare` does (app.compare.agreement); `after_answer_s`, the
 model-thread work after the answer (storing the prompt's pieces, any blendable forms), and `background_s`, the
-store writer's time (encoding and tier writes, off the model thread).
+store writer's time (encoding and tier writes, off the model thread); `dropped_puts`, the spans the store's full
+put queue lost (never stored). --admission / --min-reused-share: store.admission / planner.min_reused_share for
+every mode.
 `retrieval_path`: the same passages of each second sight through ragblend's own retrieval prompt (head |
 passages | question) at query@--ratio (app.compare.Harness): the KL the targets compare against.
 `back_to_back`: through the server's scheduler (app.scheduler, in-process), a new stuffed prompt A, then its
@@ -207,7 +209,8 @@ def engines(shared: Components, root: Path, modes: list[str], window_tokens: int
     out = {}
     for mode in modes:
         overrides = mode_overrides(mode, window_tokens)
-        overrides["planner"] = {**overrides.get("planner", {}), **(planner or {})}
+        if planner:
+            overrides["planner"] = {**overrides.get("planner", {}), **planner}
         settings = load_settings(data_dir=root / mode, **base, **overrides)
         parts = Components(settings)
         parts.__dict__.update(loaded)
@@ -446,7 +449,8 @@ def main() -> None:
     print(json.dumps({"questions": args.questions, "passages": args.passages, "ratio": args.ratio,
                       "answer_tokens": args.answer_tokens, "planner": PLANNED, "modes": modes,
                       "admission": shared.settings.store.admission,
-                      "min_reused_share": by_mode["full"].settings.planner.min_reused_share,
+                      "min_reused_share": share.get("min_reused_share", shared.settings.planner.min_reused_share)
+                      if PLANNED else None,
                       "threads": torch.get_num_threads(), "commit": git_commit(),
                       "loadavg_before": [round(x, 2) for x in load_before],
                       "loadavg_after": [round(x, 2) for x in os.getloadavg()], "plot": str(args.plot),

@@ -119,8 +119,8 @@ class PlannerSettings(BaseModel):
     max_span_tokens: int = Field(64, ge=2)
     max_spans: int = Field(384, ge=2)  # spans per request at most (each one or two store entries): past it the
     # prompt is cut coarser (every size doubled) until it has no more
-    min_reused_share: float = Field(0.55, ge=0, le=1)  # past the exact prefix, a prompt whose stored spans cover
-    # less of its tokens is computed whole with the question (blending mostly new text costs more than it saves)
+    min_reused_share: float = Field(0.1, ge=0, le=1)  # past the exact prefix, a prompt whose stored spans cover
+    # less of its tokens is computed whole with the question (a blend pass that saves almost nothing)
 
 
 class Settings(BaseSettings):

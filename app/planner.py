@@ -330,8 +330,9 @@ def _exact(kv: ChunkKV | LayerSource, before: str) -> ChunkKV | LayerSource:
 
 def _compute_when_mostly_new(spans: list[Span], loaded: list[Loaded], share: float) -> None:
     """Past the exact prefix, stored spans covering less than `share` of the tokens: all of them computed with the
-    question instead (prefix caching). Blending mostly new text costs more than the prefill it saves: many small
-    fresh spans between blended ones ran at ~2x full prefill (bench/byo_rag.py: 21% and 49% of the tokens read)."""
+    question instead (prefix caching): a blend pass (the selection, the recompute) that saves almost nothing. Small
+    by default: 3k-token stuffed prompts with 20% of their tokens read blended at 0.65-0.80x full prefill
+    (bench/byo_rag.py)."""
     start = next((i for i, s in enumerate(spans) if s.source != "exact"), len(spans))
     total = sum(len(s.ids) for s in spans[start:])
     if sum(len(s.ids) for s in spans[start:] if s.source == "blended") >= share * total:

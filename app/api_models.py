@@ -217,9 +217,10 @@ def check_budget(limits: LimitsSettings, texts: Sequence[tuple[str, str]], count
             raise LimitError(field, f"{n} tokens, {over}")
     if sum(counts) > total:
         raise LimitError(total_field, f"{sum(counts)} tokens together, over limits.max_prompt_tokens ({total})")
-    # The prompt's work, priced before any is done: its tokens, and each message as a piece (its render, its
-    # store key, read and write) at limits.piece_cost_tokens more: many tiny messages cost what their work does
-    price = sum(counts) + limits.piece_cost_tokens * len(texts)
+    # The prompt's work, priced before any is done: its tokens (each as computed: what the store holds is not
+    # known yet), and each message as a piece (its render, its store key, read and write) at
+    # limits.piece_cost_tokens more: many tiny messages cost what their work does
+    price = limits.price(computed=sum(counts), read=0, pieces=len(texts))
     if price > total:
         raise LimitError(total_field, f"{sum(counts)} tokens in {len(texts)} messages, priced at {price} (each message "
                                       f"{limits.piece_cost_tokens} tokens more, limits.piece_cost_tokens), over "
@@ -258,7 +259,10 @@ def state_limits(openapi: dict[str, Any], limits: LimitsSettings) -> None:
     budget = (f"At most {limits.max_message_tokens} tokens a message (limits.max_message_tokens) and "
               f"{limits.max_prompt_tokens} in the whole prompt, passages included (limits.max_prompt_tokens); "
               f"each message is priced at {limits.piece_cost_tokens} tokens more (limits.piece_cost_tokens), its "
-              f"work as a piece of the prompt, within the same budget.")
+              f"work as a piece of the prompt, within the same budget. Once the store is looked up, before any KV is "
+              f"read or any layer runs, the exact price is checked against the same budget (else a 400): tokens "
+              f"computed, tokens whose KV is read from the store at {limits.read_token_cost} of a computed token "
+              f"each (limits.read_token_cost), and each message and retrieved passage as a piece.")
     schemas["QueryRequest"]["properties"]["question"]["description"] = budget
     messages = schemas["ChatCompletionRequest"]["properties"]["messages"]
     messages["description"] += (f" The question has at most {limits.max_question_chars} characters "

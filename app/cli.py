@@ -38,13 +38,16 @@ def fail(message: str, code: int = 2) -> None:
 @cli.command()
 def ingest(paths: list[Path] = typer.Argument(None, help="Files or folders (.txt, .md, .jsonl)."),
            delete: list[str] = typer.Option([], "--delete", help="Remove a document by id (repeatable)."),
+           tenant: str = typer.Option("", "--tenant", help="With retrieval.documents: tenant, the tenant (a name "
+                                      "in server.api_keys) whose documents these are; without it the default "
+                                      "tenant's (with documents: shared, the one shared collection)."),
            config: Optional[Path] = ConfigOpt) -> None:
     """Chunk, embed and index documents, and precompute each chunk's KV into the store."""
     from app.commands import run_ingest
 
     if not paths and not delete:
         fail("give at least one PATH or --delete DOC_ID")
-    raise typer.Exit(run_ingest(_settings(config), paths or [], delete))
+    raise typer.Exit(run_ingest(_settings(config), paths or [], delete, tenant))
 
 
 @cli.command()

@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -49,13 +49,18 @@ class _Summary:
                 f"{c['deleted']} deleted, {c['failed']} failed; {self.chunks} chunks {work} in {seconds:.1f} s")
 
 
-def run_ingest(settings: Settings, paths: list[Path], delete_ids: list[str]) -> int:
-    """`ragblend ingest`: 0 if all went well, 1 if any input or deletion failed, 2 if ingest could not start."""
+def run_ingest(settings: Settings, paths: list[Path], delete_ids: list[str], tenant: str = "") -> int:
+    """`ragblend ingest`: 0 if all went well, 1 if any input or deletion failed, 2 if ingest could not start.
+    `tenant` (retrieval.documents: tenant): the tenant whose collection it writes; "" the default tenant's, which is
+    the shared collection under documents: shared."""
     start, summary = time.perf_counter(), _Summary()
+    if tenant and (problem := _tenant_problem(settings, tenant)):
+        summary.error(problem)
+        return 2
     docs = _read_inputs(paths, summary)
     if docs or delete_ids:  # all inputs bad: report without loading any model
         try:
-            with open_ingestor(settings) as ingestor:
+            with open_ingestor(settings, tenant) as ingestor:
                 for doc_id in delete_ids:
                     try:
                         ingestor.delete(doc_id)
@@ -66,16 +71,27 @@ def run_ingest(settings: Settings, paths: list[Path], delete_ids: list[str]) -> 
         except IndexMismatchError as exc:
             summary.error(str(exc))
             return 2
-    print(summary.line(time.perf_counter() - start, settings.blend.precompute_at == "ingest"))
+    print((f"tenant {tenant}: " if tenant else "") +
+          summary.line(time.perf_counter() - start, settings.blend.precompute_at == "ingest"))
     return 1 if summary.counts["failed"] else 0
 
 
+def _tenant_problem(settings: Settings, tenant: str) -> str | None:
+    """Why documents cannot go to `tenant`'s collection (documents shared, or no such tenant), or None."""
+    if settings.retrieval.documents != "tenant":
+        return f"--tenant {tenant}: retrieval.documents is shared (one collection for every tenant): leave --tenant out"
+    known = sorted(set(settings.server.api_keys.values()))
+    if tenant not in known:
+        return f"--tenant {tenant}: no such tenant in server.api_keys (known: {', '.join(known) or 'none'})"
+    return None
+
+
 @contextmanager
-def open_ingestor(settings: Settings) -> Iterator[Ingestor]:
-    """An Ingestor over the configured model, store and index, closed on exit."""
+def open_ingestor(settings: Settings, tenant: str = "") -> Iterator[Ingestor]:
+    """An Ingestor over the configured model, store and index, writing `tenant`'s collection, closed on exit."""
     parts = Components(settings)
     try:
-        yield parts.ingestor
+        yield replace(parts.ingestor, collection=settings.retrieval.collection(tenant))
     finally:
         parts.close()
 

@@ -47,7 +47,8 @@ class Components:
         b, m = self.settings.blend, self.settings.model
         try:
             return Blender(self.llm.model, self.llm.tokenizer, self.llm.fingerprint, check_layer=b.check_layer,
-                           deviation=b.deviation, selection=b.selection, cpu_kernel=m.cpu_kernel)
+                           deviation=b.deviation, selection=b.selection, cpu_kernel=m.cpu_kernel,
+                           chunk_tokens=self.settings.server.prefill_chunk_tokens)
         except ValueError as exc:
             raise ValueError(f"invalid blend settings: {exc}") from None
 
@@ -202,17 +203,18 @@ class ModelThreadKV:
     def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
         return self.kv.passage_ids(chunk_ids, title)
 
-    def key(self, ids: Sequence[int]) -> str:
-        return self.kv.key(ids)
+    def key(self, ids: Sequence[int], collection: str = "") -> str:
+        return self.kv.key(ids, collection)
 
     def delete(self, key: str) -> None:
         self.kv.delete(key)
 
-    def ensure(self, ids: Sequence[int]) -> str:
-        if self.kv.store.contains(self.kv.key(ids)):
-            return self.kv.key(ids)
+    def ensure(self, ids: Sequence[int], collection: str = "") -> str:
+        if self.kv.store.contains(key := self.kv.key(ids, collection)):
+            return key
         try:
-            return self.scheduler.run_on_model(lambda: self.kv.ensure(ids), label="upload: chunk KV precompute",
+            return self.scheduler.run_on_model(lambda: self.kv.ensure(ids, collection),
+                                               label="upload: chunk KV precompute",
                                                cancelled=self.cancelled)
         except concurrent.futures.CancelledError:
             raise IngestCancelled("upload cancelled") from None

@@ -1,6 +1,7 @@
 """Typed settings: configs/default.yaml < a --config file < RAGBLEND_* environment variables."""
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -65,13 +66,16 @@ class ServerSettings(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None  # one key, the default tenant's
     # API key -> tenant name (JSON in RAGBLEND_SERVER__API_KEYS): each tenant's leases, cache views and metrics
-    # are its own; documents are shared by every tenant
+    # are its own; its documents too with retrieval.documents: tenant
     api_keys: dict[Annotated[str, Field(min_length=1)], Annotated[str, Field(min_length=1, max_length=64)]] = {}
     tenant_pinned_share: float = Field(0.5, gt=0, le=1)  # a named tenant's leases pin at most this of each tier's cap
     queue_size: int = Field(16, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     max_batch: int = Field(8, ge=1)  # requests decoded together (slots on the model thread)
-    prefill_slice_ms: float = Field(100.0, gt=0)  # the least prefill work between two decode steps (one layer at least)
+    prefill_slice_ms: float = Field(100.0, gt=0)  # the least prefill work between two decode steps (a chunk at least)
+    # a prefill's least piece of work: one layer over at most this many of its tokens (chunked prefill); null: a
+    # whole layer
+    prefill_chunk_tokens: int | None = Field(512, ge=1)
     max_stall_ms: float = Field(1500.0, gt=0)  # the most a streaming answer waits for its next token on prefills
     degraded_wait_s: float = Field(30.0, gt=0)  # /health says degraded while a request waits this long for a token
     stuck_after_s: float = Field(120.0, gt=0)  # /health is 503 once the model thread is on one piece this long
@@ -95,6 +99,14 @@ class LimitsSettings(BaseModel):
     # the prompt budget, so a message carrying pasted documents fits
     max_messages: int = Field(512, ge=1)  # messages of one chat request (else 422)
     piece_cost_tokens: int = Field(8, ge=0)  # each message priced as this many tokens more within max_prompt_tokens
+    read_token_cost: float = Field(0.0625, ge=0, le=1)  # a prompt token whose KV is read from the store, priced as
+    # this share of a computed one (its KV moved and RoPE-shifted, no layer run): checked once the store is looked up
+
+    def price(self, *, computed: int, read: int, pieces: int) -> int:
+        """A prompt's work in computed tokens: those computed, those whose KV is read from the store at
+        read_token_cost each, and piece_cost_tokens per piece (a message, a retrieved passage); a request priced
+        over max_prompt_tokens is refused before any work."""
+        return computed + math.ceil(self.read_token_cost * read) + self.piece_cost_tokens * pieces
 
 
 class PlannerSettings(BaseModel):
@@ -107,8 +119,8 @@ class PlannerSettings(BaseModel):
     max_span_tokens: int = Field(64, ge=2)
     max_spans: int = Field(384, ge=2)  # spans per request at most (each one or two store entries): past it the
     # prompt is cut coarser (every size doubled) until it has no more
-    min_reused_share: float = Field(0.55, ge=0, le=1)  # past the exact prefix, a prompt whose stored spans cover
-    # less of its tokens is computed whole with the question (blending mostly new text costs more than it saves)
+    min_reused_share: float = Field(0.1, ge=0, le=1)  # past the exact prefix, a prompt whose stored spans cover
+    # less of its tokens is computed whole with the question (a blend pass that saves almost nothing)
 
 
 class Settings(BaseSettings):

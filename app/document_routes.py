@@ -5,9 +5,14 @@ on the ingest lane, one at a time, through the Serving's upload Ingestor.
 An upload never replaces a different document unless it says so (`?replace=true`): otherwise a taken
 id is a 409 and nothing is written. Every text of a multipart form (field names and values, the file
 name) must be UTF-8, as a JSON body must: Starlette's own parser would read other bytes as Latin-1.
+
+Collections (retrieval.documents): "shared", one collection every tenant sees; "tenant", each tenant (its API
+key's, server.api_keys; the default tenant too) uploads to, lists, gets and deletes its own collection only.
+Another tenant's document is a 404 like one that does not exist, and its id is free in this tenant's.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import unicodedata
@@ -29,6 +34,7 @@ from app.api_models import (DISK_FULL, DOCUMENT_ERRORS, ERRORS, UPLOAD_SCHEMA, U
 from app.components import Serving
 from app.errors import ApiError
 from app.ingest import SUFFIXES, SourceDocument, parse_documents
+from app.middleware import current_tenant
 from app.service import Service, service, serving
 from retrieval import DocumentInfo, Retriever
 
@@ -37,11 +43,18 @@ REPLACE = Query(False, description="Replace a different document that has the sa
                                    "upload is a 409 and changes nothing; the same document again is `unchanged`.")
 
 
+def collection(svc: Service = Depends(service)) -> str:
+    """The collection the caller's requests see: its tenant's, or the shared one ("")."""
+    return svc.settings.retrieval.collection(current_tenant().name)
+
+
 @router.post("/v1/documents", status_code=201, response_model=IngestResponse, responses=DOCUMENT_ERRORS,
              openapi_extra=openapi_body(DocumentIn, multipart=UPLOAD_SCHEMA))
 async def add_document(request: Request, replace: bool = REPLACE, svc: Service = Depends(service),
-                       parts: Serving = Depends(serving)) -> IngestResponse:
-    """Ingest JSON `{id?, title?, text}` or a multipart `file` (.txt, .md, .jsonl) like `ragblend ingest`."""
+                       parts: Serving = Depends(serving), scope: str = Depends(collection)) -> IngestResponse:
+    """Ingest JSON `{id?, title?, text}` or a multipart `file` (.txt, .md, .jsonl) like `ragblend ingest`, into the
+    caller's collection: with `retrieval.documents: tenant` its tenant's own (an id another tenant uses is free
+    here), else the one shared collection."""
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
         docs = await _uploaded_documents(request)
@@ -50,8 +63,8 @@ async def add_document(request: Request, replace: bool = REPLACE, svc: Service =
     else:
         raise ApiError(415, f"unsupported content type {content_type!r}: send application/json or "
                             f"multipart/form-data", "unsupported_media_type")
-    return IngestResponse(data=await svc.on_lane(request, lambda cancelled: _ingest(parts, docs, cancelled, replace),
-                                                 "upload"))
+    return IngestResponse(data=await svc.on_lane(
+        request, lambda cancelled: _ingest(parts, docs, cancelled, replace, scope), "upload"))
 
 
 def _json_document(body: bytes) -> SourceDocument:
@@ -146,41 +159,46 @@ async def _utf8_form(request: Request) -> FormData:
 
 
 def _ingest(parts: Serving, docs: list[SourceDocument], cancelled: Callable[[], bool],
-            replace: bool) -> list[IngestedDocument]:
+            replace: bool, scope: str) -> list[IngestedDocument]:
     """On the ingest lane: chunk all first (bad input fails before anything is written) and embed here,
     precompute each chunk's KV on the model thread (one task per chunk, between other requests' work),
     then commit all or none. Cancelled (client gone, shutdown) between two embedding batches or chunks."""
-    results = parts.uploads.ingest(docs, cancelled, replace=replace)
-    return [IngestedDocument(**asdict(_document(parts.retriever, r.doc_id)), status=r.status) for r in results]
+    results = dataclasses.replace(parts.uploads, collection=scope).ingest(docs, cancelled, replace=replace)
+    return [IngestedDocument(**asdict(_document(parts.retriever, r.doc_id, scope)), status=r.status) for r in results]
 
 
-def _document(retriever: Retriever, doc_id: str) -> DocumentInfo:
-    info = retriever.get_document(doc_id)
+def _document(retriever: Retriever, doc_id: str, scope: str) -> DocumentInfo:
+    info = retriever.get_document(doc_id, scope)
     if info is None:
         raise ApiError(404, f"no document {doc_id!r}", "not_found", "doc_id")
     return info
 
 
 @router.get("/v1/documents", response_model=DocumentList, responses=ERRORS)
-def list_documents(parts: Serving = Depends(serving)) -> DocumentList:
-    return DocumentList(data=parts.retriever.list_documents())
+def list_documents(parts: Serving = Depends(serving), scope: str = Depends(collection)) -> DocumentList:
+    """The documents of the caller's collection: its tenant's own with `retrieval.documents: tenant`, else the
+    shared one."""
+    return DocumentList(data=parts.retriever.list_documents(scope))
 
 
 @router.get("/v1/documents/{doc_id:path}", response_model=DocumentInfo,
             responses={404: {"model": ErrorResponse}, **ERRORS})
-def get_document(doc_id: str, parts: Serving = Depends(serving)) -> DocumentInfo:
-    return _document(parts.retriever, unicodedata.normalize("NFC", doc_id))
+def get_document(doc_id: str, parts: Serving = Depends(serving), scope: str = Depends(collection)) -> DocumentInfo:
+    """A document of the caller's collection; with `retrieval.documents: tenant` another tenant's is a 404."""
+    return _document(parts.retriever, unicodedata.normalize("NFC", doc_id), scope)
 
 
 @router.delete("/v1/documents/{doc_id:path}", response_model=DeletedDocument,
                responses={404: {"model": ErrorResponse}, **ERRORS, **DISK_FULL})
 async def delete_document(doc_id: str, request: Request, svc: Service = Depends(service),
-                          parts: Serving = Depends(serving)) -> DeletedDocument:
+                          parts: Serving = Depends(serving), scope: str = Depends(collection)) -> DeletedDocument:
+    """Delete a document of the caller's collection, its index entries and its chunks' KV; with
+    `retrieval.documents: tenant` another tenant's is a 404."""
     doc_id = unicodedata.normalize("NFC", doc_id)  # ids are stored in NFC
 
     def delete(cancelled: Callable[[], bool]) -> DeletedDocument:
         try:
-            parts.uploads.delete(doc_id)
+            dataclasses.replace(parts.uploads, collection=scope).delete(doc_id)
         except KeyError:
             raise ApiError(404, f"no document {doc_id!r}", "not_found", "doc_id") from None
         return DeletedDocument(id=doc_id)

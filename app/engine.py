@@ -115,7 +115,8 @@ class RagEngine:
         # 1. Off the model thread: retrieve, cut the prompt into spans, read their KV from the store.
         plan, loaded = yield Offload(lambda: self._plan(params, max_tokens, stats))
 
-        # 2. Prefill, a layer per slice: the spans read (RoPE-shifted, blended), the others computed in it.
+        # 2. Prefill, a slice per layer chunk (server.prefill_chunk_tokens): the spans read (RoPE-shifted,
+        #    blended), the others computed in it.
         t = time.perf_counter()
         if params.mode == "full":
             prompt_ids = [i for s in plan.spans for i in s.ids] + list(plan.suffix)
@@ -136,7 +137,8 @@ class RagEngine:
             stats.selection = params.selection or parts.blender.selection
             for span, read in zip(plan.spans, loaded):  # where each retrieved chunk's KV came from (app.usage)
                 if span.kind == "passage":
-                    parts.kv_cache.served(span.ids, read.tier if span.source != "compute" else COMPUTED)
+                    source = read.tier if span.source != "compute" else COMPUTED
+                    parts.kv_cache.served(span.ids, source, plan.collection)
         stats.prefill_ms = _ms(t)
         self.planner.fill_stats(stats, plan, loaded, prefill, params.mode)
         if params.mode == "blend" and prefill.stats.fallback is None:  # live compute cost, for the controller
@@ -162,7 +164,8 @@ class RagEngine:
               ) -> tuple[Plan, list[Loaded]]:
         parts, t = self.parts, time.perf_counter()
         hits = parts.retriever.search(params.retrieval_query or params.question,
-                                      params.top_k or self.settings.retrieval.top_k) if params.retrieve else []
+                                      params.top_k or self.settings.retrieval.top_k,
+                                      tenant=params.collection) if params.retrieve else []
         passages = [Part("passage", tuple(parts.kv_cache.passage_ids(h.chunk.token_ids, h.title))) for h in hits]
         stats.retrieve_ms = _ms(t)
         if params.prompt_ids:  # a raw prompt (/v1/completions): no template; its last token computed for the logits
@@ -185,9 +188,29 @@ class RagEngine:
                                f"limits.max_prompt_tokens ({budget}); lower top_k or shorten the messages")
         t = time.perf_counter()
         plan, loaded = self.planner.plan(given, suffix, mode=params.mode, tenant=params.tenant, read=read,
-                                         hits=tuple(hits), dropped=dropped)
+                                         collection=params.collection, hits=tuple(hits), dropped=dropped)
         stats.kv_load_ms = _ms(t)
+        self._check_price(params, plan, loaded, prompt_tokens)
         return plan, loaded
+
+    def _check_price(self, params: QueryParams, plan: Plan, loaded: list[Loaded], prompt_tokens: int) -> None:
+        """The exact price, now that the store is looked up (with the pipeline, only the entries' headers are read:
+        no KV yet, no layer run): tokens computed, tokens read, the pieces (messages, or the question, and
+        passages). Over limits.max_prompt_tokens: a 400, the opened entries closed."""
+        limits = self.settings.limits
+        read = sum(len(r.ids) for r in loaded if r.kv is not None)
+        pieces = (len(params.messages) if params.messages else 1) + len(plan.hits)
+        price = limits.price(computed=prompt_tokens - read, read=read, pieces=pieces)
+        if price > limits.max_prompt_tokens:
+            for r in loaded:
+                if r.kv is not None and hasattr(r.kv, "close"):
+                    r.kv.close()
+            raise RequestError(f"prompt work priced at {price} tokens, over limits.max_prompt_tokens "
+                               f"({limits.max_prompt_tokens}): {prompt_tokens - read} tokens computed, {read} read "
+                               f"from the store (each {limits.read_token_cost} of a computed one, "
+                               f"limits.read_token_cost), {pieces} pieces (messages and passages, each "
+                               f"{limits.piece_cost_tokens}, limits.piece_cost_tokens); lower top_k or shorten the "
+                               f"messages")
 
     def _chat_parts(self, params: QueryParams, passages: list[Part], max_tokens: int
                     ) -> tuple[list[Part], list[int], int]:

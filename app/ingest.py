@@ -17,6 +17,9 @@ precompute each chunk's KV (`precompute_at="first_use"`: only record its key; th
 that retrieves the chunk computes and stores it); then commit metadata + index in one step
 (retrieval.Retriever) and drop the KV entries of replaced chunks. A failure before the commit
 leaves the previous version in place and deletes the KV entries written for the failed one.
+
+An Ingestor writes to one collection (`collection`: "" the shared one, or a tenant's under
+retrieval.documents: tenant): its ids, and its chunks' KV keys (app.kv), are that collection's.
 """
 from __future__ import annotations
 
@@ -62,8 +65,8 @@ class KVCache(Protocol):
     """What ingest needs from app.kv.ChunkKVCache."""
 
     def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]: ...
-    def key(self, ids: Sequence[int]) -> str: ...
-    def ensure(self, ids: Sequence[int]) -> str: ...
+    def key(self, ids: Sequence[int], collection: str = "") -> str: ...
+    def ensure(self, ids: Sequence[int], collection: str = "") -> str: ...
     def delete(self, key: str) -> None: ...
 
 
@@ -107,6 +110,7 @@ class Ingestor:
     on_embedded: Callable[[int], object] = _noop  # progress: called with a number of chunks
     on_precomputed: Callable[[int], object] = _noop
     precompute_at: Literal["ingest", "first_use"] = "ingest"
+    collection: str = ""  # the tenant whose collection the documents are ("": the shared one)
 
     def ingest(self, docs: Sequence[SourceDocument], cancelled: Callable[[], bool] = lambda: False, *,
                replace: bool = True) -> list[IngestResult]:
@@ -130,7 +134,7 @@ class Ingestor:
 
     def delete(self, doc_id: str) -> None:
         """Remove a document, its index entries and its KV entries; KeyError if unknown."""
-        for key in self.retriever.delete_document(doc_id):
+        for key in self.retriever.delete_document(doc_id, self.collection):
             self.kv_cache.delete(key)
 
     def prepare(self, doc: SourceDocument) -> PreparedDocument:
@@ -146,10 +150,10 @@ class Ingestor:
         if not chunks:
             raise IngestError(f"{doc.source}: empty document")
         content_hash = sha256_text(doc.text)
-        old = self.retriever.get_document(doc.doc_id)
+        old = self.retriever.get_document(doc.doc_id, self.collection)
         unchanged = old is not None and old.content_hash == content_hash and old.title == doc.title and \
-            [(c.text, c.kv_key) for c in self.retriever.document_chunks(doc.doc_id)] == \
-            [(c.text, self.kv_cache.key(self.kv_cache.passage_ids(c.token_ids, doc.title))) for c in chunks]
+            [(c.text, c.kv_key) for c in self.retriever.document_chunks(doc.doc_id, self.collection)] == \
+            [(c.text, self._key(c, doc.title)) for c in chunks]
         return PreparedDocument(doc, chunks, content_hash, old is not None, unchanged)
 
     def commit(self, prepared: PreparedDocument, cancelled: Callable[[], bool] = lambda: False) -> IngestResult:
@@ -167,7 +171,7 @@ class Ingestor:
             # 1. Embed and precompute: nothing is visible to queries yet.
             entries = [self._embed_and_precompute(p, written, cancelled) for p in changed]
             # 2. Commit metadata, then the index (see retrieval.retriever for the crash story).
-            stale = self.retriever.add_documents(entries) if entries else []
+            stale = self.retriever.add_documents(entries, self.collection) if entries else []
         except BaseException:
             self._forget(written)
             raise
@@ -192,15 +196,17 @@ class Ingestor:
         for chunk in chunks:
             if cancelled():
                 raise IngestCancelled(f"{doc.source}: ingest cancelled")
-            ids = self.kv_cache.passage_ids(chunk.token_ids, doc.title)
             if self.precompute_at == "first_use":
-                chunk.kv_key = self.kv_cache.key(ids)  # computed by the first query that retrieves it
+                chunk.kv_key = self._key(chunk, doc.title)  # computed by the first query that retrieves it
                 continue
-            chunk.kv_key = self.kv_cache.ensure(ids)
+            chunk.kv_key = self.kv_cache.ensure(self.kv_cache.passage_ids(chunk.token_ids, doc.title), self.collection)
             written.append(chunk.kv_key)
             self.on_precomputed(1)
         info = DocumentInfo(doc.doc_id, doc.title, doc.source, prepared.content_hash, len(chunks), time.time())
         return info, chunks, embeddings
+
+    def _key(self, chunk: Chunk, title: str | None) -> str:
+        return self.kv_cache.key(self.kv_cache.passage_ids(chunk.token_ids, title), self.collection)
 
     def _forget(self, keys: list[str]) -> None:
         """Delete KV entries written for a failed document, unless a committed chunk uses them."""

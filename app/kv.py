@@ -1,14 +1,18 @@
 """The prompt head's KV and the collection's passages' (ingest), and reads of any entry by key.
 
-A passage is keyed by (model, the tokens it was computed after: the prompt head or none, its own tokens);
+A passage is keyed by (model, the tokens it was computed after: the prompt head or none, and its collection when
+that is a tenant's (retrieval.documents: tenant: another tenant never finds it, nor learns the text exists), its
+own tokens);
 the head by (model, nothing, its tokens). Any other span of a prompt is keyed by app.planner, which reads
 it here (`lookup_key`, `open_key`: store reads only, safe off the model thread) and stores it from the
 prefill's own KV.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Literal
 
 from app.usage import COMPUTED
@@ -55,9 +59,16 @@ class ChunkKVCache:
     def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
         return self.prompt.passage_ids(chunk_ids, title)
 
-    def key(self, ids: Sequence[int]) -> str:
+    def key(self, ids: Sequence[int], collection: str = "") -> str:
         """The store key of a passage's KV (microseconds: a hash of the ids)."""
-        return kv_key(self.blender.fingerprint, self._context_hash, list(ids))
+        return kv_key(self.blender.fingerprint, self.passage_context(collection), list(ids))
+
+    def passage_context(self, collection: str = "") -> str:
+        """The context a passage's entry is named by: what it is computed after, salted with a tenant's collection
+        (the shared one, "", is not)."""
+        if not collection:
+            return self._context_hash
+        return hashlib.sha256(f"{self._context_hash}\x00collection={collection}".encode()).hexdigest()
 
     def get_or_compute(self, ids: Sequence[int]) -> tuple[ChunkKV, str]:
         """A retrieved passage's KV and where it came from: a tier name or "computed" (then stored:
@@ -66,11 +77,12 @@ class ChunkKVCache:
         self.served(ids, source)
         return kv, source
 
-    def ensure(self, ids: Sequence[int]) -> str:
-        """Make sure the passage's KV is stored (ingest); returns its key."""
-        key = self.key(ids)
+    def ensure(self, ids: Sequence[int], collection: str = "") -> str:
+        """Make sure the passage's KV is stored (ingest) for `collection`; returns its key."""
+        key = self.key(ids, collection)
         if not self.store.contains(key):
-            self.store.put(key, self._compute(list(ids), self.context_ids))
+            kv = self._compute(list(ids), self.context_ids)
+            self.store.put(key, replace(kv, context_hash=self.passage_context(collection)))
         return key
 
     def delete(self, key: str) -> None:
@@ -78,9 +90,9 @@ class ChunkKVCache:
 
     # ---- any span of a prompt, by its key (app.planner decides the keys): read off the model thread --------
 
-    def served(self, ids: Sequence[int], source: str) -> None:
+    def served(self, ids: Sequence[int], source: str, collection: str = "") -> None:
         """Report where a retrieved passage's KV came from (a tier name or COMPUTED) to `on_served`."""
-        self.on_served(self.key(ids), source)
+        self.on_served(self.key(ids, collection), source)
 
     def context_hash(self) -> str:
         """The hash of the tokens a passage is precomputed after (the head, or none): a span's content key's."""

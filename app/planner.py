@@ -17,7 +17,8 @@ Each span's KV, decided once (`plan`), in prompt order:
     compute  no entry: computed in the prefill itself (blend.Blender.fresh between cached spans; at the end
              with the question), then stored from that prefill's own KV (`store`: no extra compute).
 Keys mix in the model fingerprint and, for every span but the shared head and the collection's passages, the
-tenant: a client's prompt text is found only by its own tenant.
+tenant: a client's prompt text is found only by its own tenant. A passage's key mixes in its collection when that
+is a tenant's (retrieval.documents: tenant; app.kv.ChunkKVCache.passage_context), as ingest stored it.
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ class Plan:
     suffix: tuple[int, ...] = ()  # the question and the assistant turn's opening: always computed
     dropped: int = 0              # a chat's oldest messages left out (they did not fit the context)
     tenant: str = ""              # mixed into the keys of the client's text
+    collection: str = ""          # the documents' collection its passages come from ("" shared)
 
     @property
     def prompt_tokens(self) -> int:
@@ -177,7 +179,7 @@ class Planner:
     # ---- the plan --------------------------------------------------------------------------------
 
     def plan(self, parts: Sequence[Part], suffix: Sequence[int], *, mode: str, tenant: str = "", read: bool = True,
-             **rest) -> tuple[Plan, list[Loaded]]:
+             collection: str = "", **rest) -> tuple[Plan, list[Loaded]]:
         """The plan and, with `read`, each span's KV as read (without it, where each entry is, nothing read).
         Mode full: no lookups (every span computed); prefix: everything after the exact chain computed."""
         spans, loaded, chain, exact = [], [], hashlib.sha256(), mode != "full"
@@ -185,7 +187,7 @@ class Planner:
         for span in self.cut(parts):
             before = chain.hexdigest()  # sha256 of the ids before: hash_ids(before), computed incrementally
             chain.update(torch.tensor(span.ids, dtype=torch.int64).numpy().tobytes())
-            keys = [key for _, key in self.entries(span, before, tenant)]
+            keys = [key for _, key in self.entries(span, before, tenant, collection)]
             found, source = Loaded(list(span.ids), None, None, span.start), "compute"
             if mode != "full" and (exact or mode != "prefix"):
                 for k, candidate in enumerate(keys):
@@ -207,15 +209,15 @@ class Planner:
                               found.tier, before))
             loaded.append(found)
         _compute_when_mostly_new(spans, loaded, self.settings.min_reused_share)
-        return Plan(spans=tuple(spans), suffix=tuple(suffix), tenant=tenant, **rest), loaded
+        return Plan(spans=tuple(spans), suffix=tuple(suffix), tenant=tenant, collection=collection, **rest), loaded
 
-    def entries(self, span: Span, before: str, tenant: str) -> list[tuple[str, str]]:
+    def entries(self, span: Span, before: str, tenant: str, collection: str = "") -> list[tuple[str, str]]:
         """(context, key) of each entry a span may be stored under, as the store names it (kv_key of the model,
         the context, the ids): a client's text under its chain (what precedes it: exact) and its content (found
         anywhere: blended), each with the tenant mixed in; a head under its chain alone; a collection passage
-        under its content alone, as ingest stored it (after the prompt head)."""
+        under its content alone (and its collection), as ingest stored it (after the prompt head)."""
         if span.shared and span.kind == "passage":
-            contexts = [self.kv.context_hash()]
+            contexts = [self.kv.passage_context(collection)]
         elif span.kind == "head":
             contexts = [hash_ids([]) if span.shared else _salted(hash_ids([]), tenant)]
         else:  # "content" keeps a content entry's context from ever equalling a chain's
@@ -258,7 +260,7 @@ class Planner:
             had = "compute" if read.tier == COMPUTED else span.source  # an entry that failed to load: again
             if had == "exact" or (had == "blended" and span.shared) or (span.kind == "head" and span.shared):
                 continue  # (the standard head: kept exact by ChunkKVCache, stored at warm-up)
-            entries, kv = self.entries(span, span.after, plan.tenant), None
+            entries, kv = self.entries(span, span.after, plan.tenant, plan.collection), None
             for context, key in entries[:1] if had == "blended" else entries:  # blended: as prompted only
                 if key not in written:  # one copy out of the prefill, named by each entry's context
                     kv = span_kv(prefill, span, context, self.fingerprint) if kv is None \
@@ -328,8 +330,9 @@ def _exact(kv: ChunkKV | LayerSource, before: str) -> ChunkKV | LayerSource:
 
 def _compute_when_mostly_new(spans: list[Span], loaded: list[Loaded], share: float) -> None:
     """Past the exact prefix, stored spans covering less than `share` of the tokens: all of them computed with the
-    question instead (prefix caching). Blending mostly new text costs more than the prefill it saves: many small
-    fresh spans between blended ones ran at ~2x full prefill (bench/byo_rag.py: 21% and 49% of the tokens read)."""
+    question instead (prefix caching): a blend pass (the selection, the recompute) that saves almost nothing. Small
+    by default: 3k-token stuffed prompts with 20% of their tokens read blended at 0.65-0.80x full prefill
+    (bench/byo_rag.py)."""
     start = next((i for i, s in enumerate(spans) if s.source != "exact"), len(spans))
     total = sum(len(s.ids) for s in spans[start:])
     if sum(len(s.ids) for s in spans[start:] if s.source == "blended") >= share * total:

@@ -36,6 +36,7 @@ class QueryParams:
     retrieval_query: str | None = None
     retrieve: bool = True  # False: no passages, the prompt is the conversation alone
     tenant: str = ""  # who asks (set from the API key): the store keys of a client's prompt text mix it in
+    collection: str = ""  # whose documents it retrieves: the tenant's (retrieval.documents: tenant), or "" shared
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
     grammar: str | None = None  # the answer's grammar (llguidance Lark, app.tool_calls): tool_choice, response_format
     tool_calls: bool = False  # parse the calls in the answer (with tools, but for tool_choice none)

@@ -19,8 +19,10 @@ prefill ends and gives it back when its program closes, cancelled or done). The 
     3. one batched decode step for every request waiting on logits, each then resumed with its row
 Least served first (least attained service): a request's size is not known ahead, but a new one has had
 none, so a short query sent during a long chat's prefill runs its prefill next, and its first token comes
-after one slice of the long one, not after all of it; long prefills beside one another take turns. (Oldest
-first made a 4-token query wait for a 40-message chat's whole prefill: 94x its TTFT alone; see BENCHMARKS.)
+after one chunk of the long one (a slice ends early, at a chunk's end, when a new request waits or is ready;
+blend.blender cuts a layer into server.prefill_chunk_tokens chunks), not after all of it; long prefills beside
+one another take turns. (Oldest first made a 4-token query wait for a 40-message chat's whole prefill: 94x its
+TTFT alone; see BENCHMARKS.)
 Prefill first (vLLM's and SGLang's default order): a request still prefilling adds a row to every later
 step, so its prefill runs before the streams already answering get their next token, but for at most
 `max_stall_s` between two of their tokens (plus the rest of the layer it is in): a long prompt is cut into
@@ -285,10 +287,19 @@ class Scheduler:
         budget = max(self.slice_s, self.max_stall_s - self._driver.last_step_s) if streaming else self.slice_s
         start = time.monotonic()
         with self._working(slot.label):
-            while self._driver.advance(slot) and time.monotonic() < start + budget:
+            while self._driver.advance(slot) and time.monotonic() < start + budget \
+                    and not self._newcomer_ready(slot):
                 pass
         slot.served_s += time.monotonic() - start
         return True
+
+    def _newcomer_ready(self, slot: _Request) -> bool:
+        """Whether a new request waits for a free slot (admitted, it starts its plan off this thread), or one that
+        has had no slice yet is ready (its plan done): the slice ends at this piece of work (a layer's chunk), not
+        at its budget, and the newcomer goes next. (Requests already served take turns a slice at a time.)"""
+        if self._waiting and len(self._slots) < self.max_batch:  # read without the lock: a hint, checked in _admit
+            return True
+        return any(s is not slot and s.state == "ready" and s.served_s == 0.0 for s in self._slots)
 
     def _run_task(self) -> None:
         with self._cond:

@@ -183,9 +183,10 @@ class Service:
 
     def query_params(self, question: str, *, top_k: int | None, max_tokens: int | None, **rest: Any) -> QueryParams:
         """Engine parameters, with this server's defaults for what the request left out."""
+        tenant = current_tenant().name
         return QueryParams(question, top_k=top_k or self.settings.retrieval.top_k,
                            max_tokens=max_tokens or self.settings.limits.default_max_new_tokens,
-                           tenant=current_tenant().name, **rest)
+                           tenant=tenant, collection=self.settings.retrieval.collection(tenant), **rest)
 
     async def submit_query(self, params: QueryParams, kind: str) -> Job:
         """Queue a query for a slot on the model thread and wait until it has one. Its label, which /health

@@ -7,8 +7,9 @@ brings `--passages` passages drawn (Zipf-like, s=0.8) from a pool of `--recurrin
 chunks (a pasted document, a long question: never seen again). Each chunk is looked up (get); a miss is
 computed and handed over with put_nowait, as a request stores its prompt. The memory tier holds a fifth of the
 recurring pool, the disk tier half of it: one-offs compete with the pool for the lower tier. Per policy
-(store.admission: everywhere, second_sight) and N: `recurring_hit_rate` (lookups of a recurring passage seen
-before that hit any tier), per tier its hits, and the bytes written to disk (what one-offs cost the disk).
+(store.admission: everywhere, second_sight, frequency) and N: `recurring_hit_rate` (lookups of a recurring
+passage seen before that hit any tier), per tier its hits, and the bytes written to disk (what one-offs cost
+the disk).
 Prints JSON on stdout, progress on stderr.
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in [int(x) for x in args.one_offs.split(",")]:
             requests = stream(args.requests, args.recurring, args.passages, n, args.seed)
-            for policy in ("everywhere", "second_sight"):
+            for policy in ("everywhere", "second_sight", "frequency"):
                 log(f"one-offs {n}: {policy}")
                 results.append({"one_offs": n, "policy": policy,
                                 **run_policy(policy, requests, args.recurring, Path(tmp) / f"{n}")})

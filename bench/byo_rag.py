@@ -25,10 +25,12 @@ to back on every request so load drifts hit them alike:
 Per mode: `seen_reuse`, the share of previously seen passages' tokens whose KV was read from the store (a passage
 is seen once any earlier prompt held it) and `seen_passages_90`, the share of seen passages with >= 90% of their
 tokens reused; TTFT (the plan, store reads and computes, the prefill, the first token) relative to full prefill
-on the same prompt, first and second sight apart; KL(full || mode) and top-1, teacher-forced over full prefill's
+on the same prompt, first and second sight apart (means; the second sight's median too); KL(full || mode) and top-1, teacher-forced over full prefill's
 greedy answer (--answer-tokens) as `ragblend compare` does (app.compare.agreement); `after_answer_s`, the
 model-thread work after the answer (storing the prompt's pieces, any blendable forms), and `background_s`, the
-store writer's time (encoding and tier writes, off the model thread).
+store writer's time (encoding and tier writes, off the model thread); `dropped_puts`, the spans the store's full
+put queue lost (never stored). --admission / --min-reused-share: store.admission / planner.min_reused_share for
+every mode.
 `retrieval_path`: the same passages of each second sight through ragblend's own retrieval prompt (head |
 passages | question) at query@--ratio (app.compare.Harness): the KL the targets compare against.
 `back_to_back`: through the server's scheduler (app.scheduler, in-process), a new stuffed prompt A, then its
@@ -137,13 +139,15 @@ def one_request(engine: RagEngine, params: QueryParams) -> tuple[Any, Any, Query
         seconds["after_answer_s"] = time.perf_counter() - start
         yield (plan, loaded), prefill
 
-    [(plan, prefill)] = list(Driver(engine.parts.runtime.step).run(program()))
     store = engine.parts.store
+    dropped = store.stats().get("dropped_puts", 0)
+    [(plan, prefill)] = list(Driver(engine.parts.runtime.step).run(program()))
     before = store.stats().get("write_s_total", 0.0)
     start = time.perf_counter()
     store.flush()
     seconds["flush_wait_s"] = time.perf_counter() - start
     seconds["background_s"] = store.stats().get("write_s_total", 0.0) - before
+    seconds["dropped_puts"] = store.stats().get("dropped_puts", 0) - dropped  # spans the full put queue lost
     return plan, prefill, stats, seconds
 
 
@@ -198,12 +202,16 @@ def mode_overrides(mode: str, window_tokens: int) -> dict[str, Any]:
     return {}
 
 
-def engines(shared: Components, root: Path, modes: list[str], window_tokens: int, base: dict) -> dict[str, RagEngine]:
+def engines(shared: Components, root: Path, modes: list[str], window_tokens: int, base: dict,
+            planner: dict | None = None) -> dict[str, RagEngine]:
     """An engine per mode, each with a store (and database) of its own under `root`, all on `shared`'s model."""
     loaded = {name: getattr(shared, name) for name in ("llm", "blender", "runtime", "prompt", "embedder")}
     out = {}
     for mode in modes:
-        settings = load_settings(data_dir=root / mode, **base, **mode_overrides(mode, window_tokens))
+        overrides = mode_overrides(mode, window_tokens)
+        if planner:
+            overrides["planner"] = {**overrides.get("planner", {}), **planner}
+        settings = load_settings(data_dir=root / mode, **base, **overrides)
         parts = Components(settings)
         parts.__dict__.update(loaded)
         out[mode] = RagEngine(settings, components=parts)
@@ -247,9 +255,9 @@ def summarise(rows: dict[str, list[dict]]) -> dict:
     out = {}
     full = rows["full"]
     for mode, mine in rows.items():
-        def ratio(sight: str) -> float | None:
+        def ratio(sight: str, average=statistics.mean) -> float | None:
             pairs = [(m["ttft_s"], f["ttft_s"]) for m, f in zip(mine, full) if m["sight"] == sight]
-            return round(statistics.mean(a / b for a, b in pairs), 4) if pairs else None
+            return round(average(a / b for a, b in pairs), 4) if pairs else None
 
         seen_tokens = sum(r["seen_tokens"] for r in mine)
         seen_passages = sum(r["seen_passages"] for r in mine)
@@ -259,6 +267,7 @@ def summarise(rows: dict[str, list[dict]]) -> dict:
             "seen_passages_90": round(sum(r["seen_passages_90"] for r in mine) / seen_passages, 4)
             if seen_passages else None,
             "ttft_ratio_first": ratio("first"), "ttft_ratio_second": ratio("second"),
+            "ttft_ratio_second_median": ratio("second", lambda r: statistics.median(list(r))),
             "kl": round(statistics.mean(r["kl"] for r in mine), 5),
             "kl_second": round(statistics.mean(r["kl"] for r in second), 5),
             "top1": round(statistics.mean(r["top1"] for r in mine), 4),
@@ -400,6 +409,8 @@ def main() -> None:
     parser.add_argument("--skip-back-to-back", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--admission", default=None, help="store.admission for every mode (default: the config's)")
+    parser.add_argument("--min-reused-share", type=float, default=None,
+                        help="planner.min_reused_share for every mode (default: the config's)")
     parser.add_argument("--plot", type=Path, default=REPO / "reports" / "byo_rag.png")
     args = parser.parse_args()
     if args.threads:
@@ -411,15 +422,16 @@ def main() -> None:
     base = {"model": {"cache_dir": str(REPO / "data/models")},
             "limits": {"max_question_chars": 200_000, "max_message_tokens": 8000, "max_prompt_tokens": 8000},
             **({"store": {"admission": args.admission}} if args.admission else {})}
+    share = {} if args.min_reused_share is None else {"min_reused_share": args.min_reused_share}
     with tempfile.TemporaryDirectory() as tmp:
         shared = Components(load_settings(data_dir=tmp, **base))
-        by_mode = engines(shared, Path(tmp), modes, args.window_tokens, base)
+        by_mode = engines(shared, Path(tmp), modes, args.window_tokens, base, share)
         try:
             warm = Request(-1, "warm", "Is this warm?", dataset[-1]["ctxs"][:2])
             for mode, engine in by_mode.items():  # first-call costs, untimed, in stores thrown away below
                 one_request(engine, params_for(warm, mode, args.ratio, args.answer_tokens))
                 engine.parts.close()
-            by_mode = engines(shared, Path(tmp) / "timed", modes, args.window_tokens, base)
+            by_mode = engines(shared, Path(tmp) / "timed", modes, args.window_tokens, base, share)
             summary = run_workload(by_mode, requests, args.ratio, args.answer_tokens)
             reference = None if args.skip_retrieval_path else retrieval_path(shared, requests, args.ratio,
                                                                              args.answer_tokens)
@@ -437,6 +449,8 @@ def main() -> None:
     print(json.dumps({"questions": args.questions, "passages": args.passages, "ratio": args.ratio,
                       "answer_tokens": args.answer_tokens, "planner": PLANNED, "modes": modes,
                       "admission": shared.settings.store.admission,
+                      "min_reused_share": share.get("min_reused_share", shared.settings.planner.min_reused_share)
+                      if PLANNED else None,
                       "threads": torch.get_num_threads(), "commit": git_commit(),
                       "loadavg_before": [round(x, 2) for x in load_before],
                       "loadavg_after": [round(x, 2) for x in os.getloadavg()], "plot": str(args.plot),

@@ -1,13 +1,15 @@
 """Fairness benchmark: the TTFT of a short query sent during a long chat's prefill, against the same query alone.
 
-    python bench/fairness.py [--messages 40] [--words 80] [--delay 1.0]
+    python bench/fairness.py [--messages 40] [--words 80] [--delay 1.0] [--chunk-tokens N]
 
 Starts one `ragblend serve` on a temporary data dir (no documents: both requests run with `retrieval: false`,
 so the prompts are the chats alone). The short request: one user message, `max_tokens` 4, streamed; its TTFT
 is client-side, send -> first delta. Alone (after a warm-up), then sent `--delay` s after a chat of
 `--messages` messages of about `--words` words each (`max_tokens` 4) started. Prints JSON on stdout (the
 commit, the load average, both TTFTs and their ratio, the long chat's own TTFT and total, and which request's
-first token came first), progress on stderr.
+first token came first), progress on stderr. `--chunk-tokens` sets the server's server.prefill_chunk_tokens
+(a prefill slice: one layer over at most that many tokens; a number past the prompt's length: whole layers,
+as before chunked prefill).
 """
 from __future__ import annotations
 
@@ -53,7 +55,11 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=40)
     parser.add_argument("--words", type=int, default=80)
     parser.add_argument("--delay", type=float, default=1.0)
+    parser.add_argument("--chunk-tokens", type=int, default=None, help="server.prefill_chunk_tokens (default: the "
+                        "config's)")
     args = parser.parse_args()
+    if args.chunk_tokens is not None:
+        os.environ["RAGBLEND_SERVER__PREFILL_CHUNK_TOKENS"] = str(args.chunk_tokens)
     text = lambda i: " ".join(WORDS[(i + j) % len(WORDS)] for j in range(args.words))  # noqa: E731
     long = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Note {i}: {text(i)}"}
             for i in range(args.messages - 1)] + [{"role": "user", "content": "Which ship came last?"}]
@@ -78,7 +84,8 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(60)
-    print(json.dumps({"commit": git_commit(), "loadavg": os.getloadavg(), "messages": args.messages,
+    print(json.dumps({"commit": git_commit(), "loadavg": os.getloadavg(), "chunk_tokens": args.chunk_tokens,
+                      "messages": args.messages,
                       "words_per_message": args.words, "delay_s": args.delay, "short_alone": alone,
                       "short_during_long": results["short"], "long": results["long"], "first_token_order": firsts,
                       "ttft_ratio": round(results["short"]["ttft_s"] / alone["ttft_s"], 2)}, indent=1))

@@ -10,8 +10,9 @@ Contract:
         ratio 1 reproduces full prefill, ratio 0 is full reuse (shifted KV concatenated); the ratio is of the
         cached tokens (fresh ones always run).
     prefill_steps(...) -> Generator[None, None, Prefill]
-        the same prefill, resumable: it yields after each layer, so a scheduler can run other
-        requests' decode steps between the layers of a long prefill
+        the same prefill, resumable: it yields after each slice of work - a layer over at most
+        `chunk_tokens` of its tokens (chunked prefill, as vLLM's) - so a scheduler can run other requests
+        between the slices of a long prefill
     full_prefill(ids) -> Prefill                   the model's own forward over every token (the reference)
     teacher_force(prefill, target_ids) -> logits   the model's own forward over an answer (scoring)
 Decoding from a Prefill is blend.runtime.DecodeRuntime's (its KV pool, its step, its graphs).
@@ -27,6 +28,10 @@ The blended prefill, step by step:
     4. keep the top `ratio` of candidates plus the suffix; the remaining layers run only those,
        writing fresh K/V over the cached ones, queries attending to all keys causally
        (blend.attention plans that attention so only the visible keys are computed)
+Each layer runs its tokens in chunks of at most `chunk_tokens` rows, a slice each (None: a layer is one slice).
+That is exact: the rows are sorted by position and a chunk's queries see only keys at or before theirs, which
+are cached or were written by this layer's earlier chunks; the check layer's deviations and the question's
+attention are gathered over the chunks.
 
 Models the loop cannot run exactly (blend.gate, plus a probe prompt at start-up) and prompts longer
 than a sliding window run full prefill instead; `unsupported` / `PrefillStats.fallback` say why.
@@ -106,30 +111,43 @@ class _Clock:
 
 class _QuestionAttention:
     """Attention probe: records the suffix queries' softmax attention over the candidates, per layer
-    and head, averaged over the suffix tokens (so a long question costs no more memory)."""
+    and head, averaged over the suffix tokens (so a long question costs no more memory). The question pass
+    runs the suffix alone, a chunk of its rows per call, in order: the probe sums each layer's chunks."""
 
     def __init__(self, ctx: SelectionContext, suffix_len: int, total: int, layers: range, device: torch.device):
         self.ctx, self.suffix_len, self.layers = ctx, suffix_len, layers
         query_pos = torch.arange(total - suffix_len, total, device=device)
         self.hidden_keys = torch.arange(total, device=device)[None, :] > query_pos[:, None]     # [Ts, N] causal
+        self.rows_seen: dict[int, int] = {}       # layer -> suffix rows probed so far
+        self.sums: dict[int, torch.Tensor] = {}   # layer -> [Hq, n] attention summed over those rows
 
     def __call__(self, module, query: torch.Tensor, key: torch.Tensor) -> None:
-        # query: [1, Hq, Tq, D] (the suffix is last); key: [1, Hkv, N, D]
-        if module.layer_idx not in self.layers:
+        # query: [1, Hq, Tq, D], the suffix's next Tq rows; key: [1, Hkv, N, D]
+        layer = module.layer_idx
+        if layer not in self.layers:
             return
-        q = query[0, :, -self.suffix_len:]                                         # [Hq, Ts, D]
+        first = self.rows_seen.get(layer, 0)
+        rows = slice(first, first + query.shape[2])
+        self.rows_seen[layer] = rows.stop
+        q = query[0]                                                               # [Hq, Tq, D]
         k = key[0].repeat_interleave(q.shape[0] // key.shape[1], dim=0)           # [Hq, N, D]
-        logits = (q @ k.transpose(1, 2)) * module.scaling                          # [Hq, Ts, N]
-        probs = logits.masked_fill(self.hidden_keys, float("-inf")).softmax(-1)
+        logits = (q @ k.transpose(1, 2)) * module.scaling                          # [Hq, Tq, N]
+        probs = logits.masked_fill(self.hidden_keys[rows], float("-inf")).softmax(-1)
+        part = probs[..., self.ctx.exact:self.ctx.cached].float().sum(1)           # [Hq, n]
+        self.sums[layer] = part if layer not in self.sums else self.sums[layer] + part
         # [Hq, n], left on the device: the selection reads it once, after the pass
-        self.ctx.attention[module.layer_idx] = probs[..., self.ctx.exact:self.ctx.cached].float().mean(1)
+        self.ctx.attention[layer] = self.sums[layer] / self.suffix_len
 
 
 class Blender:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fingerprint: str, *,
                  check_layer: int = 1, deviation: Literal["value", "key"] = "value", selection: str = "query",
-                 cpu_kernel: str = "auto"):
+                 cpu_kernel: str = "auto", chunk_tokens: int | None = None):
         self.model, self.tokenizer, self.fingerprint = model, tokenizer, fingerprint
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be at least 1 (or None: a layer's tokens in one piece), got "
+                             f"{chunk_tokens}")
+        self.chunk_tokens = chunk_tokens  # a prefill slice: one layer over at most this many tokens
         self.decoder = model.model
         config = model.config.get_text_config(decoder=True)
         self.num_layers = config.num_hidden_layers
@@ -250,13 +268,19 @@ class Blender:
 
     @torch.inference_mode()
     def full_prefill(self, ids: Sequence[int], *, reserve: int = 0) -> Prefill:
-        """Every token through the model's own forward (its own attention, masks and head): the reference.
-        `reserve` leaves room in the cache for that many decoded tokens."""
+        """Every token through the model's own forward (its own attention, masks and head), in one piece: the
+        reference. `reserve` leaves room in the cache for that many decoded tokens."""
+        return _run(self._full_steps(list(ids), reserve, [slice(0, len(ids))]))
+
+    def _full_steps(self, ids: list[int], reserve: int, chunks: list[slice]) -> Generator[None, None, Prefill]:
+        """The model's own forward over `ids`, a chunk of tokens at a time through the cache (each sees the ones
+        before it, as in generation), yielding after each chunk."""
         clock = _Clock(self.backend)
-        ids = list(ids)
         cache = BlendCache(*self._empty_kv(0, reserve=len(ids) + reserve), length=0)
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), cache=cache, use_cache=True,
-                         logits_to_keep=1)
+        for rows in chunks:
+            out = self.model(input_ids=torch.tensor([ids[rows]], device=self.device), cache=cache, use_cache=True,
+                             logits_to_keep=1)
+            yield
         clock.lap("layers")
         stats = PrefillStats(len(ids), timings_ms=clock.timings)
         return Prefill(cache, out.logits[0, -1].float().cpu(), len(ids), torch.empty(0, dtype=torch.long), stats,
@@ -264,20 +288,15 @@ class Blender:
 
     def prefill(self, segments: Sequence[ChunkKV], suffix_ids: Sequence[int], ratio: float, **options) -> Prefill:
         """The whole prefill at once (see `prefill_steps` for the options)."""
-        steps = self.prefill_steps(segments, suffix_ids, ratio, **options)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return _run(self.prefill_steps(segments, suffix_ids, ratio, **options))
 
     def prefill_steps(self, segments: Sequence[ChunkKV | LayerSource], suffix_ids: Sequence[int], ratio: float, *,
                       selection: str | Policy | None = None, seed: int = 0, reserve: int = 0,
                       pipeline: bool = False, recompute: Callable[[int], ChunkKV] | None = None
                       ) -> Generator[None, None, Prefill]:
-        """Blend `segments` + the suffix, yielding after each layer; returns the Prefill. `selection` names a
-        policy in blend.selection (default: the Blender's); `reserve` leaves room in the cache for that many
-        decoded tokens (the buffer would grow anyway, by a copy).
+        """Blend `segments` + the suffix, yielding after each slice (a layer's chunk of tokens); returns the
+        Prefill. `selection` names a policy in blend.selection (default: the Blender's); `reserve` leaves room in
+        the cache for that many decoded tokens (the buffer would grow anyway, by a copy).
 
         Segments are ChunkKVs or LayerSources (blend.pipeline: a store entry read layer by layer); the
         prefill closes every LayerSource it is given. `pipeline`: a loader thread reads layer i+1 while
@@ -322,7 +341,8 @@ class Blender:
         reason = self.unsupported or self._window_refusal(ids.numel())
         if reason:  # the loop would not be exact: run the same tokens through the model's own forward
             log.debug("full prefill instead of blending", extra={"reason": reason})
-            result = self.full_prefill(ids.tolist(), reserve=reserve)  # one slice: the model's forward is whole
+            # a slice is a chunk of tokens through every layer (the model's forward is not cut by layer)
+            result = yield from self._full_steps(ids.tolist(), reserve, self._chunks(ids.numel()))
             result.stats.fallback = reason
             return result
 
@@ -386,7 +406,7 @@ class Blender:
             run = torch.arange(exact, total, device=self.device)
             cache.deviation_layers = frozenset({self.check_layer})
             hidden = yield from self._layers(self._embed(ids, run), run, cache, 0, self.check_layer + 1)
-            ctx.layer, ctx.deviation = self.check_layer, cache.deviations[self.check_layer][:cached - exact]
+            ctx.layer, ctx.deviation = self.check_layer, cache.deviation(self.check_layer)[:cached - exact]
             first = self.check_layer + 1
             clock.lap("layers_full")
         picked, candidate_scores = select(policy, ctx)  # scores read back once, here
@@ -413,17 +433,29 @@ class Blender:
     def _layers(self, hidden: torch.Tensor, run: torch.Tensor, cache: BlendCache, start: int, stop: int,
                 probe: Callable | None = None) -> Generator[None, None, torch.Tensor]:
         """Run decoder layers [start, stop) for the tokens at absolute positions `run` (hidden [1, T, hidden]),
-        yielding after each layer (a scheduler's slice boundary); returns the last hidden states."""
-        cache.write_positions = run
-        # Which keys each query sees, planned once for all these layers; every run ends with the suffix,
-        # so the queries see the whole prompt (the hint spares a GPU reading the positions back).
-        plan = self.backend.plan(run, num_keys=cache.layers[0].keys.shape[2])
-        position_embeddings = self.decoder.rotary_emb(hidden, position_ids=run[None])
+        each layer a chunk of rows at a time, yielding after each chunk (a scheduler's slice boundary); returns
+        the last hidden states."""
+        chunks = self._chunks(run.numel())
+        # Which keys each chunk's queries see, planned once for all these layers (the hint, every key of the
+        # prompt, spares a GPU reading the positions back: the plan masks the keys after a chunk's last query).
+        plans = [self.backend.plan(run[rows], num_keys=cache.layers[0].keys.shape[2]) for rows in chunks]
+        cos, sin = self.decoder.rotary_emb(hidden, position_ids=run[None])      # each [1, T, head_dim]
         for layer in self.decoder.layers[start:stop]:
-            hidden = layer(hidden, attention_mask=None, position_ids=run[None], cache=cache,
-                           position_embeddings=position_embeddings, attention_plan=plan, attention_probe=probe)
-            yield
+            out = []                                                              # each [1, rows, hidden]
+            for rows, plan in zip(chunks, plans):
+                cache.write_positions = run[rows]
+                out.append(layer(hidden[:, rows], attention_mask=None, position_ids=run[None, rows], cache=cache,
+                                 position_embeddings=(cos[:, rows], sin[:, rows]), attention_plan=plan,
+                                 attention_probe=probe))
+                yield
+            hidden = out[0] if len(out) == 1 else torch.cat(out, dim=1)
         return hidden
+
+    def _chunks(self, rows: int) -> list[slice]:
+        """A layer's rows cut into the fewest chunks of at most chunk_tokens, of (nearly) equal size."""
+        pieces = 1 if self.chunk_tokens is None else -(-rows // self.chunk_tokens)
+        size = -(-rows // pieces)
+        return [slice(a, min(a + size, rows)) for a in range(0, rows, size)]
 
     def _finish(self, cache: BlendCache, hidden: torch.Tensor, clock: _Clock, selected: torch.Tensor,
                 scores: torch.Tensor, stats: PrefillStats) -> Prefill:
@@ -482,3 +514,12 @@ class Blender:
         out = self.model(input_ids=torch.tensor([target[:-1]], device=self.device), position_ids=positions,
                          cache=prefill.cache, use_cache=True)
         return torch.cat([prefill.logits[None], out.logits[0].float().cpu()])
+
+
+def _run(steps: Generator[None, None, Prefill]) -> Prefill:
+    """A resumable prefill run to its end at once."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value

@@ -1,9 +1,10 @@
 """BlendCache: an HF DynamicCache holding the whole prompt's K/V in a growable buffer, refreshed in place.
 
 During a blended prefill, `write_positions` names the absolute positions the current layer
-computes; `update()` writes their fresh K/V over the cached ones and returns the full-length
-K/V, so every query attends over the whole prompt. At each layer in `deviation_layers` it first
-measures how far the fresh K/V are from the cached ones (the HKVD score) into `deviations`.
+computes (a chunk of a layer's tokens: blend.blender runs a layer in chunks); `update()` writes their fresh
+K/V over the cached ones and returns the full-length K/V, so every query attends over the whole prompt. At
+each layer in `deviation_layers` it first measures how far the fresh K/V are from the cached ones (the HKVD
+score), chunk after chunk: `deviation(layer)` gives them for every position the layer wrote, in order.
 With `write_positions` unset, `update()` appends, as a DynamicCache does, but into a preallocated
 buffer: a token (a precompute's, or a gated model's decode step over a pool slot, blend.pool) writes
 one position instead of copying the whole cache (DynamicCache's `torch.cat` is O(length) per token).
@@ -34,7 +35,7 @@ class BlendCache(DynamicCache):
         self.write_positions: torch.Tensor | None = None
         self.deviation_layers: frozenset[int] = frozenset()
         self.deviation_on = "value"
-        self.deviations: dict[int, torch.Tensor] = {}  # layer -> [len(write_positions)]
+        self.deviations: dict[int, list[torch.Tensor]] = {}  # layer -> per chunk [len(write_positions)]
         # Called with layer i before a prefill reads layer i's cached K/V (pipelined loading waits there).
         self.before_read: Callable[[int], None] | None = None
 
@@ -48,10 +49,14 @@ class BlendCache(DynamicCache):
         if layer_idx in self.deviation_layers:
             fresh, cached = (value_states, layer.values) if self.deviation_on == "value" else (key_states, layer.keys)
             diff = fresh - cached.index_select(2, self.write_positions)
-            self.deviations[layer_idx] = diff.pow(2).sum(dim=(0, 1, 3))  # squared L2 per token
+            self.deviations.setdefault(layer_idx, []).append(diff.pow(2).sum(dim=(0, 1, 3)))  # squared L2 per token
         layer.keys.index_copy_(2, self.write_positions, key_states)
         layer.values.index_copy_(2, self.write_positions, value_states)
         return layer.keys, layer.values
+
+    def deviation(self, layer_idx: int) -> torch.Tensor:
+        """[positions written at the layer]: each one's squared L2 deviation, in the order they were written."""
+        return torch.cat(self.deviations[layer_idx])
 
     def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `keys`/`values` [1, H, T, D] after the layer's last position; the layer's K/V, now T longer."""

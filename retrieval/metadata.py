@@ -12,6 +12,9 @@ Contract (tests/retrieval/test_retrieval_metadata.py runs it against both backen
   in one cheap query; `changes_since(marks)` returns what happened after them.
 - `replace_documents` and `delete_document` are one transaction each: all or nothing, also when
   the writing process is killed.
+- Documents belong to a tenant's collection: a document is (tenant, id), "" the shared collection (every
+  row from before version 4). Each document method and the search's `chunks_with_titles` see one
+  collection; the change log and the FAISS index that follows it hold every collection's chunks.
 - Schema versions: `schema_version` lists the migrations applied; opening applies the missing
   ones in order under the write lock (replicas starting together migrate once) and refuses a
   database migrated by a newer ragblend.
@@ -163,51 +166,57 @@ class Metadata(ABC):
                        " ON CONFLICT (key) DO UPDATE SET value = excluded.value", (key, value))
 
     # Documents -------------------------------------------------------------------------------
-    def get_document(self, doc_id: str) -> DocumentInfo | None:
+    def get_document(self, doc_id: str, tenant: str = "") -> DocumentInfo | None:
         with self._read() as db:
-            row = db.execute(f"SELECT {_DOC_COLUMNS} FROM documents WHERE id = ?", (doc_id,)).fetchone()
+            row = db.execute(f"SELECT {_DOC_COLUMNS} FROM documents WHERE tenant = ? AND id = ?",
+                             (tenant, doc_id)).fetchone()
         return None if row is None else DocumentInfo(*row)
 
-    def list_documents(self) -> list[DocumentInfo]:
+    def list_documents(self, tenant: str = "") -> list[DocumentInfo]:
         with self._read() as db:
-            return [DocumentInfo(*row) for row in db.execute(f"SELECT {_DOC_COLUMNS} FROM documents ORDER BY id")]
+            return [DocumentInfo(*row) for row in db.execute(
+                f"SELECT {_DOC_COLUMNS} FROM documents WHERE tenant = ? ORDER BY id", (tenant,))]
 
-    def replace_documents(self, docs: Sequence[tuple[DocumentInfo, Sequence[Chunk], np.ndarray]]) -> list[str]:
-        """Insert or replace each (document, its chunks, their embeddings), all in one transaction.
-
-        Returns the kv keys that no chunk references any more.
+    def replace_documents(self, docs: Sequence[tuple[DocumentInfo, Sequence[Chunk], np.ndarray]],
+                          tenant: str = "") -> list[str]:
+        """Insert or replace each (document, its chunks, their embeddings) of `tenant`'s collection, all in one
+        transaction. Returns the kv keys that no chunk references any more.
         """
         old_keys: set[str] = set()
         with self._write() as db:
             for doc, chunks, embeddings in docs:
-                old_keys |= self._delete(db, doc.id)
-                db.execute(f"INSERT INTO documents ({_DOC_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
-                           (doc.id, doc.title, doc.source, doc.content_hash, doc.n_chunks, doc.ingested_at))
-                self._insert_chunks(db, doc.id, chunks, embeddings)
+                old_keys |= self._delete(db, doc.id, tenant)
+                db.execute(f"INSERT INTO documents (tenant, {_DOC_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           (tenant, doc.id, doc.title, doc.source, doc.content_hash, doc.n_chunks, doc.ingested_at))
+                self._insert_chunks(db, doc.id, tenant, chunks, embeddings)
             return self._unreferenced(db, old_keys)
 
-    def _insert_chunks(self, db: Connection, doc_id: str, chunks: Sequence[Chunk], embeddings: np.ndarray) -> None:
-        rows = [(doc_id, c.ordinal, c.text, np.asarray(c.token_ids, dtype="<i4").tobytes(), c.n_tokens,
+    def _insert_chunks(self, db: Connection, doc_id: str, tenant: str, chunks: Sequence[Chunk],
+                       embeddings: np.ndarray) -> None:
+        rows = [(tenant, doc_id, c.ordinal, c.text, np.asarray(c.token_ids, dtype="<i4").tobytes(), c.n_tokens,
                  c.content_hash, c.kv_key, c.start, c.end, np.asarray(vector, dtype="<f4").tobytes())
                 for c, vector in zip(chunks, embeddings, strict=True)]
-        db.executemany("INSERT INTO chunks (doc_id, ordinal, text, token_ids, n_tokens, content_hash, kv_key,"
-                       " start_char, end_char, embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+        db.executemany("INSERT INTO chunks (tenant, doc_id, ordinal, text, token_ids, n_tokens, content_hash, kv_key,"
+                       " start_char, end_char, embedding) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
 
-    def delete_document(self, doc_id: str) -> list[str]:
-        """Delete `doc_id` (KeyError if unknown); returns the kv keys no chunk references any more."""
+    def delete_document(self, doc_id: str, tenant: str = "") -> list[str]:
+        """Delete `doc_id` of `tenant`'s collection (KeyError if it has none); returns the kv keys no chunk
+        references any more."""
         with self._write() as db:
-            if db.execute("SELECT 1 FROM documents WHERE id = ?", (doc_id,)).fetchone() is None:
+            if db.execute("SELECT 1 FROM documents WHERE tenant = ? AND id = ?", (tenant, doc_id)).fetchone() is None:
                 raise KeyError(doc_id)
-            return self._unreferenced(db, self._delete(db, doc_id))
+            return self._unreferenced(db, self._delete(db, doc_id, tenant))
 
     @staticmethod
-    def _delete(db: Connection, doc_id: str) -> set[str]:
+    def _delete(db: Connection, doc_id: str, tenant: str) -> set[str]:
         """Remove a document and its chunks, logging each chunk id; returns the chunks' kv keys."""
-        keys = {r[0] for r in db.execute("SELECT kv_key FROM chunks WHERE doc_id = ? AND kv_key IS NOT NULL",
-                                         (doc_id,))}
-        db.execute("INSERT INTO deletions (chunk_id) SELECT id FROM chunks WHERE doc_id = ? ORDER BY id", (doc_id,))
-        db.execute("DELETE FROM chunks WHERE doc_id = ?", (doc_id,))
-        db.execute("DELETE FROM documents WHERE id = ?", (doc_id,))
+        doc = (tenant, doc_id)
+        keys = {r[0] for r in db.execute("SELECT kv_key FROM chunks WHERE tenant = ? AND doc_id = ?"
+                                         " AND kv_key IS NOT NULL", doc)}
+        db.execute("INSERT INTO deletions (chunk_id) SELECT id FROM chunks WHERE tenant = ? AND doc_id = ?"
+                   " ORDER BY id", doc)
+        db.execute("DELETE FROM chunks WHERE tenant = ? AND doc_id = ?", doc)
+        db.execute("DELETE FROM documents WHERE tenant = ? AND id = ?", doc)
         return keys
 
     @staticmethod
@@ -225,20 +234,22 @@ class Metadata(ABC):
             return db.execute("SELECT 1 FROM chunks WHERE kv_key = ? LIMIT 1", (kv_key,)).fetchone() is not None
 
     # Chunks ----------------------------------------------------------------------------------
-    def document_chunks(self, doc_id: str) -> list[Chunk]:
+    def document_chunks(self, doc_id: str, tenant: str = "") -> list[Chunk]:
         with self._read() as db:
-            rows = db.execute(f"SELECT {_CHUNK_COLUMNS} FROM chunks c WHERE c.doc_id = ? ORDER BY c.ordinal",
-                              (doc_id,)).fetchall()
+            rows = db.execute(f"SELECT {_CHUNK_COLUMNS} FROM chunks c WHERE c.tenant = ? AND c.doc_id = ?"
+                              " ORDER BY c.ordinal", (tenant, doc_id)).fetchall()
         return [_chunk(row) for row in rows]
 
-    def chunks_with_titles(self, ids: Sequence[int]) -> dict[int, tuple[Chunk, str | None]]:
-        """The chunks of `ids` that still exist, with their document's title."""
-        if not len(ids):
-            return {}
-        marks = ",".join("?" * len(ids))
+    def chunks_with_titles(self, ids: Sequence[int], tenant: str = "") -> dict[int, tuple[Chunk, str | None]]:
+        """The chunks of `ids` that still exist in `tenant`'s collection, with their document's title."""
+        rows: list[Sequence[Any]] = []
         with self._read() as db:
-            rows = db.execute(f"SELECT {_CHUNK_COLUMNS}, d.title FROM chunks c JOIN documents d ON d.id = c.doc_id"
-                              f" WHERE c.id IN ({marks})", [int(i) for i in ids]).fetchall()
+            for i in range(0, len(ids), _ID_BATCH):
+                batch = [int(x) for x in ids[i:i + _ID_BATCH]]
+                rows += db.execute(f"SELECT {_CHUNK_COLUMNS}, d.title FROM chunks c JOIN documents d"
+                                   f" ON d.tenant = c.tenant AND d.id = c.doc_id"
+                                   f" WHERE c.tenant = ? AND c.id IN ({','.join('?' * len(batch))})",
+                                   [tenant, *batch]).fetchall()
         return {row[0]: (_chunk(row), row[8]) for row in rows}
 
     def chunk_ids(self) -> np.ndarray:

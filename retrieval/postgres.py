@@ -80,6 +80,18 @@ _V3 = (
     "CREATE INDEX kv_leases_key ON kv_leases (kv_key)",
     "CREATE INDEX kv_leases_expiry ON kv_leases (expires_at)",
 )
+# Version 4: documents per tenant (`documents.scope: tenant`): a document is (tenant, id), "" the shared
+# collection every older row joins.
+_V4 = (
+    "ALTER TABLE chunks DROP CONSTRAINT chunks_doc_id_fkey",
+    "ALTER TABLE chunks DROP CONSTRAINT chunks_doc_id_ordinal_key",
+    "ALTER TABLE documents ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE documents DROP CONSTRAINT documents_pkey",
+    "ALTER TABLE documents ADD PRIMARY KEY (tenant, id)",
+    "ALTER TABLE chunks ADD COLUMN tenant TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE chunks ADD UNIQUE (tenant, doc_id, ordinal)",
+    "ALTER TABLE chunks ADD FOREIGN KEY (tenant, doc_id) REFERENCES documents (tenant, id) ON DELETE CASCADE",
+)
 
 
 class _Connection:
@@ -107,7 +119,7 @@ def describe(url: str) -> str:
 
 class PostgresMetadata(Metadata):
     backend = "postgresql"
-    MIGRATIONS = (_V1, _V2, _V3)
+    MIGRATIONS = (_V1, _V2, _V3, _V4)
 
     def __init__(self, url: str, pool_size: int = POOL_SIZE) -> None:
         self._where = describe(url)

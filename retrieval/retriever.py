@@ -8,6 +8,12 @@ the chunks added and deleted since are applied. Whoever committed them: this pro
 then catch the index up the same way and save it (temp file + rename). Opening lines a saved
 index up with the table by id difference, so a stale or torn file costs only what changed.
 One instance may be shared by threads: an internal lock serializes index and metadata access.
+
+Collections: every document belongs to a tenant's collection ("" is the shared one; retrieval.metadata). One
+FAISS index holds them all, and a search keeps the nearest chunks of the asker's collection: FAISS is asked
+for k, then 4k, 16k, ... nearest until k of them are the collection's or the whole index was searched. The
+metadata, the truth, filters in the query that already reads the hits' rows, so no per-collection id lists
+have to follow the change log; a search where every chunk is the asker's (the shared default) costs as before.
 """
 from __future__ import annotations
 
@@ -73,26 +79,36 @@ class Retriever:
         return len(self.index)
 
     # Queries ---------------------------------------------------------------------------------
-    def search(self, question: str, top_k: int | None = None, order: Order | None = None) -> list[Hit]:
-        """The top_k chunks nearest to `question`, by score or in document order (see `_document_order`)."""
+    def search(self, question: str, top_k: int | None = None, order: Order | None = None,
+               tenant: str = "") -> list[Hit]:
+        """The top_k chunks of `tenant`'s collection nearest to `question`, by score or in document order
+        (see `_document_order`)."""
         vector = self.embedder.embed_query(question)
         with self._lock:
             self.refresh()
-            scores, ids = self.index.search(vector, top_k or self.top_k)
-            rows = self.metadata.chunks_with_titles(ids.tolist())
-        # A chunk another replica deleted since the refresh has no row any more: it is left out.
-        hits = [Hit(*rows[chunk_id], score) for score, chunk_id in zip(scores.tolist(), ids.tolist())
-                if chunk_id in rows]
+            hits = self._nearest(vector, top_k or self.top_k, tenant)
         return _document_order(hits) if (order or self.order) == "document" else hits
 
-    def list_documents(self) -> list[DocumentInfo]:
-        return self.metadata.list_documents()
+    def _nearest(self, vector: np.ndarray, k: int, tenant: str) -> list[Hit]:
+        wanted = k
+        while True:
+            scores, ids = self.index.search(vector, wanted)
+            rows = self.metadata.chunks_with_titles(ids.tolist(), tenant)
+            # Another collection's chunk, or one another replica deleted since the refresh, has no row: left out.
+            hits = [Hit(*rows[chunk_id], score) for score, chunk_id in zip(scores.tolist(), ids.tolist())
+                    if chunk_id in rows]
+            if len(hits) >= k or wanted >= len(self.index):
+                return hits[:k]
+            wanted *= 4
 
-    def get_document(self, doc_id: str) -> DocumentInfo | None:
-        return self.metadata.get_document(doc_id)
+    def list_documents(self, tenant: str = "") -> list[DocumentInfo]:
+        return self.metadata.list_documents(tenant)
 
-    def document_chunks(self, doc_id: str) -> list[Chunk]:
-        return self.metadata.document_chunks(doc_id)
+    def get_document(self, doc_id: str, tenant: str = "") -> DocumentInfo | None:
+        return self.metadata.get_document(doc_id, tenant)
+
+    def document_chunks(self, doc_id: str, tenant: str = "") -> list[Chunk]:
+        return self.metadata.document_chunks(doc_id, tenant)
 
     def is_referenced(self, kv_key: str) -> bool:
         return self.metadata.is_referenced(kv_key)
@@ -104,8 +120,10 @@ class Retriever:
 
     def add_document(self, doc_id: str, chunks: Sequence[Chunk], *, title: str | None = None,
                      source: str | None = None, content_hash: str | None = None,
-                     embeddings: np.ndarray | None = None, ingested_at: float | None = None) -> list[str]:
-        """Add `doc_id`, replacing any previous version; returns the kv keys no chunk uses any more.
+                     embeddings: np.ndarray | None = None, ingested_at: float | None = None,
+                     tenant: str = "") -> list[str]:
+        """Add `doc_id` to `tenant`'s collection, replacing any previous version; returns the kv keys no chunk
+        uses any more.
 
         Embeds the chunks unless `embeddings` are given; `content_hash` defaults to one of the chunk texts;
         each chunk's `kv_key` is stored with it.
@@ -114,10 +132,12 @@ class Retriever:
             embeddings = self.embed_chunks(chunks, title)
         doc = DocumentInfo(doc_id, title, source, content_hash or sha256_text("\n\n".join(c.text for c in chunks)),
                            len(chunks), ingested_at or time.time())
-        return self.add_documents([(doc, chunks, embeddings)])
+        return self.add_documents([(doc, chunks, embeddings)], tenant)
 
-    def add_documents(self, docs: Sequence[tuple[DocumentInfo, Sequence[Chunk], np.ndarray]]) -> list[str]:
-        """Add or replace several (document, chunks, embeddings) at once: all of them, or none.
+    def add_documents(self, docs: Sequence[tuple[DocumentInfo, Sequence[Chunk], np.ndarray]],
+                      tenant: str = "") -> list[str]:
+        """Add or replace several (document, chunks, embeddings) of `tenant`'s collection at once: all of them,
+        or none.
 
         Returns the kv keys no chunk uses any more.
         """
@@ -125,14 +145,15 @@ class Retriever:
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate document ids in one commit: {sorted(i for i in ids if ids.count(i) > 1)}")
         with self._lock:
-            stale_keys = self.metadata.replace_documents(docs)
+            stale_keys = self.metadata.replace_documents(docs, tenant)
             self._follow_write()
         return stale_keys
 
-    def delete_document(self, doc_id: str) -> list[str]:
-        """Remove `doc_id` (KeyError if unknown); returns the kv keys no chunk uses any more."""
+    def delete_document(self, doc_id: str, tenant: str = "") -> list[str]:
+        """Remove `doc_id` of `tenant`'s collection (KeyError if it has none); returns the kv keys no chunk uses
+        any more."""
         with self._lock:
-            stale_keys = self.metadata.delete_document(doc_id)
+            stale_keys = self.metadata.delete_document(doc_id, tenant)
             self._follow_write()
         return stale_keys
 

@@ -24,6 +24,9 @@ class RetrievalSettings(BaseModel):
     # Where documents, chunks and embeddings live: None = SQLite under <data_dir>/index (one
     # machine); postgresql://USER:PASSWORD@HOST:PORT/DB = shared by every replica.
     database_url: str | None = None
+    # Whose documents a request sees: "shared" (one collection, every tenant's) or "tenant" (each tenant, the
+    # default one included, has its own: uploads, lists, fetches, deletes and retrieval see only the caller's).
+    documents: Literal["shared", "tenant"] = "shared"
 
     @field_validator("database_url")
     @classmethod
@@ -32,3 +35,7 @@ class RetrievalSettings(BaseModel):
             return url
         raise ValueError("database_url must start with postgresql:// (or sqlite:///PATH); leave it empty for the "
                          "embedded SQLite")
+
+    def collection(self, tenant: str) -> str:
+        """The collection a tenant's requests see: its own under `documents: tenant`, else the shared one ("")."""
+        return tenant if self.documents == "tenant" else ""

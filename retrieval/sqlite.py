@@ -66,11 +66,55 @@ _V3 = (
     "CREATE INDEX kv_leases_key ON kv_leases (kv_key)",
     "CREATE INDEX kv_leases_expiry ON kv_leases (expires_at)",
 )
+# Version 4: documents per tenant (`documents.scope: tenant`): a document is (tenant, id), "" the shared
+# collection every older row joins. SQLite cannot change a primary key, so both tables are rebuilt: the old
+# ones renamed (the chunks' foreign key follows), rows copied with their ids, the id sequence carried over
+# (chunk ids are never reused), the old tables dropped (child first: nothing cascades).
+_V4 = (
+    "ALTER TABLE chunks RENAME TO chunks_v3",
+    "ALTER TABLE documents RENAME TO documents_v3",
+    """CREATE TABLE documents (
+        tenant TEXT NOT NULL DEFAULT '',
+        id TEXT NOT NULL,
+        title TEXT,
+        source TEXT,
+        content_hash TEXT NOT NULL,
+        n_chunks INTEGER NOT NULL,
+        ingested_at REAL NOT NULL,
+        PRIMARY KEY (tenant, id)
+    )""",
+    """CREATE TABLE chunks (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        tenant TEXT NOT NULL DEFAULT '',
+        doc_id TEXT NOT NULL,
+        ordinal INTEGER NOT NULL,
+        text TEXT NOT NULL,
+        token_ids BLOB NOT NULL,
+        n_tokens INTEGER NOT NULL,
+        content_hash TEXT NOT NULL,
+        kv_key TEXT,
+        start_char INTEGER NOT NULL,
+        end_char INTEGER NOT NULL,
+        embedding BLOB NOT NULL,
+        FOREIGN KEY (tenant, doc_id) REFERENCES documents (tenant, id) ON DELETE CASCADE,
+        UNIQUE (tenant, doc_id, ordinal)
+    )""",
+    "INSERT INTO documents (id, title, source, content_hash, n_chunks, ingested_at)"
+    " SELECT id, title, source, content_hash, n_chunks, ingested_at FROM documents_v3",
+    "INSERT INTO chunks (id, doc_id, ordinal, text, token_ids, n_tokens, content_hash, kv_key, start_char, end_char,"
+    " embedding) SELECT id, doc_id, ordinal, text, token_ids, n_tokens, content_hash, kv_key, start_char, end_char,"
+    " embedding FROM chunks_v3",
+    "DELETE FROM sqlite_sequence WHERE name = 'chunks'",
+    "INSERT INTO sqlite_sequence (name, seq) SELECT 'chunks', seq FROM sqlite_sequence WHERE name = 'chunks_v3'",
+    "DROP TABLE chunks_v3",
+    "DROP TABLE documents_v3",
+    "CREATE INDEX chunks_kv_key ON chunks (kv_key)",
+)
 
 
 class SQLiteMetadata(Metadata):
     backend = "sqlite"
-    MIGRATIONS = (_V1, _V2, _V3)
+    MIGRATIONS = (_V1, _V2, _V3, _V4)
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)

@@ -9,6 +9,12 @@ recurs out of the lower tiers, which are shared and slow to refill. Policies (`s
                    chunk first seen in memory is written down when it is hit there again. A leased key is
                    admitted everywhere at once. A store with no tensor tier (memory_bytes 0) puts first
                    sights in its fastest tier.
+    frequency      second_sight that filters only under pressure (TinyLFU's comparison, with exact counts): a
+                   byte tier also takes a first sight while it has free room, or when every entry the write
+                   would evict there was never re-used (sighted once within the window: a one-off only
+                   displaces one-offs). A tier that cannot tell what it would evict (Redis) keeps second_sight.
+                   So a passage seen once is still on disk many prompts later, while one-off traffic cannot
+                   flush the KV that recurs.
 
 Explicit puts (TieredStore.put: uploads' precompute, the prompt head, a passage computed on a miss) are
 admitted everywhere: a document someone uploaded is useful by intent. bench/admission.py measured the choice.
@@ -17,9 +23,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Literal
 
-AdmissionPolicy = Literal["everywhere", "second_sight"]
+AdmissionPolicy = Literal["everywhere", "second_sight", "frequency"]
 TENSOR_TIERS = ("gpu", "memory")  # a byte tier is anything else (disk, redis, tests' BytesTier)
 
 
@@ -62,8 +69,14 @@ class Admission:
     def sight(self, key: str) -> int:
         return self.sightings.sight(key) if self.filters else 0
 
-    def admitted(self, key: str, tier: str, leased: bool = False, fastest: bool = False) -> bool:
+    def admitted(self, key: str, tier: str, leased: bool = False, fastest: bool = False,
+                 victims: Callable[[], list[str] | None] = lambda: None) -> bool:
         """Whether `tier` takes `key` (sighted by now): always under `everywhere`, a tensor tier (or the store's
-        `fastest`) always, a byte tier once the key was sighted twice or while a lease holds it."""
-        return (not self.filters or tier in TENSOR_TIERS or fastest or leased
-                or self.sightings.count(key) >= 2)
+        `fastest`) always, a byte tier once the key was sighted twice or while a lease holds it; under
+        `frequency` also when what it would evict there, `victims()` (None: unknown), was never re-used."""
+        if not self.filters or tier in TENSOR_TIERS or fastest or leased or self.sightings.count(key) >= 2:
+            return True
+        if self.policy != "frequency":
+            return False
+        evicted = victims()
+        return evicted is not None and all(self.sightings.count(old) < 2 for old in evicted)

@@ -166,6 +166,11 @@ class Tier(ABC):
     def footprint(self, entry: Entry) -> int:
         """The bytes `entry` would take in this tier (what a lease pins here for an entry not here yet)."""
 
+    def victims(self, nbytes: int) -> list[str] | None:
+        """The keys a new entry of `nbytes` would evict here now ([]: it fits in the free room), without
+        changing anything; None: it cannot fit, or the tier cannot tell (Redis evicts by its own maxmemory)."""
+        return None
+
     def on_lease(self, keys: Sequence[str], held: bool) -> None:
         """Leases on `keys` in this tier began (`held`) or the last of them ended. Nothing to do by default:
         LRU asks `pinned` at each eviction."""

@@ -131,6 +131,21 @@ class _LRUCache(diskcache.Cache):
         with self._transact() as (sql, cleanup):
             self._cull(time.time(), sql, cleanup)
 
+    def victims(self, nbytes: int) -> list[str] | None:
+        """The keys `_cull` would evict for a new entry of `nbytes` now ([]: it fits; None: it cannot)."""
+        if nbytes > self.size_limit:
+            return None
+        ((total,),) = self._sql("SELECT value FROM Settings WHERE key = 'size'").fetchall()
+        excess, victims = total + nbytes - self.size_limit, []
+        if excess > 0:
+            for key, size in self._sql("SELECT key, size FROM Cache ORDER BY access_time"):
+                if not self.pinned(key):
+                    victims.append(key)
+                    excess -= size
+                    if excess <= 0:
+                        break
+        return victims if excess <= 0 else None
+
     def counts(self) -> tuple[int, int, int, int]:
         """(entries, bytes, evictions, evictions passed over a leased entry), as every process on the
         directory sees them."""
@@ -289,6 +304,13 @@ class DiskTier(ByteTier):
     def size_of(self, key: str) -> int | None:
         found = self._row(key)
         return None if found is None else found[0]
+
+    def victims(self, nbytes: int) -> list[str] | None:
+        try:
+            return self._cache.victims(nbytes)
+        except _ERRORS as exc:
+            self._error("read", "-", exc)
+            return None
 
     def idle_s(self, key: str) -> float | None:
         found = self._row(key)

@@ -53,7 +53,7 @@ class LRUPolicy:
         only itself (nothing else is evicted for it; check `fits` first to skip the work).
         """
         self.remove(key)
-        victims = self._victims(self.nbytes + size - self.capacity) if self.fits(size) else None
+        victims = self._victims(self.nbytes + size - self.capacity, count=True) if self.fits(size) else None
         if victims is None:
             return [key]
         for old in victims:
@@ -62,14 +62,20 @@ class LRUPolicy:
         self.nbytes += size
         return victims
 
-    def _victims(self, excess: int) -> list[str] | None:
-        """The least recent unleased keys that free `excess` bytes (None: the unleased ones cannot)."""
+    def victims(self, size: int) -> list[str] | None:
+        """The keys a new entry of `size` bytes would evict now ([]: it fits in the free room; None: it cannot
+        fit). A question, nothing changes."""
+        return self._victims(self.nbytes + size - self.capacity) if self.fits(size) else None
+
+    def _victims(self, excess: int, count: bool = False) -> list[str] | None:
+        """The least recent unleased keys that free `excess` bytes (None: the unleased ones cannot); `count`:
+        the leased ones passed over are counted in `held`."""
         victims: list[str] = []
         for old, old_size in self._sizes.items():
             if excess <= 0:
                 break
             if self.pinned(old):
-                self.held += 1
+                self.held += count
                 continue
             victims.append(old)
             excess -= old_size

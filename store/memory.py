@@ -50,6 +50,10 @@ class LRUEntries:
     def fits(self, nbytes: int) -> bool:
         return self._lru.fits(nbytes)
 
+    def victims(self, nbytes: int) -> list[str] | None:
+        with self._lock:
+            return self._lru.victims(nbytes)
+
     def get(self, key: str, touch: bool = True) -> Any:
         """The entry, refreshing its recency (unless `touch` is False); None on a miss."""
         validate_key(key)
@@ -197,6 +201,9 @@ class BytesTier(ByteTier):
 
     def size_of(self, key: str) -> int | None:
         return self._entries.size_of(key)
+
+    def victims(self, nbytes: int) -> list[str] | None:
+        return self._entries.victims(nbytes)
 
     def keys(self) -> Iterator[str]:
         return self._entries.keys()

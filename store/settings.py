@@ -63,11 +63,13 @@ class StoreSettings(BaseModel):
     lease_refresh_s: float = Field(1.0, gt=0)  # how stale a store's view of the shared leases may be
     # What a request stores from its prompt is written by the store's own thread (TieredStore.put_nowait): at most
     # this many chunks / bytes wait at once; past either, a chunk is dropped (counted), never waited for.
-    write_queue: int = Field(64, ge=1)
+    write_queue: int = Field(1024, ge=1)  # one request's spans (planner.max_spans x 2 entries) fit
     write_queue_bytes: int = Field(512 << 20, ge=0)
-    # Which tiers take what requests store (store/admission.py): everywhere, or second_sight (gpu/memory at once,
-    # disk and Redis once the key is seen again within the last `admission_window` keys, or leased).
-    admission: AdmissionPolicy = "second_sight"
+    # Which tiers take what requests store (store/admission.py): everywhere; second_sight (gpu/memory at once,
+    # disk and Redis once the key is seen again within the last `admission_window` keys, or leased); frequency
+    # (second_sight, but a tier with free room, or whose evictions would hit only never re-used entries, takes a
+    # first sight too).
+    admission: AdmissionPolicy = "frequency"
     admission_window: int = Field(65536, ge=1)
 
     def codec_of(self, tier: str) -> str:

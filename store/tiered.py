@@ -88,7 +88,7 @@ class TieredStore:
                  fingerprint: str | None = None,
                  placement: Placement = HOST, read_threads: int = 4, read_ahead: int = 2,
                  leases: Leases | None = None, admission: Admission | None = None,
-                 write_queue: int = 64, write_queue_bytes: int = 512 << 20) -> None:
+                 write_queue: int = 1024, write_queue_bytes: int = 512 << 20) -> None:
         """`read_threads`: the pool that reads open entries' layers ahead, concurrently (0: each
         layer is read when asked, on the caller's thread); `read_ahead`: layers per entry queued ahead.
         `leases`: the lease book the tiers were built with (their `pinned`); None: a store without leases.
@@ -277,7 +277,8 @@ class TieredStore:
         start = time.perf_counter()
         try:
             for tier in self.tiers[write.start:]:
-                if not self.admission.admitted(key, tier.name, self._leased(key), fastest=tier is self.tiers[0]):
+                if not self.admission.admitted(key, tier.name, self._leased(key), fastest=tier is self.tiers[0],
+                                               victims=lambda tier=tier: self._victims(tier, write)):
                     continue
                 if write.start and tier.contains(key):
                     continue
@@ -287,6 +288,11 @@ class TieredStore:
             self._counters.bump("write_downs" if write.start else "puts")
         finally:
             self._counters.add_write_s(time.perf_counter() - start)
+
+    def _victims(self, tier: Tier, write: _Write) -> list[str] | None:
+        """What `write` would evict in `tier` now (its entry is made once: the put that follows takes the same)."""
+        entry = write.entry(self._codecs[tier.name])
+        return None if entry is None else tier.victims(tier.footprint(entry))
 
     def _write_down(self, key: str, found_at: int) -> None:
         """Queue the entry a tensor tier holds (hit there) for the tiers below it, which admission may have

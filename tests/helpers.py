@@ -66,14 +66,14 @@ class DictKVCache:
     def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
         return self.tokenizer.encode(f"{title}\n", add_special_tokens=False) + list(chunk_ids)
 
-    def key(self, ids: Sequence[int]) -> str:
-        return hashlib.sha256(str(list(ids)).encode()).hexdigest()
+    def key(self, ids: Sequence[int], collection: str = "") -> str:
+        return hashlib.sha256((str(list(ids)) + (f"@{collection}" if collection else "")).encode()).hexdigest()
 
-    def ensure(self, ids: Sequence[int]) -> str:
+    def ensure(self, ids: Sequence[int], collection: str = "") -> str:
         text = self.tokenizer.decode(ids)
         if self.fail_on is not None and self.fail_on in text:
             raise RuntimeError(f"precompute failed on {self.fail_on!r}")
-        key = self.key(ids)
+        key = self.key(ids, collection)
         self.entries[key] = text
         return key
 

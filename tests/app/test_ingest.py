@@ -101,6 +101,52 @@ def test_a_failure_mid_document_leaves_the_previous_version(parts, failure, monk
     assert sorted(retriever.index.ids()) == sorted(retriever.metadata.chunk_ids())
 
 
+def test_collections_keep_ids_and_kv_keys_apart_and_a_failure_leaves_both(parts):
+    """retrieval.documents: tenant: an Ingestor writes one tenant's collection: the same id and text in two
+    collections are two documents with two sets of KV keys; a failed ingest in one leaves both as they were."""
+    from dataclasses import replace
+
+    ingestor, retriever, kv = parts
+    acme, beta = replace(ingestor, collection="acme"), replace(ingestor, collection="beta")
+    assert acme.ingest_text("long", "Long", LONG).status == beta.ingest_text("long", "Long", LONG).status == "added"
+    keys = {who: [c.kv_key for c in retriever.document_chunks("long", who)] for who in ("acme", "beta")}
+    assert keys["acme"] and not set(keys["acme"]) & set(keys["beta"]) and set(kv.entries) == {*keys["acme"],
+                                                                                              *keys["beta"]}
+    assert retriever.get_document("long") is None and acme.ingest_text("long", "Long", LONG).status == "unchanged"
+
+    kv.fail_on, entries = "BROKEN", dict(kv.entries)
+    with pytest.raises(RuntimeError):
+        beta.ingest_text("long", "Long", LONG.replace("Sentence 5 of", "BROKEN sentence of"))
+    assert {who: [c.kv_key for c in retriever.document_chunks("long", who)] for who in keys} == keys
+    assert kv.entries == entries and sorted(retriever.index.ids()) == sorted(retriever.metadata.chunk_ids())
+    kv.fail_on = None
+
+    with pytest.raises(KeyError):
+        replace(ingestor, collection="other").delete("long")
+    beta.delete("long")
+    assert set(kv.entries) == set(keys["acme"]) and retriever.get_document("long", "acme") is not None
+
+
+def test_ingest_for_a_tenant(tmp_path, env):
+    """`ragblend ingest --tenant NAME` writes that tenant's collection; refused where it would be lost: documents
+    shared, or a tenant server.api_keys does not name (nothing is loaded then)."""
+    (tmp_path / "note.txt").write_text("The ferry to Alder Isle leaves at nine.")
+    refused = ragblend(env, str(tmp_path / "note.txt"), "--tenant", "acme")
+    assert refused.exit_code == 2 and "retrieval.documents is shared" in refused.output
+    env = {**env, "RAGBLEND_RETRIEVAL__DOCUMENTS": "tenant", "RAGBLEND_SERVER__API_KEYS": '{"k-1": "acme"}'}
+    unknown = ragblend(env, str(tmp_path / "note.txt"), "--tenant", "acme-typo")
+    assert unknown.exit_code == 2 and "no such tenant" in unknown.output and "known: acme" in unknown.output
+    result = ragblend(env, str(tmp_path / "note.txt"), "--tenant", "acme")
+    assert result.exit_code == 0, result.output
+    assert "tenant acme: ingest: 1 added" in result.stdout
+    parts = Components(test_settings(Path(env["RAGBLEND_DATA_DIR"])))
+    try:
+        assert parts.retriever.get_document("note", "acme").n_chunks == 1
+        assert parts.retriever.get_document("note") is None  # not in the shared collection
+    finally:
+        parts.close()
+
+
 def test_empty_documents_and_ids_are_refused(parts):
     ingestor = parts[0]
     with pytest.raises(IngestError, match="empty document"):
@@ -338,10 +384,10 @@ def test_a_crash_mid_batch_keeps_what_was_committed(tmp_path, monkeypatch):
     (tmp_path / "b.txt").write_text("The island has one shop.\n\nIt opens at ten and closes at four.")
     real_ensure = ChunkKVCache.ensure
 
-    def ensure(self, ids):
+    def ensure(self, ids, collection=""):
         if "four" in shared_tokenizer().decode(ids):  # the last of b's three chunks
             raise RuntimeError("killed mid-precompute")
-        return real_ensure(self, ids)
+        return real_ensure(self, ids, collection)
 
     monkeypatch.setattr(ChunkKVCache, "ensure", ensure)
     settings = test_settings(tmp_path / "data", chunking={"target_tokens": 8, "max_tokens": 16, "min_tokens": 2})

@@ -29,6 +29,9 @@ class FakeKV:
     def context_hash(self) -> str:
         return "after-head"
 
+    def passage_context(self, collection: str = "") -> str:
+        return self.context_hash() + (f"@{collection}" if collection else "")
+
     def lookup_key(self, key, ids):
         kv = self.entries.get(key)
         return (kv, "memory") if kv is not None and kv.token_ids.tolist() == list(ids) else (None, None)
@@ -123,7 +126,7 @@ def store_plan(p: Planner, plan) -> None:
     """What Planner.store writes, without a prefill: each entry the spans lack, under its own context."""
     for span in plan.spans:
         if span.source != "exact":
-            for context, key in p.entries(span, span.after, plan.tenant):
+            for context, key in p.entries(span, span.after, plan.tenant, plan.collection):
                 p.kv.entries.setdefault(key, kv_of(span.ids, span.start, context))
 
 
@@ -147,6 +150,14 @@ def test_sources_exact_then_blended_then_computed_and_tenants_apart():
     mine, _ = p.plan([Part("head", HEAD), passage], [1], mode="blend", tenant="a")
     theirs, _ = p.plan([Part("head", HEAD), passage], [1], mode="blend", tenant="b")
     assert mine.spans[1].key == theirs.spans[1].key  # the collection's passages are shared
+    # retrieval.documents: tenant: a tenant's passage is its collection's entry, found by that tenant alone
+    acme, _ = p.plan([Part("head", HEAD), passage], [1], mode="blend", tenant="acme", collection="acme")
+    assert acme.collection == "acme" and acme.spans[1].key not in (mine.spans[1].key, theirs.spans[1].key)
+    store_plan(p, acme)
+    found, _ = p.plan([Part("head", HEAD), passage], [1], mode="blend", tenant="acme", collection="acme")
+    assert found.spans[1].source != "compute" and found.spans[1].key == acme.spans[1].key
+    elsewhere, _ = p.plan([Part("head", HEAD), passage], [1], mode="blend", tenant="beta", collection="beta")
+    assert elsewhere.spans[1].source == "compute"
 
 
 @pytest.mark.parametrize("mode", ["blend", "full"])

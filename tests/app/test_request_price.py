@@ -40,3 +40,25 @@ def test_a_message_that_says_nothing_is_refused(stub_app):
     assert engine.calls == 0
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     assert ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": calls}).tool_calls
+
+
+def test_store_reads_and_passages_are_priced_before_any_kv_is_read(engine_with, corpus):
+    """Once retrieval and the store lookup are done, the exact price (tokens computed, tokens read from the store at
+    limits.read_token_cost, messages and passages as pieces) is checked: over the budget, a 400 naming it, before
+    any KV is read or any layer runs (the real engine, the session's corpus: its passages are in the store)."""
+    import re
+
+    from app.server import create_app
+
+    settings, engine = engine_with(limits={"piece_cost_tokens": 3000})
+    question = corpus.questions[0][0]
+    with TestClient(create_app(settings, engine)) as client:
+        refused = client.post("/v1/query", json={"question": question, "top_k": 2, "max_tokens": 4})
+        assert refused.status_code == 400, refused.text  # the question alone passed the route's price (1 piece)
+        message = refused.json()["error"]["message"]
+        read = re.search(r"(\d+) read from the store", message)
+        assert read and int(read.group(1)) > 0 and "3 pieces" in message and "limits.read_token_cost" in message
+        assert engine.parts.runtime.pool.free == engine.parts.runtime.pool.slots  # no prefill took a slot
+        accepted = client.post("/v1/query", json={"question": question, "top_k": 1, "max_tokens": 4})
+        assert accepted.status_code == 200, accepted.text  # 2 pieces: 6,000 + its tokens, within 7,680
+        assert "limits.read_token_cost" in client.get("/openapi.json").text

@@ -152,10 +152,13 @@ def test_a_long_prefill_is_cut_so_streams_wait_at_most_the_stall_bound():
         assert sum(1 for t in slice_times if before <= t <= after) <= most
 
 
-def test_a_short_request_sent_during_a_long_prefill_gets_its_first_token_first(decoder):
+@pytest.mark.parametrize("slice_s", [0.001, 5.0])
+def test_a_short_request_sent_during_a_long_prefill_gets_its_first_token_first(decoder, slice_s):
     """Least served first: the long prefill (200 slices) started first, yet the short one's prefill runs in
-    the next slice and its first token comes out before the long one's (order, not wall-clock)."""
-    scheduler, log, firsts = make(decoder, slice_s=0.001), [], []
+    the next slice and its first token comes out before the long one's (order, not wall-clock). With a slice
+    budget longer than the whole long prefill (5 s), the long one's slice ends at the piece of work where the
+    short one is ready."""
+    scheduler, log, firsts = make(decoder, slice_s=slice_s), [], []
 
     async def main():
         async def first_token(job, name):
@@ -178,6 +181,53 @@ def test_a_short_request_sent_during_a_long_prefill_gets_its_first_token_first(d
     assert firsts == ["short", "long"]
     last_short = max(i for i, entry in enumerate(log) if entry == ("slice", "short"))
     assert sum(1 for entry in log[:last_short] if entry == ("slice", "long")) < 100  # long's prefill went on after
+
+
+def test_with_chunked_prefill_a_short_request_is_answered_inside_the_long_prompts_first_layer(decoder):
+    """Chunked prefill (real Blender, tiny model, chunks of 8): the long prompt's first layer is 8 slices. A short
+    request sent after the first of them runs its whole prefill, and its first token is chosen, before the long
+    prompt's first layer is done (order of events; with whole layers as slices, the layer ends first)."""
+    from blend import Blender
+    from tests.blend.conftest import random_ids, tiny_model
+
+    blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama", chunk_tokens=8)
+    log, sent = [], threading.Event()
+
+    def prefill(name: str, ids: list[int]):
+        slices_per_layer = -(-len(ids) // blender.chunk_tokens)
+
+        def program(cancelled):
+            steps, slices = blender.prefill_steps([], ids, 1.0), 0
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    log.append((name, "first token", int(done.value.logits.argmax())))
+                    yield name
+                    return
+                slices += 1
+                if slices % slices_per_layer == 0:
+                    log.append((name, "layer done"))
+                if name == "long" and slices == 1:
+                    log.append((name, "first slice"))
+                    sent.wait(30)  # the short request comes while the long prompt's first layer is under way
+                yield None
+        return program
+
+    scheduler = make(decoder, slice_s=0.0001)
+
+    async def main():
+        long = asyncio.create_task(collect(scheduler.submit(prefill("long", random_ids(64, 1)))))
+        while ("long", "first slice") not in log:
+            await asyncio.sleep(0.005)
+        short = scheduler.submit(prefill("short", random_ids(6, 2)))
+        sent.set()
+        return await asyncio.gather(long, collect(short))
+
+    assert run(main()) == [["long"], ["short"]]
+    assert scheduler.stop()
+    events = [entry[:2] for entry in log]
+    assert events.index(("short", "first token")) < events.index(("long", "layer done")), events
 
 
 def test_max_batch_bounds_the_slots_and_the_queue_bounds_the_wait(decoder):

@@ -209,3 +209,66 @@ def test_usage_adds_up_across_replicas_and_goes_with_the_last_chunk(open_db):
 def test_unknown_database_urls_are_refused(tmp_path):
     with pytest.raises(ValueError, match="postgresql://"):
         open_metadata("mysql://u@h/db", tmp_path)
+
+
+def test_collections_keep_the_same_id_apart(open_db):
+    """A document is (tenant, id): the same id in two tenants' collections and the shared one ("") are three
+    documents; reads, replaces and deletes of one leave the others."""
+    metadata = open_db()
+    metadata.replace_documents([doc("a", 2)])
+    metadata.replace_documents([doc("a", 1, keys=["acme-a"])], tenant="acme")
+    metadata.replace_documents([doc("a", 3, keys=["beta-0", "beta-1", "acme-a"]), doc("b", 1)], tenant="beta")
+    assert [d.n_chunks for d in (metadata.get_document("a"), metadata.get_document("a", "acme"),
+                                 metadata.get_document("a", "beta"))] == [2, 1, 3]
+    assert [d.id for d in metadata.list_documents("beta")] == ["a", "b"]
+    assert [d.id for d in metadata.list_documents()] == ["a"] and metadata.list_documents("nobody") == []
+    assert metadata.get_document("b") is None and metadata.get_document("b", "acme") is None
+    assert [c.kv_key for c in metadata.document_chunks("a", "acme")] == ["acme-a"]
+    ids = list(metadata.chunk_ids())
+    assert sorted(r[0].kv_key for r in metadata.chunks_with_titles(ids, "beta").values()) == \
+        ["acme-a", "b-0", "beta-0", "beta-1"]
+    assert len(metadata.chunks_with_titles(ids)) == 2 and metadata.chunks_with_titles(ids, "nobody") == {}
+
+    with pytest.raises(KeyError):
+        metadata.delete_document("b", "acme")
+    assert metadata.delete_document("a", "acme") == []  # "acme-a" is still a beta chunk's key
+    assert metadata.get_document("a", "beta") and metadata.get_document("a")
+    assert metadata.delete_document("a", "beta") == ["acme-a", "beta-0", "beta-1"]
+    assert [d.id for d in metadata.list_documents("beta")] == ["b"] and metadata.count_chunks() == 3
+
+
+def test_a_version_3_database_opens_with_its_documents_shared(database_url, tmp_path):
+    """A database from before collections (schema 3) migrates in place: its documents are the shared collection,
+    chunk ids and the change log are kept, and a new chunk never takes the id of one deleted before."""
+    from retrieval.postgres import PostgresMetadata
+    from retrieval.sqlite import SQLiteMetadata
+
+    if database_url.startswith("sqlite"):
+        path = tmp_path / "v3.sqlite"
+        database_url = f"sqlite:///{path}"
+        old = type("V3", (SQLiteMetadata,), {"MIGRATIONS": SQLiteMetadata.MIGRATIONS[:3]})(path)
+    else:
+        old = type("V3", (PostgresMetadata,), {"MIGRATIONS": PostgresMetadata.MIGRATIONS[:3]})(database_url)
+    assert old.schema_version() == 3
+    with old._write() as db:  # rows as ragblend wrote them at schema 3
+        db.execute("INSERT INTO documents (id, title, source, content_hash, n_chunks, ingested_at)"
+                   " VALUES ('old', 'Old', 'old.md', 'h', 1, 1.0)")
+        for ordinal in range(3):
+            db.execute("INSERT INTO chunks (doc_id, ordinal, text, token_ids, n_tokens, content_hash, kv_key,"
+                       " start_char, end_char, embedding) VALUES ('old', ?, 'text', ?, 2, 'h', ?, 0, 4, ?)",
+                       (ordinal, np.array([5, 6], "<i4").tobytes(), f"k{ordinal}", np.ones(DIM, "<f4").tobytes()))
+        top = db.execute("SELECT MAX(id) FROM chunks").fetchone()[0]
+        db.execute("INSERT INTO deletions (chunk_id) VALUES (?)", (top,))
+        db.execute("DELETE FROM chunks WHERE id = ?", (top,))  # the highest id, deleted: never to be reused
+    marks = old.marks()
+    old.close()
+
+    metadata = open_metadata(database_url, tmp_path)
+    assert metadata.schema_version() == len(metadata.MIGRATIONS) == 4
+    assert metadata.marks() == marks and metadata.get_document("old").title == "Old"
+    assert [c.kv_key for c in metadata.document_chunks("old")] == ["k0", "k1"]
+    metadata.replace_documents([doc("new", 1)], tenant="acme")
+    assert metadata.document_chunks("new", "acme")[0].id > top
+    assert metadata.get_document("old", "acme") is None
+    assert metadata.delete_document("old") == ["k0", "k1"]
+    metadata.close()

@@ -185,3 +185,38 @@ def test_metadata_stores_no_pickle(tmp_path, embedder, chunker):
     assert len(blob) == 4 * n_tokens and len(embedding) == 4 * retriever.embedder.dim
     assert np.isclose(np.linalg.norm(np.frombuffer(embedding, "<f4")), 1.0)
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_search_sees_only_the_askers_collection(tmp_path, retriever, chunker, open_retriever):
+    """Collections (retrieval.documents: tenant): one FAISS file on disk holds every collection's chunks; a search
+    keeps the asker's, however far down the nearest list they are, and the same id lives in two collections."""
+    lamp = "Its lamp flashes white every 10 seconds and is seen from 22 nautical miles."
+    for tenant in ("acme", "beta"):  # both have a "lighthouse" of their own, acme's only a far-off one
+        chunks = chunker.chunk("lighthouse", lamp if tenant == "beta" else "Ferries leave the quay at nine.")
+        retriever.add_document("lighthouse", chunks, title=f"{tenant} notes", tenant=tenant)
+    for n in range(12):  # beta's many chunks that sit nearer the question than any of acme's
+        add_to = chunker.chunk(f"lamp-{n}", f"The lamp of tower {n} flashes every {n + 2} seconds.")
+        retriever.add_document(f"lamp-{n}", add_to, title="Lamps", tenant="beta")
+    question = "How often does the lamp flash?"
+
+    assert {h.chunk.doc_id for h in retriever.search(question, top_k=3)} <= set(DOCS)  # the shared collection
+    acme = retriever.search(question, top_k=2, tenant="acme")
+    assert [(h.chunk.doc_id, h.title) for h in acme] == [("lighthouse", "acme notes")]  # all acme has
+    beta = retriever.search(question, top_k=3, tenant="beta")
+    assert len(beta) == 3 and all(h.title in ("beta notes", "Lamps") for h in beta)
+    assert retriever.search(question, tenant="nobody") == []
+
+    assert [d.id for d in retriever.list_documents("acme")] == ["lighthouse"]
+    assert retriever.get_document("lighthouse", "acme").title == "acme notes"
+    assert retriever.get_document("lamp-0", "acme") is None and retriever.get_document("lamp-0", "beta")
+    with pytest.raises(KeyError):
+        retriever.delete_document("lamp-0", "acme")  # another collection's document is unknown here
+    retriever.delete_document("lighthouse", "acme")
+    assert retriever.get_document("lighthouse", "beta").title == "beta notes"
+    assert retriever.get_document("lighthouse").title == DOCS["lighthouse"][0]
+
+    reopened = open_retriever(tmp_path)  # the FAISS file on disk, lined up again, still filtered
+    assert len(reopened) == len(retriever)
+    assert retriever.search(question, tenant="acme") == [] and reopened.search(question, tenant="acme") == []
+    assert {h.chunk.doc_id for h in reopened.search(question, top_k=13, tenant="beta")} == \
+        {"lighthouse", *(f"lamp-{n}" for n in range(12))}

@@ -105,5 +105,5 @@ def test_bench_kv_bytes_and_codec_quality_measure_every_codec_on_smollm2(musique
 def test_bench_admission_compares_the_policies_on_one_stream():
     report = bench("admission.py", "--requests", "30", "--recurring", "10", "--one-offs", "0,5")
     runs = {(r["one_offs"], r["policy"]): r for r in report["results"]}
-    assert set(runs) == {(n, p) for n in (0, 5) for p in ("everywhere", "second_sight")}
+    assert set(runs) == {(n, p) for n in (0, 5) for p in ("everywhere", "second_sight", "frequency")}
     assert all(0 <= r["recurring_hit_rate"] <= 1 and r["recurring_lookups"] > 0 for r in runs.values())

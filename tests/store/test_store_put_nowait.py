@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from retrieval import open_metadata
-from store import BytesTier, DiskTier, MemoryTier, StoreSettings, TieredStore, build_store
+from store import BytesTier, DiskTier, MemoryTier, StoreSettings, TieredStore, build_store, encode
 from store.admission import Admission, Sightings
 from tests.helpers import assert_same_kv, random_kv
 
@@ -216,6 +216,29 @@ def test_a_leased_chunk_is_admitted_everywhere(tmp_path):
     assert store.tiers[1].contains(leased) and store.tiers[1].contains(pending)
     store.close()
     ledger.close()
+
+
+def test_frequency_admits_first_sights_while_there_is_room_and_one_offs_never_evict_re_used_entries(tmp_path):
+    keyed = [random_kv(i) for i in range(4)]
+    entry_bytes = len(encode(keyed[0][1], "int8"))
+    store = TieredStore([MemoryTier(1 << 20), DiskTier(tmp_path / "disk", 2 * entry_bytes)], codec="int8",
+                        fingerprint=FP, admission=Admission("frequency", window=100))
+    memory, disk = store.tiers
+    (recurring, kv0), (one_off, kv1), (late, kv2), (later, kv3) = keyed
+    for key, kv in ((recurring, kv0), (one_off, kv1)):
+        store.put_nowait(key, kv)
+    store.flush()
+    assert disk.contains(recurring) and disk.contains(one_off)  # free room: first sights go down at once
+    memory.delete(recurring)
+    assert store.get_with_tier(recurring)[1] == "disk"  # re-used (a hit on disk)
+    store.put_nowait(late, kv2)  # a first sight under pressure: its victim, the one-off, was never re-used
+    store.flush()
+    assert disk.contains(late) and not disk.contains(one_off) and disk.contains(recurring)
+    store.get(late)  # now re-used too
+    store.put_nowait(later, kv3)  # would evict a re-used entry: kept out of disk (memory has it)
+    store.flush()
+    assert not disk.contains(later) and memory.contains(later) and disk.contains(recurring) and disk.contains(late)
+    store.close()
 
 
 def test_sightings_count_within_a_window_of_recent_keys():

@@ -49,6 +49,16 @@ def test_local_tier_is_lru_by_bytes(local_tier):
     assert local_tier.stats()["bytes"] == 100
 
 
+def test_victims_name_what_a_put_would_evict_without_evicting_it(local_tier):
+    assert local_tier.victims(100) == []  # free room
+    local_tier.put_bytes(A, b"a" * 100)
+    time.sleep(0.002)  # distinct access times on disk
+    local_tier.put_bytes(B, b"b" * 100)
+    assert local_tier.victims(50) == [] and local_tier.victims(100) == [A] and local_tier.victims(200) == [A, B]
+    assert local_tier.victims(251) is None  # larger than the cap
+    assert local_tier.contains(A) and local_tier.contains(B) and local_tier.stats()["evictions"] == 0
+
+
 def test_memory_tier_hands_back_the_tensors_it_holds_and_keeps_its_cap():
     kvs = [random_kv(i, shape=(2, 2, 5, 4))[1] for i in range(4)]  # 640 bytes each
     tier = MemoryTier(2 * kvs[0].nbytes + 100)

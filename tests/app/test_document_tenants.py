@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.helpers import MODEL
+
 pytestmark = pytest.mark.slow
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
@@ -64,7 +66,7 @@ def test_tenants_see_fetch_delete_and_retrieve_only_their_own_documents(per_tena
     assert [(s["doc_id"], s["title"]) for s in bobs["sources"]] == [("plans", "Bob plans")]
     assert "4471" not in str(bobs)
     chat = per_tenant.post("/v1/chat/completions", headers=BOB, json={
-        "model": "m", "max_tokens": 1, "retrieval": True, "messages": [{"role": "user", "content": question}]})
+        "model": MODEL, "max_tokens": 1, "retrieval": True, "messages": [{"role": "user", "content": question}]})
     assert chat.status_code == 200, chat.text
     assert [s["title"] for s in chat.json()["sources"]] == ["Bob plans"]
 

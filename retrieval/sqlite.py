@@ -66,7 +66,7 @@ _V3 = (
     "CREATE INDEX kv_leases_key ON kv_leases (kv_key)",
     "CREATE INDEX kv_leases_expiry ON kv_leases (expires_at)",
 )
-# Version 4: documents per tenant (`documents.scope: tenant`): a document is (tenant, id), "" the shared
+# Version 4: documents per tenant (`retrieval.documents: tenant`): a document is (tenant, id), "" the shared
 # collection every older row joins. SQLite cannot change a primary key, so both tables are rebuilt: the old
 # ones renamed (the chunks' foreign key follows), rows copied with their ids, the id sequence carried over
 # (chunk ids are never reused), the old tables dropped (child first: nothing cascades).

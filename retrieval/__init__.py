@@ -7,7 +7,7 @@ Exports
     Retriever(index_dir, embedder, kind, order, top_k, metadata=None)
         search(question, top_k=None, order=None) -> list[Hit]  (chunk, its document's title, score)
         add_document(doc_id, chunks, ...), delete_document(doc_id), list_documents(), get_document(doc_id)
-        each with `tenant=`: the collection ("" shared; documents.scope: tenant gives each tenant its own)
+        each with `tenant=`: the collection ("" shared; retrieval.documents: tenant gives each tenant its own)
     Metadata, open_metadata(database_url, index_dir)        documents + chunks: SQLite or PostgreSQL
         also the change log the index follows and KV usage counts (record_usage, usage)
     DocumentInfo, VectorIndex, IndexMismatchError, SchemaError

@@ -80,7 +80,7 @@ _V3 = (
     "CREATE INDEX kv_leases_key ON kv_leases (kv_key)",
     "CREATE INDEX kv_leases_expiry ON kv_leases (expires_at)",
 )
-# Version 4: documents per tenant (`documents.scope: tenant`): a document is (tenant, id), "" the shared
+# Version 4: documents per tenant (`retrieval.documents: tenant`): a document is (tenant, id), "" the shared
 # collection every older row joins.
 _V4 = (
     "ALTER TABLE chunks DROP CONSTRAINT chunks_doc_id_fkey",

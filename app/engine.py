@@ -202,9 +202,8 @@ class RagEngine:
         pieces = (len(params.messages) if params.messages else 1) + len(plan.hits)
         price = limits.price(computed=prompt_tokens - read, read=read, pieces=pieces)
         if price > limits.max_prompt_tokens:
-            for r in loaded:
-                if r.kv is not None and hasattr(r.kv, "close"):
-                    r.kv.close()
+            for entry in loaded:
+                entry.close()
             raise RequestError(f"prompt work priced at {price} tokens, over limits.max_prompt_tokens "
                                f"({limits.max_prompt_tokens}): {prompt_tokens - read} tokens computed, {read} read "
                                f"from the store (each {limits.read_token_cost} of a computed one, "

@@ -100,6 +100,11 @@ class Loaded:
     tier: str | None
     start: int = 0  # its position in the prompt
 
+    def close(self) -> None:
+        """Release a store entry opened for layer-wise reads (an in-memory ChunkKV holds nothing to release)."""
+        if self.kv is not None and hasattr(self.kv, "close") and not isinstance(self.kv, ChunkKV):
+            self.kv.close()
+
 
 class Planner:
     def __init__(self, kv_cache: ChunkKVCache, settings: PlannerSettings, pipeline: bool = False):
@@ -200,7 +205,7 @@ class Planner:
                         source = "exact" if exact and here else "blended"
                         break
             if source == "blended" and mode == "prefix":  # prefix caching: what is not exact is computed
-                _close(found)
+                found.close()
                 found, source = Loaded(list(span.ids), None, None, span.start), "compute"
             exact = exact and source == "exact"
             # its entry (kv_keys, leases): the chain's, the one the same prompt reads next (a blended or computed
@@ -245,7 +250,7 @@ class Planner:
                     else read.kv  # (a span the loading controller made fresh is never exact)
                     for span, read in zip(plan.spans[:tail], loaded[:tail])]
         for read in loaded[tail:]:
-            _close(read)
+            read.close()
         return segments, [t for s in plan.spans[tail:] for t in s.ids] + list(plan.suffix)
 
     # ---- after the prefill -----------------------------------------------------------------------
@@ -339,14 +344,9 @@ def _compute_when_mostly_new(spans: list[Span], loaded: list[Loaded], share: flo
         return
     for i in range(start, len(spans)):
         if spans[i].source == "blended":
-            _close(loaded[i])
+            loaded[i].close()
             spans[i] = replace(spans[i], source="compute", tier=None)
             loaded[i] = Loaded(list(spans[i].ids), None, None, spans[i].start)
-
-
-def _close(read: Loaded) -> None:
-    if read.kv is not None and hasattr(read.kv, "close") and not isinstance(read.kv, ChunkKV):
-        read.kv.close()
 
 
 def _salted(context: str, tenant: str) -> str:

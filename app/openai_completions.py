@@ -100,9 +100,9 @@ async def completion_params(body: CompletionRequest, svc: Service) -> QueryParam
     if len(ids) > budget:
         raise LimitError("prompt", f"{len(ids)} tokens, over limits.max_message_tokens / max_prompt_tokens ({budget})")
     return svc.query_params(prompt if isinstance(prompt, str) else "", top_k=None,
-                            max_tokens=body.max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_new_tokens), temperature=body.temperature or 0.0,
-                            top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed, retrieve=False,
-                            prompt_ids=tuple(ids))
+                            max_tokens=body.max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_new_tokens),
+                            temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, stop=tuple(body.stop),
+                            seed=body.seed, retrieve=False, prompt_ids=tuple(ids))
 
 
 def _token_ids(svc: Service, prompt: str | list[int]) -> list[int]:

@@ -36,9 +36,79 @@ GRAMMAR_CACHE = 64  # compiled grammars kept (by their text)
 JSON_FORM = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# A number has at most NUMBER_PLACES decimals and a magnitude of at most NUMBER_LIMIT (integers a double holds
+# exactly), unless its schema says otherwise: JSON's grammar lets a number run on, and a weak model writes
+# `1.0000000…` until max_tokens cuts its document.
+NUMBER_PLACES, NUMBER_LIMIT = 8, 10**15
+ANY_VALUE = "ragblend_json_value"  # the $defs entry of a bounded any-value
+_ANY = {"anyOf": [{"type": ["null", "boolean", "string"]},
+                  {"type": "number", "minimum": -NUMBER_LIMIT, "maximum": NUMBER_LIMIT,
+                   "multipleOf": 10.0**-NUMBER_PLACES},
+                  {"type": "array", "items": {"$ref": f"#/$defs/{ANY_VALUE}"}},
+                  {"type": "object", "additionalProperties": {"$ref": f"#/$defs/{ANY_VALUE}"}}]}
+_SCHEMAS = ("additionalProperties", "items", "additionalItems", "then", "else")        # keywords holding a schema
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")                   # ... a list of schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")           # ... a name -> schema map
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
+
+
 def json_rule(schema: dict) -> str:
-    """A Lark rule body for a JSON value matching `schema` (llguidance's `%json`), in JSON_FORM."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_FORM})
+    """A Lark rule body for a JSON value matching `schema` (llguidance's `%json`), in JSON_FORM, its numbers
+    bounded (`bounded`)."""
+    return "%json " + json.dumps({**bounded(schema), "x-guidance": JSON_FORM})
+
+
+def bounded(schema: dict) -> dict:
+    """`schema` narrowed so that every number it allows is bounded (NUMBER_PLACES, NUMBER_LIMIT) and every value
+    it leaves open is a bounded any-value ($defs ANY_VALUE): a document it allows is one `schema` allows."""
+    root = _bound(schema)
+    return {**root, "$defs": {**root.get("$defs", {}), ANY_VALUE: _ANY}} if isinstance(root, dict) else root
+
+
+def _bound(schema):
+    """One schema node narrowed (`bounded`); `not` and `if` are left as they are: narrowing them would widen."""
+    if schema is True or (isinstance(schema, dict) and schema.keys() <= _ANNOTATIONS):  # any value
+        return {"$ref": f"#/$defs/{ANY_VALUE}"}
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMAS:
+        if isinstance(out.get(key), (dict, bool)):
+            out[key] = _bound(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_bound(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _bound(s) for name, s in out[key].items()}
+    types = out.get("type")
+    types = {types} if isinstance(types, str) else set(types or ())
+    if "object" in types and "additionalProperties" not in out:
+        out["additionalProperties"] = {"$ref": f"#/$defs/{ANY_VALUE}"}
+    if "array" in types and "items" not in out and "prefixItems" not in out:
+        out["items"] = {"$ref": f"#/$defs/{ANY_VALUE}"}
+    if types & {"number", "integer"}:
+        out.update(_number_bounds(out, "number" in types))
+    return out
+
+
+def _number_bounds(schema: dict, fractional: bool) -> dict:
+    """The bounds a number schema lacks: a side with none gets NUMBER_LIMIT (or the other side's bound, where that
+    lies beyond it); a fractional number without multipleOf gets NUMBER_PLACES decimals."""
+    low = next((schema[k] for k in ("minimum", "exclusiveMinimum") if _is_number(schema.get(k))), None)
+    high = next((schema[k] for k in ("maximum", "exclusiveMaximum") if _is_number(schema.get(k))), None)
+    bounds = {}
+    if low is None:
+        bounds["minimum"] = min(-NUMBER_LIMIT, high if high is not None else 0)
+    if high is None:
+        bounds["maximum"] = max(NUMBER_LIMIT, low if low is not None else 0)
+    if fractional and "multipleOf" not in schema:
+        bounds["multipleOf"] = 10.0**-NUMBER_PLACES
+    return bounds
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class GrammarError(ValueError):

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
 from blend import Blender, DecodeRuntime, SamplingParams
 from blend.decode import TokenStream, decode_loop
 from blend.driver import Driver, Slot
-from blend.grammar import GrammarDeadEnd, GrammarError, json_rule
+from blend.grammar import NUMBER_LIMIT, NUMBER_PLACES, GrammarDeadEnd, GrammarError, bounded, json_rule
 from tests.blend.conftest import random_ids, tiny_model
 
 MODEL_DIR = "data/models/smollm2-135m-instruct"
@@ -121,3 +122,51 @@ def test_an_answer_ends_at_a_whole_document_rather_than_be_cut_by_max_tokens(dec
         assert len(tokens) < budget, text
         for line in text.split("\n"):
             assert set(json.loads(line)) == {"unit", "rain"}
+
+
+def taken(decoder: DecodeRuntime, schema: dict, text: str) -> tuple[str, bool]:
+    """How much of `text` (fed a character at a time) the grammar of `schema` takes, and whether it may end there."""
+    tokenizer, constraint = BLENDERS[decoder].tokenizer, decoder.grammars.constraint(f"start: {json_rule(schema)}")
+    for i, char in enumerate(text):
+        token = tokenizer.encode(char, add_special_tokens=False)
+        if not constraint.matcher.try_consume_tokens(token):
+            return text[:i], constraint.matcher.is_accepting()
+    return text, constraint.matcher.is_accepting()
+
+
+def test_a_number_ends_at_its_bound_where_json_would_let_it_run_on(decoder):
+    # the failure seen at temperature 0: `1.0000000…` until max_tokens cut the document
+    confidence = {"type": "number", "minimum": 0, "maximum": 1}
+    assert taken(decoder, confidence, "1." + "0" * 20) == ("1." + "0" * NUMBER_PLACES, True)
+    assert taken(decoder, confidence, "0.75") == ("0.75", True)
+    digits = "9" * 20
+    assert taken(decoder, {"type": "integer"}, digits) == (digits[:len(str(NUMBER_LIMIT)) - 1], True)
+    assert taken(decoder, {"type": "number", "multipleOf": 0.5}, "2.5") == ("2.5", True)  # the client's own step
+    # values the schema leaves open are bounded too: an unlisted property, an array's items, any value
+    open_object = {"type": "object", "properties": {"a": {"type": "string"}}}
+    text, _ = taken(decoder, open_object, '{"a": "x", "b": [1, {"c": 3.' + "3" * 20)
+    assert text == '{"a": "x", "b": [1, {"c": 3.' + "3" * NUMBER_PLACES
+    assert taken(decoder, {}, '[1.5, "x", null, {"k": false}]') == ('[1.5, "x", null, {"k": false}]', True)
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"n": {"type": "number"}, "i": {"type": "integer", "minimum": 3}},
+     "required": ["n"]},
+    {"type": "array", "items": {"anyOf": [{"type": "number", "exclusiveMaximum": 0}, {"type": "string"}]}},
+    {"type": ["number", "null"], "minimum": 10**18},
+    {"type": "object", "additionalProperties": True, "not": {"required": ["x"]}},
+    {"$defs": {"p": {"type": "number", "maximum": -1}}, "type": "object", "properties": {"p": {"$ref": "#/$defs/p"}}},
+]
+DOCUMENTS = [None, 0, -1, 3, 2.5, 1e18, 1.123456789, 10**16, -(10**16), "s", [], [1.5, "t"], [-0.5, 2],
+             {"n": 1.5}, {"n": 1.5, "i": 2}, {"n": 1, "i": 4, "z": 1.123456789}, {"x": 1}, {"p": -2.5}, {"p": 0}]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_a_bounded_schema_allows_only_what_the_schema_allows_and_everything_within_its_bounds(schema):
+    allowed = jsonschema.Draft202012Validator(bounded(schema))
+    original = jsonschema.Draft202012Validator(schema)
+    for document in DOCUMENTS:
+        if allowed.is_valid(document):
+            assert original.is_valid(document), document
+        elif original.is_valid(document):  # refused only for a number past the bounds
+            assert "1.123456789" in json.dumps(document) or "10000000000000000" in json.dumps(document), document

@@ -269,9 +269,11 @@ def state_limits(openapi: dict[str, Any], limits: LimitsSettings) -> None:
                                 f"(limits.max_question_chars). {budget}")
 
 
-def state_models(openapi: dict[str, Any], names: list[str]) -> None:
-    """The served model ids as the `model` enum of each request body that names one (another id is a 404)."""
+def state_models(openapi: dict[str, Any], names: list[str], embedder: str) -> None:
+    """The served model ids as the `model` enum of each request body that names one (another id is a 404), the
+    embedder's id that of /v1/embeddings'."""
     schemas = openapi["components"]["schemas"]
+    schemas["EmbeddingRequest"]["properties"]["model"]["enum"] = [embedder]
     props = [schemas[name]["properties"]["model"] for name in ("ChatCompletionRequest", "LookupRequest",
                                                                "CompletionRequest")]
     for path in ("/v1/messages", "/v1/messages/count_tokens"):

@@ -24,6 +24,7 @@ from app.prompt_cache import DEFAULT_FAMILY, RETENTION_TTL_S, LeaseNote, lease, 
 from app.errors import ApiError, as_api_error
 from app.service import STOP_MARGIN_S, Service, service, until_done
 from app.worker import Job, WorkerStopped
+from retrieval import embedder_name
 
 router = APIRouter()
 SSE = {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events with stream: true"}
@@ -122,7 +123,9 @@ def check_model(svc: Service, model: str | None) -> None:
     """A 404 model_not_found (as OpenAI answers; Anthropic's not_found_error on /v1/messages) for an id GET
     /v1/models does not list; no model at all is the served one."""
     if model is not None and model not in served_models(svc.model_name):
-        raise ApiError(404, f"The model {model!r} does not exist: this server serves "
+        what = "is the embedder (POST /v1/embeddings)" if model == embedder_name(svc.settings.embedder) else \
+            "does not exist"
+        raise ApiError(404, f"The model {model!r} {what}: this server answers with "
                             f"{' and '.join(served_models(svc.model_name))} (GET /v1/models)",
                        code="model_not_found", param="model")
 
@@ -130,8 +133,10 @@ def check_model(svc: Service, model: str | None) -> None:
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 def models(svc: Service = Depends(service)) -> ModelList:
     """The model with retrieval (RAG over the documents) and, named `<model>-chat`, without (a plain chat model
-    whose messages' KV is reused wherever it reappears): a client picks one by `model`."""
-    return ModelList(data=[ModelCard(id=name, created=svc.created) for name in served_models(svc.model_name)])
+    whose messages' KV is reused wherever it reappears): a client picks one by `model`. Last, the embedder
+    (POST /v1/embeddings)."""
+    names = [*served_models(svc.model_name), embedder_name(svc.settings.embedder)]
+    return ModelList(data=[ModelCard(id=name, created=svc.created) for name in names])
 
 
 @router.post("/v1/query", response_model=QueryResponse, responses={200: SSE, **ERRORS})

@@ -2,10 +2,10 @@
 health and metrics, the page; and `ragblend serve`, uvicorn running it.
 
 The parts: app/service.py (the lifecycle: loading, the model thread and the ingest lane, health, shutdown),
-app/query_routes.py (/v1/query, /v1/chat/completions, /v1/models), app/anthropic_api.py (Anthropic's
-/v1/messages), app/document_routes.py (/v1/documents
-and uploads), app/cache_routes.py (/v1/cache), app/page.py (the page), app/middleware.py (API key, body cap,
-request counting).
+app/query_routes.py (/v1/query, /v1/chat/completions, /v1/models), app/openai_completions.py (/v1/completions),
+app/openai_embeddings.py (/v1/embeddings), app/anthropic_api.py (Anthropic's /v1/messages), app/document_routes.py
+(/v1/documents and uploads), app/cache_routes.py (/v1/cache), app/page.py (the page), app/middleware.py (API key,
+body cap, request counting).
 
 Every error body is OpenAI-shaped: {"error": {"message", "type", "code", "param"}}; /v1/messages's are
 Anthropic's (app/errors.py).
@@ -20,7 +20,8 @@ from typing import Any, Iterator
 
 from fastapi import FastAPI
 
-from app import anthropic_api, cache_routes, document_routes, openai_completions, query_routes, service
+from app import (anthropic_api, cache_routes, document_routes, openai_completions, openai_embeddings, query_routes,
+                 service)
 from app.api_models import state_limits, state_models
 from app.components import Engine
 from app.config import Settings
@@ -29,6 +30,7 @@ from app.errors import HANDLED, handle_error
 from app.middleware import HEALTH_PATHS, CountRequests, LimitBody, RequireApiKey
 from app.page import PUBLIC_PATHS, PUBLIC_PREFIX, page_routes
 from blend.model import served_name
+from retrieval import embedder_name
 from app.service import STOP_MARGIN_S, Service
 
 
@@ -51,11 +53,13 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         if app.openapi_schema is None:  # built once (FastAPI keeps it), then this server's limits written in
             state_limits(default_openapi(), settings.limits)
             anthropic_api.describe(app.openapi_schema, settings.limits)
-            state_models(app.openapi_schema, query_routes.served_models(served_name(settings.model.name)))
+            state_models(app.openapi_schema, query_routes.served_models(served_name(settings.model.name)),
+                         embedder_name(settings.embedder))
         return app.openapi_schema
 
     app.openapi = openapi
-    routers = (service.router, query_routes.router, openai_completions.router, anthropic_api.router, document_routes.router, cache_routes.router)
+    routers = (service.router, query_routes.router, openai_completions.router, openai_embeddings.router,
+               anthropic_api.router, document_routes.router, cache_routes.router)
     for router in routers:
         app.include_router(router)
     page = page_routes()

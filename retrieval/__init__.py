@@ -4,6 +4,7 @@ Exports
     Chunker(tokenizer, ChunkingSettings).chunk(doc_id, text) -> list[Chunk]
     Chunk                 doc_id, ordinal, text, token_ids, start, end, content_hash; id and kv_key once stored
     Embedder, open_embedder(EmbedderSettings) -> Embedder      (all-MiniLM-L6-v2, offline, CPU)
+        embed(texts) -> [n, dim] float32 unit norm; window, count_tokens(texts); embedder_name(settings): its id
     Retriever(index_dir, embedder, kind, order, top_k, metadata=None)
         search(question, top_k=None, order=None) -> list[Hit]  (chunk, its document's title, score)
         add_document(doc_id, chunks, ...), delete_document(doc_id), list_documents(), get_document(doc_id)
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from retrieval.backends import open_metadata
 from retrieval.chunker import Chunk, Chunker
-from retrieval.embedder import Embedder, open_embedder
+from retrieval.embedder import Embedder, embedder_name, open_embedder
 from retrieval.index import VectorIndex
 from retrieval.metadata import DocumentInfo, Metadata, SchemaError
 from retrieval.retriever import Hit, IndexMismatchError, Retriever
@@ -29,4 +30,4 @@ from retrieval.settings import ChunkingSettings, EmbedderSettings, RetrievalSett
 
 __all__ = ["Chunk", "Chunker", "ChunkingSettings", "DocumentInfo", "Embedder", "EmbedderSettings", "Hit",
            "IndexMismatchError", "Metadata", "RetrievalSettings", "Retriever", "SchemaError", "VectorIndex",
-           "open_embedder", "open_metadata"]
+           "embedder_name", "open_embedder", "open_metadata"]

@@ -18,6 +18,7 @@ from retrieval.settings import EmbedderSettings
 log = logging.getLogger("ragblend.retrieval")
 
 EMBEDDED = "embedded"
+EMBEDDED_NAME = "all-MiniLM-L6-v2"
 
 
 def embedded_model_path() -> Path:
@@ -65,9 +66,22 @@ class Embedder:
     def embed_query(self, question: str) -> np.ndarray:
         return self.embed([question])[0]
 
+    @property
+    def window(self) -> int:
+        """Word pieces of a text the model reads (its special tokens aside); the rest would be cut off."""
+        return self.model.max_seq_length - self.model.tokenizer.num_special_tokens_to_add()
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Each text's word pieces, special tokens left out."""
+        return [len(ids) for ids in self.model.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
+def embedder_name(settings: EmbedderSettings) -> str:
+    """The embedder's id: all-MiniLM-L6-v2 for the packaged one, else its folder as configured."""
+    return EMBEDDED_NAME if settings.name == EMBEDDED else settings.name
+
 
 def open_embedder(settings: EmbedderSettings) -> Embedder:
     """settings.name "embedded" is the packaged all-MiniLM-L6-v2; anything else a local model folder."""
-    if settings.name == EMBEDDED:
-        return Embedder(embedded_model_path(), settings.batch_size, name="all-MiniLM-L6-v2")
-    return Embedder(settings.name, settings.batch_size)
+    path = embedded_model_path() if settings.name == EMBEDDED else settings.name
+    return Embedder(path, settings.batch_size, name=embedder_name(settings))

@@ -273,7 +273,7 @@ def test_too_many_messages_get_a_422(make_app, corpus):
 @pytest.mark.slow
 def test_the_openai_client_runs_an_agent_conversation_with_tools(live_server):
     client = openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
-    rag, plain = [m.id for m in client.models.list()]
+    rag, plain, _embedder = [m.id for m in client.models.list()]
     assert plain == rag + "-chat"
     nonce = uuid.uuid4().hex
     messages: list = [{"role": "system", "content": "You are a research agent."}, task(nonce)]

@@ -1,16 +1,17 @@
 """The endpoints clients reach for besides chat, with the official `openai` and `anthropic` clients against a real
 server (the embedded SmolLM2): OpenAI's /v1/completions (a raw prompt, streamed or not, its KV reused when repeated;
 what it does not support refused with a 400), Anthropic's /v1/messages/count_tokens (the prompt /v1/messages runs),
-an unknown model id (a 404 model_not_found in each dialect's shape), and /v1/responses (refused, saying where to
-go)."""
+an unknown model id (a 404 model_not_found in each dialect's shape), /v1/responses (refused, saying where to
+go), and OpenAI's /v1/embeddings (the retrieval embedder's vectors)."""
 from __future__ import annotations
 
 import anthropic
 import httpx
+import numpy as np
 import openai
 import pytest
 
-from tests.helpers import MODEL, shared_tokenizer
+from tests.helpers import MODEL, shared_embedder, shared_tokenizer
 
 PROMPT = ("The lighthouse keeper climbed the stairs every evening at dusk, lit the great lamp, and wrote in his "
           "ledger the names of the ships that passed the rocks. On the night of the storm he wrote")
@@ -102,3 +103,40 @@ def test_the_responses_api_is_refused_saying_where_to_go(live_server):
     with pytest.raises(openai.NotFoundError, match="/v1/chat/completions") as error:
         openai_client(live_server.url).responses.create(model=MODEL, input="hi")
     assert error.value.code == "not_served"
+
+
+EMBEDDER = "all-MiniLM-L6-v2"
+PASSAGES = ["The lighthouse keeper lit the lamp at dusk.", "Quarterly revenue rose by four percent.",
+            "The ferry to the island leaves at noon."]
+
+
+def test_embeddings_are_the_retrieval_embedders_vectors(live_server):
+    client = openai_client(live_server.url)
+    assert [m.id for m in client.models.list()][-1] == EMBEDDER  # listed last, after the chat ids
+    by_default = client.embeddings.create(model=EMBEDDER, input=PASSAGES)  # the client asks for base64
+    as_floats = client.embeddings.create(model=EMBEDDER, input=PASSAGES, encoding_format="float")
+    vectors = np.array([d.embedding for d in by_default.data], dtype=np.float32)  # [3, 384]
+    assert [d.index for d in by_default.data] == [0, 1, 2] and by_default.model == EMBEDDER
+    assert np.array_equal(vectors, np.array([d.embedding for d in as_floats.data], dtype=np.float32))
+    np.testing.assert_allclose(vectors, shared_embedder().embed(PASSAGES), atol=1e-5)  # what the index holds
+    ids = shared_embedder().model.tokenizer(PASSAGES, add_special_tokens=False)["input_ids"]
+    assert by_default.usage.prompt_tokens == sum(map(len, ids))
+    question = np.array(client.embeddings.create(model=EMBEDDER, input="When does the boat sail?",
+                                                 dimensions=384).data[0].embedding, dtype=np.float32)
+    assert int(np.argmax(vectors @ question)) == 2  # a client's own retrieval finds the passage
+
+
+def test_embeddings_refuse_what_they_cannot_embed(live_server):
+    client = openai_client(live_server.url)
+    for refused, says in (({"input": [101, 2023]}, "token ids"), ({"input": [[101], [2023]]}, "token ids"),
+                          ({"input": "word " * 300}, "over the 254"), ({"input": "hi", "dimensions": 128}, "384")):
+        with pytest.raises(openai.BadRequestError, match=says):
+            client.embeddings.create(model=EMBEDDER, encoding_format="float", **refused)
+    with pytest.raises(openai.NotFoundError, match="embeds with"):
+        client.embeddings.create(model=MODEL, input="hi")
+    with pytest.raises(openai.NotFoundError, match="is the embedder"):
+        client.chat.completions.create(model=EMBEDDER, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.embeddings.create(model=EMBEDDER, input="")
+    spec = httpx.get(f"{live_server.url}/openapi.json").json()
+    assert spec["components"]["schemas"]["EmbeddingRequest"]["properties"]["model"]["enum"] == [EMBEDDER]

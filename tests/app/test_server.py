@@ -50,7 +50,8 @@ def test_health_and_models(client):
     assert thread["max_batch"] == 8 and "blend_disabled" not in health  # SmolLM2 blends
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [
-        "smollm2-135m-instruct", "smollm2-135m-instruct-chat"]  # with retrieval, and without
+        "smollm2-135m-instruct", "smollm2-135m-instruct-chat", "all-MiniLM-L6-v2"]  # with retrieval, without; the
+    # embedder (POST /v1/embeddings)
 
 
 # ---- queries -----------------------------------------------------------------------------------

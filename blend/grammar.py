@@ -59,8 +59,9 @@ def json_rule(schema: dict) -> str:
 
 
 def bounded(schema: dict) -> dict:
-    """`schema` narrowed so that every number it allows is bounded (NUMBER_PLACES, NUMBER_LIMIT) and every value
-    it leaves open is a bounded any-value ($defs ANY_VALUE): a document it allows is one `schema` allows."""
+    """`schema` narrowed so that every number it allows is bounded (NUMBER_PLACES, NUMBER_LIMIT), an object that
+    lists its properties holds those alone, and every other value it leaves open is a bounded any-value ($defs
+    ANY_VALUE): a document it allows is one `schema` allows."""
     root = _bound(schema)
     return {**root, "$defs": {**root.get("$defs", {}), ANY_VALUE: _ANY}} if isinstance(root, dict) else root
 
@@ -84,12 +85,22 @@ def _bound(schema):
     types = out.get("type")
     types = {types} if isinstance(types, str) else set(types or ())
     if "object" in types and "additionalProperties" not in out:
-        out["additionalProperties"] = {"$ref": f"#/$defs/{ANY_VALUE}"}
+        out["additionalProperties"] = _unlisted(out)
     if "array" in types and "items" not in out and "prefixItems" not in out:
         out["items"] = {"$ref": f"#/$defs/{ANY_VALUE}"}
     if types & {"number", "integer"}:
         out.update(_number_bounds(out, "number" in types))
     return out
+
+
+def _unlisted(schema: dict):
+    """What an object may hold besides its listed properties, where its schema does not say: nothing when it lists
+    them all (as xgrammar's strict mode: a call's arguments are its parameters, not `"type": "string"` copied
+    from the schema), else a bounded any-value."""
+    listed = schema.get("properties")
+    if listed and "patternProperties" not in schema and set(schema.get("required", ())) <= listed.keys():
+        return False
+    return {"$ref": f"#/$defs/{ANY_VALUE}"}
 
 
 def _number_bounds(schema: dict, fractional: bool) -> dict:

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, WithJsonSchema
 
 from app.api_models import ERRORS, MODEL_NOT_FOUND, OpenAIBody, Text
 from app.errors import ApiError
@@ -20,15 +20,18 @@ from app.service import Service, service
 router = APIRouter()
 MAX_INPUTS = 256  # texts in one request
 InputText = Annotated[Text, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+Texts = Annotated[list[InputText], Field(min_length=1, max_length=MAX_INPUTS)]
+TokenIds = list[int]
 
 
 class EmbeddingRequest(OpenAIBody):
     model: Text = Field(description="The embedder's id (the last GET /v1/models lists; another is a 404).")
-    input: InputText | Annotated[list[InputText], Field(min_length=1, max_length=MAX_INPUTS)] | TokenIds | Annotated[
-        list[TokenIds], Field(min_length=1)] = Field(description=(
-            f"A text or up to {MAX_INPUTS} texts, each within the embedder's window (a longer one is a 400). "
-            "Token ids are a 400: they would be another tokenizer's."))
+    # token ids are taken here only to be refused with a 400 that says why (the schema states text alone)
+    input: Annotated[InputText | Texts | TokenIds | list[TokenIds], WithJsonSchema(
+        {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
+                                                        "minItems": 1, "maxItems": MAX_INPUTS}]})] = Field(
+        description=f"A text or up to {MAX_INPUTS} texts, each within the embedder's window (a longer one is a "
+                    "400). Token ids are a 400: they would be another tokenizer's.")
     encoding_format: Literal["float", "base64"] = Field("float", description="base64: little-endian float32 bytes.")
     dimensions: int | None = Field(None, ge=1, description="Only the embedder's own (384 for all-MiniLM-L6-v2).")
     user: Text | None = None

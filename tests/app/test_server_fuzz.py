@@ -107,7 +107,9 @@ def _a_rule_json_schema_cannot_state(recorder, case_id: str, check) -> bool:
                 "is not among the tools", "not among the tools (", "needs tools", "the schema does not compile",
                 "a schema of", "a schema nested deeper than",
                 "this model reads text only",  # a content part the model cannot take (image_url, audio)
-                "is not in the vocabulary")  # a /v1/completions token id past the model's vocabulary
+                "is not in the vocabulary",  # a /v1/completions token id past the model's vocabulary
+                # the embedder's own sizes (/v1/embeddings): its dimensions and the word pieces it reads
+                "dimensions only", "word pieces, over the")
     return status == 400 and any(rule in message for rule in in_words)
 
 

@@ -201,7 +201,7 @@ class Planner:
                     found = self._find(candidate, span, read)
                     if found.tier is not None:  # exact by its chain key, or a passage computed right here
                         here = (k == 0 and len(keys) == 2) or span.kind == "head" or (
-                            found.kv.position == span.start and found.kv.context_hash == before)
+                            found.kv.position == span.start and self._computed_after(found, span) == before)
                         source = "exact" if exact and here else "blended"
                         break
             if source == "blended" and mode == "prefix":  # prefix caching: what is not exact is computed
@@ -228,6 +228,11 @@ class Planner:
         else:  # "content" keeps a content entry's context from ever equalling a chain's
             contexts = [_salted(before, tenant), _salted(self.kv.context_hash(), "content\x00" + tenant)]
         return [(context, kv_key(self.fingerprint, context, list(span.ids))) for context in contexts]
+
+    def _computed_after(self, found: Loaded, span: Span) -> str:
+        """The hash of what `found`'s entry was computed after: a collection passage's context is salted with its
+        collection (so tenants' entries stay apart), yet it was computed after the head, as every passage is."""
+        return self.kv.context_hash() if span.shared and span.kind == "passage" else found.kv.context_hash
 
     def _find(self, key: str, span: Span, read: bool) -> Loaded:
         if not read:  # only its header: where it is and where it was computed

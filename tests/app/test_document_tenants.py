@@ -84,6 +84,9 @@ def test_the_same_text_in_two_tenants_has_two_kv_entries(per_tenant, server_engi
     chunk = parts.retriever.document_chunks("same", "alice")[0]
     key_bob = parts.kv_cache.key(parts.kv_cache.passage_ids(chunk.token_ids, "Shared words"), "bob")
     assert key_bob != key_alice and parts.store.contains(key_alice) and not parts.store.contains(key_bob)
+    lookup = per_tenant.post("/v1/cache/lookup", headers=ALICE, json={"prompt": "What is the Zorvath vault code?"})
+    passages = [p for p in lookup.json()["pieces"] if p["kind"] == "passage"]
+    assert passages[0]["cached"] == "exact"  # her entry's key is salted, yet it was computed right there
     upload(per_tenant, BOB, "same", "Shared words", VAULT)
     assert parts.retriever.document_chunks("same", "bob")[0].kv_key == key_bob and parts.store.contains(key_bob)
     assert per_tenant.delete("/v1/documents/same", headers=BOB).status_code == 200

@@ -10,7 +10,7 @@ import torch
 
 from app.config import PlannerSettings
 from app.planner import Part, Planner
-from blend import ChunkKV
+from blend import ChunkKV, hash_ids
 from tests.helpers import shared_tokenizer
 
 HEAD = tuple(range(1000, 1020))
@@ -27,7 +27,7 @@ class FakeKV:
         self.prompt = SimpleNamespace(tokenizer=shared_tokenizer())
 
     def context_hash(self) -> str:
-        return "after-head"
+        return hash_ids(list(HEAD))  # what a passage is computed after
 
     def passage_context(self, collection: str = "") -> str:
         return self.context_hash() + (f"@{collection}" if collection else "")
@@ -148,14 +148,19 @@ def test_sources_exact_then_blended_then_computed_and_tenants_apart():
     assert {s.key for s in other.spans[1:]}.isdisjoint(s.key for s in again.spans[1:])
     passage = Part("passage", text(13, 30))
     mine, _ = p.plan([Part("head", HEAD), passage], [1], mode="blend", tenant="a")
+    store_plan(p, mine)
     theirs, _ = p.plan([Part("head", HEAD), passage], [1], mode="blend", tenant="b")
     assert mine.spans[1].key == theirs.spans[1].key  # the collection's passages are shared
+    assert theirs.spans[1].source == "exact"  # right after the head, where it was computed
     # retrieval.documents: tenant: a tenant's passage is its collection's entry, found by that tenant alone
     acme, _ = p.plan([Part("head", HEAD), passage], [1], mode="blend", tenant="acme", collection="acme")
     assert acme.collection == "acme" and acme.spans[1].key not in (mine.spans[1].key, theirs.spans[1].key)
     store_plan(p, acme)
     found, _ = p.plan([Part("head", HEAD), passage], [1], mode="blend", tenant="acme", collection="acme")
-    assert found.spans[1].source != "compute" and found.spans[1].key == acme.spans[1].key
+    assert found.spans[1].source == "exact" and found.spans[1].key == acme.spans[1].key  # salted, yet exact
+    later, _ = p.plan([Part("head", HEAD), Part("passage", text(14, 30)), passage], [1], mode="blend",
+                      tenant="acme", collection="acme")
+    assert later.spans[2].source == "blended"  # after another passage: its entry is shifted and blended
     elsewhere, _ = p.plan([Part("head", HEAD), passage], [1], mode="blend", tenant="beta", collection="beta")
     assert elsewhere.spans[1].source == "compute"
 

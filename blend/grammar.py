@@ -88,7 +88,7 @@ def _bound(schema):
         out["additionalProperties"] = _unlisted(out)
     if "array" in types and "items" not in out and "prefixItems" not in out:
         out["items"] = {"$ref": f"#/$defs/{ANY_VALUE}"}
-    if types & {"number", "integer"}:
+    if types & {"number", "integer"} and not {"enum", "const"} & out.keys():  # (listed values are bounded)
         out.update(_number_bounds(out, "number" in types))
     return out
 

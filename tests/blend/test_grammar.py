@@ -142,6 +142,8 @@ def test_a_number_ends_at_its_bound_where_json_would_let_it_run_on(decoder):
     digits = "9" * 20
     assert taken(decoder, {"type": "integer"}, digits) == (digits[:len(str(NUMBER_LIMIT)) - 1], True)
     assert taken(decoder, {"type": "number", "multipleOf": 0.5}, "2.5") == ("2.5", True)  # the client's own step
+    pi = {"type": "number", "enum": [3.14159265358979]}  # listed values stand as they are
+    assert taken(decoder, pi, "3.14159265358979") == ("3.14159265358979", True)
     # values the schema leaves open are bounded too: an open object's properties, an array's items, any value
     text, _ = taken(decoder, {"type": "object"}, '{"b": [1, {"c": 3.' + "3" * 20)
     assert text == '{"b": [1, {"c": 3.' + "3" * NUMBER_PLACES

@@ -50,6 +50,8 @@ _SCHEMAS = ("additionalProperties", "items", "additionalItems", "then", "else") 
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")                   # ... a list of schemas
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")           # ... a name -> schema map
 _ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly"}
+# an object's properties may come from these too: its own listed ones are then not all it may hold
+_COMPOSED = {"patternProperties", "allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependencies"}
 
 
 def json_rule(schema: dict) -> str:
@@ -98,21 +100,21 @@ def _unlisted(schema: dict):
     them all (as xgrammar's strict mode: a call's arguments are its parameters, not `"type": "string"` copied
     from the schema), else a bounded any-value."""
     listed = schema.get("properties")
-    if listed and "patternProperties" not in schema and set(schema.get("required", ())) <= listed.keys():
+    if listed and not _COMPOSED & schema.keys() and set(schema.get("required", ())) <= listed.keys():
         return False
     return {"$ref": f"#/$defs/{ANY_VALUE}"}
 
 
 def _number_bounds(schema: dict, fractional: bool) -> dict:
-    """The bounds a number schema lacks: a side with none gets NUMBER_LIMIT (or the other side's bound, where that
-    lies beyond it); a fractional number without multipleOf gets NUMBER_PLACES decimals."""
+    """The bounds a number schema lacks: a side with none gets NUMBER_LIMIT (or NUMBER_LIMIT past the other side's
+    bound, where that lies beyond it); a fractional number without multipleOf gets NUMBER_PLACES decimals."""
     low = next((schema[k] for k in ("minimum", "exclusiveMinimum") if _is_number(schema.get(k))), None)
     high = next((schema[k] for k in ("maximum", "exclusiveMaximum") if _is_number(schema.get(k))), None)
     bounds = {}
     if low is None:
-        bounds["minimum"] = min(-NUMBER_LIMIT, high if high is not None else 0)
+        bounds["minimum"] = min(-NUMBER_LIMIT, (high if high is not None else 0) - NUMBER_LIMIT)
     if high is None:
-        bounds["maximum"] = max(NUMBER_LIMIT, low if low is not None else 0)
+        bounds["maximum"] = max(NUMBER_LIMIT, (low if low is not None else 0) + NUMBER_LIMIT)
     if fractional and "multipleOf" not in schema:
         bounds["multipleOf"] = 10.0**-NUMBER_PLACES
     return bounds

@@ -152,6 +152,8 @@ def test_a_number_ends_at_its_bound_where_json_would_let_it_run_on(decoder):
     listed = {"type": "object", "properties": {"city": {"type": "string"}}}
     assert taken(decoder, listed, '{"city": "Oslo", "type": "string"}') == ('{"city": "Oslo"', False)
     assert taken(decoder, listed, '{"city": "Oslo"}') == ('{"city": "Oslo"}', True)
+    composed = {**listed, "allOf": [{"properties": {"days": {"type": "integer"}}, "required": ["days"]}]}
+    assert taken(decoder, composed, '{"city": "Oslo", "days": 3}') == ('{"city": "Oslo", "days": 3}', True)
 
 
 SCHEMAS = [

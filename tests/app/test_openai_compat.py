@@ -15,7 +15,7 @@ def make_client(url: str, api_key: str = "unused") -> openai.OpenAI:
 
 def test_chat_completion_streamed_and_not(live_server, corpus):
     client = make_client(live_server.url)
-    model, _ = [m.id for m in client.models.list()]
+    model, _, _embedder = [m.id for m in client.models.list()]
     question, doc_id, words = corpus.questions[0]
     request = dict(model=model, messages=[{"role": "user", "content": question}], max_tokens=14, temperature=0,
                    seed=7, extra_body={"top_k": 1, "mode": "blend"})
@@ -59,6 +59,6 @@ def test_errors_arrive_as_openai_errors(live_server):
 def test_api_key(make_app, corpus, serve_live):
     with serve_live(make_app(server={"api_key": "k-123"})) as live:
         assert [m.id for m in make_client(live.url, "k-123").models.list()] == [
-            "smollm2-135m-instruct", "smollm2-135m-instruct-chat"]
+            "smollm2-135m-instruct", "smollm2-135m-instruct-chat", "all-MiniLM-L6-v2"]
         with pytest.raises(openai.AuthenticationError):
             make_client(live.url, "wrong").models.list()

@@ -79,7 +79,7 @@ class RagEngine:
         #    requests' (blend.decode.decode_loop, the loop every answer runs). Closing the program
         #    (done, cancelled, failed) gives the slot back.
         sampling = SamplingParams(max_new_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
-                                  stop=params.stop, seed=params.seed)
+                                  stop=params.stop, seed=params.seed, top_logprobs=params.top_logprobs)
         eos = frozenset() if params.ignore_eos else parts.runtime.eos_ids
         text = TextStream(parts.tokenizer, stop=params.stop, eos_ids=eos)
         sequence = parts.runtime.start(prefill, sampling, constraint)  # the first token is chosen here
@@ -102,7 +102,8 @@ class RagEngine:
         if params.mode != "full" and finish != "cancelled":
             self.planner.store(plan, loaded, prefill)
         uses = self.planner.key_uses(plan) if params.mode != "full" else []
-        yield QueryResult(content, sources, stats, finish, explain, uses, calls, text.stop_sequence)
+        logprobs = sequence.logprobs[:len(text.tokens)] if params.top_logprobs is not None else None  # (no eos)
+        yield QueryResult(content, sources, stats, finish, explain, uses, calls, text.stop_sequence, logprobs)
 
     @cached_property
     def planner(self) -> Planner:

@@ -2,11 +2,13 @@
 harnesses send). The prompt, a string (or a list of one) tokenized as the model's tokenizer does by default, or
 token ids, is the engine's prompt as it is: one piece whose KV is stored and reused (a repeated prompt reads it
 back: usage.prompt_tokens_details.cached_tokens), its last token computed for the logits. The same engine,
-planner and decode loop as a chat, retrieval off. One completion a request; `echo`, `logprobs`, `suffix`, `n` and
-`best_of` over 1 are refused with a 400 (stated in the schema)."""
+planner and decode loop as a chat, retrieval off. One completion a request; `echo`, `suffix`, `n` and `best_of`
+over 1 are refused with a 400 (stated in the schema). `logprobs` are the generated tokens' (the prompt's would need
+its logits, which a reused KV does not give)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from typing import Annotated, Any, AsyncIterator, Literal
@@ -18,12 +20,13 @@ from sse_starlette import ServerSentEvent
 from app.api_models import ERRORS, MODEL_NOT_FOUND, MAX_SEED, LimitError, OpenAIBody, Text, check_limits
 from app.errors import ApiError
 from app.openai_models import StreamOptions, Usage, at_most_4_stops, stop_sequences
-from app.query import QueryParams
-from app.query_routes import SSE, QueryRun, check_model, finish_reason, sse, usage_of
+from app.query import QueryParams, QueryResult
+from app.query_routes import SSE, QueryRun, check_model, choice_logprobs, finish_reason, sse, usage_of
 from app.service import Service, service
 
 router = APIRouter()
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for a completion
+MAX_COMPLETION_LOGPROBS = 5  # alternatives a token's logprobs may list (OpenAI's bound for completions)
 PromptText = Annotated[Text, Field(min_length=1)]
 
 
@@ -45,7 +48,8 @@ class CompletionRequest(OpenAIBody):
     best_of: int | None = Field(None, ge=1, json_schema_extra={"maximum": 1}, description="Only 1 is supported.")
     echo: bool | None = Field(None, json_schema_extra={"enum": [False, None]}, description="Not supported: true "
                                                                                           "is a 400.")
-    logprobs: int | None = Field(None, json_schema_extra={"enum": [None]}, description="Not supported: a 400.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS, description=(
+        "Each token's log-probability under the model and this many alternatives (streamed: on the last chunk)."))
     suffix: Text | None = Field(None, json_schema_extra={"enum": [None]}, description="Not supported: a 400.")
 
     @field_validator("stop")
@@ -54,10 +58,17 @@ class CompletionRequest(OpenAIBody):
         return stop_sequences(value)
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int = 0
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -81,17 +92,30 @@ async def completions(body: CompletionRequest, request: Request, svc: Service = 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse(run, completion_chunks(run, head, include_usage))
     result = await run.result(request)
-    return Completion(**head, choices=[CompletionChoice(text=result.answer, finish_reason=finish_reason(result))],
-                      usage=usage_of(result))
+    choice = CompletionChoice(text=result.answer, finish_reason=finish_reason(result),
+                              logprobs=completion_logprobs(svc, result))
+    return Completion(**head, choices=[choice], usage=usage_of(result))
+
+
+def completion_logprobs(svc: Service, result: QueryResult) -> CompletionLogprobs | None:
+    """The legacy form of the answer's logprobs: tokens, their logprobs, {token: logprob} alternatives, offsets."""
+    chosen = choice_logprobs(svc, result)
+    if chosen is None:
+        return None
+    offsets = [0, *itertools.accumulate(len(t.token) for t in chosen.content)][:-1]
+    return CompletionLogprobs(tokens=[t.token for t in chosen.content],
+                              token_logprobs=[t.logprob for t in chosen.content],
+                              top_logprobs=[{a.token: a.logprob for a in t.top_logprobs} for t in chosen.content],
+                              text_offset=offsets)
 
 
 async def completion_params(body: CompletionRequest, svc: Service) -> QueryParams:
     check_model(svc, body.model)
     for name, value, ok in (("n", body.n, 1), ("best_of", body.best_of, 1), ("echo", body.echo, False),
-                            ("logprobs", body.logprobs, None), ("suffix", body.suffix, None)):
+                            ("suffix", body.suffix, None)):
         if value is not None and value != ok:
-            raise ApiError(400, f"{name}: not supported by this server (one completion, no echo, logprobs or "
-                                f"suffix)", param=name)
+            raise ApiError(400, f"{name}: not supported by this server (one completion, no echo or suffix)",
+                           param=name)
     limits = svc.settings.limits
     check_limits(limits, question="", top_k=None, max_tokens={"max_tokens": body.max_tokens})
     prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
@@ -102,7 +126,7 @@ async def completion_params(body: CompletionRequest, svc: Service) -> QueryParam
     return svc.query_params(prompt if isinstance(prompt, str) else "", top_k=None,
                             max_tokens=body.max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_new_tokens),
                             temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, stop=tuple(body.stop),
-                            seed=body.seed, retrieve=False, prompt_ids=tuple(ids))
+                            seed=body.seed, retrieve=False, prompt_ids=tuple(ids), top_logprobs=body.logprobs)
 
 
 def _token_ids(svc: Service, prompt: str | list[int]) -> list[int]:
@@ -120,15 +144,16 @@ def _token_ids(svc: Service, prompt: str | list[int]) -> list[int]:
 async def completion_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool
                             ) -> AsyncIterator[ServerSentEvent]:
     """A chunk per piece of text, a finish chunk, [a usage chunk,] [DONE]."""
-    def chunk(text: str | None, finish: str | None = None, usage: Usage | None = None) -> ServerSentEvent:
-        choices = [] if text is None else [CompletionChoice(text=text, finish_reason=finish)]
+    def chunk(text: str | None, finish: str | None = None, usage: Usage | None = None,
+              logprobs: CompletionLogprobs | None = None) -> ServerSentEvent:
+        choices = [] if text is None else [CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)]
         return ServerSentEvent(Completion(**head, choices=choices, usage=usage).model_dump_json())
 
     async for event in run.events():
         if isinstance(event, str):
             yield chunk(event)
             continue
-        yield chunk("", finish=finish_reason(event))
+        yield chunk("", finish=finish_reason(event), logprobs=completion_logprobs(run.svc, event))
         if include_usage:
             yield chunk(None, usage=usage_of(event))
     yield ServerSentEvent("[DONE]")

@@ -11,6 +11,7 @@ from app.prompt_cache import RETENTION_TTL_S, LeaseNote
 from app.query import Mode, Source
 from app.tool_calls import MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH
 from app.validation import MAX_ID_CHARS, NOT_BLANK, ONE_LINE_NOT_BLANK
+from blend.decode import MAX_TOP_LOGPROBS
 
 
 class TextPart(OpenAIBody):
@@ -189,8 +190,11 @@ class ChatCompletionRequest(OpenAIBody):
         f"json_object or json_schema: the answer is a JSON document (of the schema), enforced by grammar-"
         f"constrained decoding. A schema (a tool's parameters too) has at most {MAX_SCHEMA_CHARS} characters of "
         f"JSON and {MAX_SCHEMA_DEPTH} levels of nesting; one the grammar engine cannot compile is a 400."))
-    logprobs: bool | None = Field(None, description="Not supported: true is a 400.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Not supported: a 400.")
+    logprobs: bool | None = Field(None, description=(
+        "true: each answer token's log-probability under the model (before temperature, top_p and a grammar's "
+        "mask), in `choices[0].logprobs.content`; streamed, all of them on the finish chunk."))
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "With logprobs: true, the likeliest tokens at each position with theirs (without it, a 400)."))
     # ragblend extras
     top_k: int | None = Field(None, ge=1)
     mode: Mode = "blend"
@@ -221,11 +225,25 @@ class ChatMessageOut(BaseModel):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] = Field(description="The token's text as UTF-8 bytes.")
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut]
+
+
 class Choice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -267,7 +285,8 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = Field(None, description="With logprobs: true, on the finish chunk: every "
+                                                              "token's.")
 
 
 class ChatCompletionChunk(BaseModel):

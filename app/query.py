@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from app.explain import Explain
+from blend.decode import TokenLogprob
 from app.tool_calls import ToolCallOut
 
 Mode = Literal["blend", "full", "reuse", "prefix"]  # prefix: the exact prefix reused, everything after it computed
@@ -41,6 +42,7 @@ class QueryParams:
     grammar: str | None = None  # the answer's grammar (llguidance Lark, app.tool_calls): tool_choice, response_format
     tool_calls: bool = False  # parse the calls in the answer (with tools, but for tool_choice none)
     prompt_ids: tuple[int, ...] = ()  # a raw prompt's tokens (/v1/completions): no template, no messages
+    top_logprobs: int | None = None  # None: no logprobs; n: each answer token's, with n alternatives
 
 
 @dataclass
@@ -102,6 +104,7 @@ class QueryResult:
     kv_keys: list[KeyUse] = field(default_factory=list)  # in prompt order, the head first (full mode: none)
     tool_calls: list[ToolCallOut] = field(default_factory=list)  # the calls in the answer (`answer`: the rest)
     stop_sequence: str | None = None  # the stop string that ended the answer
+    logprobs: list[TokenLogprob] | None = None  # each answer token's (params.top_logprobs), in order
 
     def to_dict(self) -> dict:
         return asdict(self)

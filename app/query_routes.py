@@ -15,8 +15,8 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from app.api_models import (ERRORS, MODEL_NOT_FOUND, QueryRequest, QueryResponse, LimitError, check_budget,
                             check_limits)
 from app.openai_models import (ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessageOut, Choice,
-                               ChunkChoice, Delta, FunctionCall, ModelCard, ModelList, NamedToolChoice,
-                               PromptTokensDetails, ToolCall, Usage)
+                               ChoiceLogprobs, ChunkChoice, Delta, FunctionCall, ModelCard, ModelList,
+                               NamedToolChoice, PromptTokensDetails, TokenLogprobOut, ToolCall, TopLogprob, Usage)
 from app.tool_calls import CallStream, SchemaLimitError, response_schema, tools_grammar
 from app.conversation import Conversation
 from app.query import QueryParams, QueryResult
@@ -195,7 +195,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     message = ChatMessageOut(content=result.answer or (None if calls else ""), tool_calls=calls or None)
     return ChatCompletion(**head, usage=usage_of(result), sources=result.sources,
                           dropped_messages=result.stats.dropped_messages, lease=note,
-                          choices=[Choice(message=message, finish_reason=finish_reason(result))])
+                          choices=[Choice(message=message, finish_reason=finish_reason(result),
+                                          logprobs=choice_logprobs(svc, result))])
+
+
+def choice_logprobs(svc: Service, result: QueryResult) -> ChoiceLogprobs | None:
+    """OpenAI's logprobs of the answer's tokens (each one's text, logprob, UTF-8 bytes and alternatives), where
+    the request asked for them. A logprob too small for a float is -9999.0, as OpenAI writes it."""
+    if result.logprobs is None:
+        return None
+    ids = [t for lp in result.logprobs for t in (lp.token, *(i for i, _ in lp.top))]
+    texts = iter(svc.serving.engine.parts.tokenizer.batch_decode([[t] for t in ids]))
+
+    def entry(logprob: float) -> dict[str, Any]:
+        text = next(texts)
+        return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode())}
+    return ChoiceLogprobs(content=[TokenLogprobOut(**entry(lp.logprob), top_logprobs=[
+        TopLogprob(**entry(value)) for _, value in lp.top]) for lp in result.logprobs])
 
 
 async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
@@ -220,14 +236,15 @@ async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
                             top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed,
                             messages=tuple(m.as_prompt() for m in body.messages), tools=tuple(tools),
                             retrieve=retrieve, retrieval_query=chat.retrieval_query(),
-                            grammar=grammar, tool_calls=bool(tools) and body.tool_choice != "none")
+                            grammar=grammar, tool_calls=bool(tools) and body.tool_choice != "none",
+                            top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
 
 def answer_grammar(body: ChatCompletionRequest, tools: list[dict]) -> str | None:
     """What the answer must be (app.tool_calls): its grammar under tool_choice and response_format; a 400 for
-    what this server cannot give (logprobs, a part that is not text) or a choice it cannot follow."""
-    if body.logprobs or body.top_logprobs is not None:
-        raise ApiError(400, "logprobs are not returned by this server", param="logprobs")
+    what this server cannot give (a part that is not text) or a choice it cannot follow."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     for i, message in enumerate(body.messages):
         for part in message.content if isinstance(message.content, list) else ():
             if part.type != "text":
@@ -254,9 +271,9 @@ async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool,
     """OpenAI's stream: a role chunk, content chunks, a finish chunk (with the lease), [a usage chunk,] [DONE].
     With `calls` (tools), a call's chunks instead of its text: its index, id and name, then its arguments in
     fragments."""
-    def chunk(delta: Delta | None, finish: str | None = None, usage: Usage | None = None,
-              dropped: int | None = None, note: LeaseNote | None = None) -> ServerSentEvent:
-        choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=finish)]
+    def chunk(delta: Delta | None, finish: str | None = None, usage: Usage | None = None, dropped: int | None = None,
+              note: LeaseNote | None = None, logprobs: ChoiceLogprobs | None = None) -> ServerSentEvent:
+        choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)]
         return ServerSentEvent(ChatCompletionChunk(**head, choices=choices, usage=usage, dropped_messages=dropped,
                                                    lease=note).model_dump_json(exclude_none=False))
 
@@ -284,7 +301,8 @@ async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool,
             for sent in deltas(split.finish()) if calls else []:
                 yield sent
             note = await retain(event)
-            yield chunk(Delta(), finish=finish_reason(event), dropped=event.stats.dropped_messages, note=note)
+            yield chunk(Delta(), finish=finish_reason(event), dropped=event.stats.dropped_messages, note=note,
+                        logprobs=choice_logprobs(run.svc, event))
             if include_usage:
                 yield chunk(None, usage=usage_of(event))
     yield ServerSentEvent("[DONE]")

@@ -14,6 +14,7 @@ from blend.pool import KVPool
 
 # Below this, logits / temperature overflows float32 (and sampling is greedy in all but name).
 MIN_TEMPERATURE = 1e-4
+MAX_TOP_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's bound); the step computes this many
 
 
 @dataclass
@@ -23,6 +24,31 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    top_logprobs: int | None = None   # None: no logprobs; n: each token's, with its n likeliest alternatives
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (its own distribution: before temperature, top_p and
+    a grammar's mask), and the likeliest tokens at that position with theirs, most likely first."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """logits [B, V], chosen [B] → (the chosen tokens' logprobs [B], the MAX_TOP_LOGPROBS likeliest tokens [B, K]
+    and their logprobs [B, K]), on logits' device. Fixed shapes, so a CUDA graph can hold it."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)                                 # [B, V]
+    top = logprobs.topk(min(MAX_TOP_LOGPROBS, logprobs.shape[-1]), dim=-1)              # [B, K]
+    return logprobs.gather(-1, chosen[:, None])[:, 0], top.indices, top.values
+
+
+def logprob_rows(chosen: list[int], logprobs: list[float], top_ids: list[list[int]], top_values: list[list[float]],
+                 wanted: Sequence[int | None]) -> list[TokenLogprob | None]:
+    """token_logprobs' output (as lists) → each row's TokenLogprob with its `wanted` alternatives (None: none)."""
+    return [None if n is None else TokenLogprob(token, logprob, tuple(zip(ids[:n], values[:n])))
+            for token, logprob, ids, values, n in zip(chosen, logprobs, top_ids, top_values, wanted)]
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
@@ -33,6 +59,12 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     noise = draw_noise([params], [generator], logits.shape[-1], logits.device)
     allowed = None if allowed is None else allowed.to(logits.device)
     return int(sample_rows(logits[None], temperature, top_p, noise, allowed)[0])
+
+
+def logprob_of(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """logits: [V] → `token`'s TokenLogprob with its `top` likeliest alternatives."""
+    lists = [t.tolist() for t in token_logprobs(logits[None], torch.tensor([token], device=logits.device))]
+    return logprob_rows([token], *lists, [top])[0]
 
 
 def sampling_rows(params: Sequence[SamplingParams | None], device: torch.device | str = "cpu"
@@ -85,7 +117,8 @@ class Decoding:
     """One request decoding in a pool slot. `length` is its cache_seqlens: the next token's position; a decode
     step moves it on only once the step's forward has succeeded. `first_token`: the answer's first token,
     chosen from the prefill's logits when the request took its slot (DecodeRuntime.start). `constraint`: the
-    grammar its tokens must follow (blend.grammar), moved on by decode_loop as the answer takes each token."""
+    grammar its tokens must follow (blend.grammar), moved on by decode_loop as the answer takes each token.
+    `logprobs`: with sampling.top_logprobs, each token's (the first one's included) as the steps chose them."""
 
     pool: KVPool
     slot: int
@@ -95,6 +128,7 @@ class Decoding:
     first_token: int = 0
     constraint: Constraint | None = None
     released: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # each token's, in order (sampling.top_logprobs)
 
     def release(self) -> None:
         if not self.released:

@@ -4,8 +4,8 @@
 the step is in `key`). Enabled, the first call for a key copies the inputs into static buffers,
 captures the step over them (`capture`, by default a torch.cuda.CUDAGraph after a warm-up on a side
 stream; it returns the static output, filled by each replay) and replays it; later calls copy the new
-inputs into the same buffers and replay. The output is the graph's static tensor: read it (e.g.
-`.tolist()`) before the next run. A capture that fails (an op that syncs with the host, a kernel
+inputs into the same buffers and replay. The output is the graph's static tensor (or tuple of them): read
+it (e.g. `.tolist()`) before the next run. A capture that fails (an op that syncs with the host, a kernel
 graphs cannot hold) turns graphs off for good, with the reason logged and kept in `disabled`; that
 call and every later one run eagerly.
 
@@ -52,13 +52,13 @@ class StepGraphs:
     def __init__(self, enabled: bool, capture: Capture = cuda_graph_capture):
         self.enabled, self.capture = enabled, capture
         self.disabled: str | None = None if enabled else "off"   # why the step runs eagerly
-        self._graphs: dict[Any, tuple[dict[str, torch.Tensor], torch.Tensor, Callable[[], None]]] = {}
+        self._graphs: dict[Any, tuple[dict[str, torch.Tensor], Any, Callable[[], None]]] = {}
 
     @property
     def captured(self) -> list[Any]:
         return list(self._graphs)
 
-    def run(self, key: Any, step: Callable[..., torch.Tensor], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def run(self, key: Any, step: Callable[..., Any], inputs: dict[str, torch.Tensor]) -> Any:
         if not self.enabled:
             return step(**inputs)
         graph = self._graphs.get(key)

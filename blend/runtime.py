@@ -23,8 +23,8 @@ import torch
 
 from blend.batch import bucket
 from blend.blender import Blender, Prefill
-from blend.decode import (Decoding, SamplingParams, TokenStream, decode_loop, draw_noise, sample_next, sample_rows,
-                          sampling_rows)
+from blend.decode import (Decoding, SamplingParams, TokenStream, decode_loop, draw_noise, logprob_of, logprob_rows,
+                          sample_next, sample_rows, sampling_rows, token_logprobs)
 from blend.driver import Driver
 from blend.grammar import Constraint, Grammars, token_masks
 from blend.pool import DEFAULT_POOL_TOKENS, KVPool, PoolTooShort
@@ -81,7 +81,8 @@ class DecodeRuntime:
         except BaseException:
             self.pool.release(slot)
             raise
-        return Decoding(self.pool, slot, prefill.num_tokens, sampling, generator, first, constraint)
+        logprobs = [] if sampling.top_logprobs is None else [logprob_of(prefill.logits, first, sampling.top_logprobs)]
+        return Decoding(self.pool, slot, prefill.num_tokens, sampling, generator, first, constraint, logprobs=logprobs)
 
     def generate(self, prefill: Prefill, sampling: SamplingParams = SamplingParams(),
                  answer: TokenStream | None = None) -> Iterator[Any]:
@@ -130,13 +131,24 @@ class DecodeRuntime:
         if allowed is not None:
             inputs["allowed"] = allowed.to(self.device, non_blocking=True)
 
-        def forward(tokens: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                    noise: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
-            logits = self.form.logits(pool, tokens, positions, key_columns)                    # [rows, V]
-            return sample_rows(logits, temperature, top_p, noise, allowed)                     # [rows]
+        wanted = [s.sampling.top_logprobs for s in sequences]
 
-        key = (rows, key_columns, noise is not None, allowed is not None)
-        following = self.graphs.run(key, forward, inputs).tolist()
+        def forward(tokens: torch.Tensor, positions: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                    noise: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+            logits = self.form.logits(pool, tokens, positions, key_columns)                    # [rows, V]
+            chosen = sample_rows(logits, temperature, top_p, noise, allowed)                   # [rows]
+            if all(n is None for n in wanted):
+                return (chosen,)
+            return chosen, *token_logprobs(logits, chosen)  # + [rows], [rows, K], [rows, K]
+
+        key = (rows, key_columns, noise is not None, allowed is not None, any(n is not None for n in wanted))
+        following, *logprobs = [t.tolist() for t in self.graphs.run(key, forward, inputs)]
         for sequence, position in zip(sequences, positions):
             sequence.length = position + 1
+        if logprobs:  # each asking row's, kept on its sequence
+            rows_of = [[column[slot] for slot in slots] for column in logprobs]
+            chosen = [following[slot] for slot in slots]
+            for sequence, logprob in zip(sequences, logprob_rows(chosen, *rows_of, wanted)):
+                if logprob is not None:
+                    sequence.logprobs.append(logprob)
         return [following[slot] for slot in slots]

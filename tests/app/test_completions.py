@@ -55,7 +55,7 @@ def test_completions_continue_a_raw_prompt_and_reuse_its_kv(live_server):
 
 def test_completions_refuse_what_they_do_not_support(live_server):
     client = openai_client(live_server.url)
-    for refused in ({"echo": True}, {"n": 2}, {"best_of": 3}, {"logprobs": 1}, {"suffix": "the end"}):
+    for refused in ({"echo": True}, {"n": 2}, {"best_of": 3}, {"suffix": "the end"}):
         name = next(iter(refused))
         with pytest.raises(openai.BadRequestError, match=f"{name}: not supported") as error:
             client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, **refused)
@@ -140,3 +140,34 @@ def test_embeddings_refuse_what_they_cannot_embed(live_server):
         client.embeddings.create(model=EMBEDDER, input="")
     spec = httpx.get(f"{live_server.url}/openapi.json").json()
     assert spec["components"]["schemas"]["EmbeddingRequest"]["properties"]["model"]["enum"] == [EMBEDDER]
+
+
+def test_logprobs_are_each_answer_tokens_streamed_or_not(live_server):
+    client = openai_client(live_server.url)
+    body = dict(model=MODEL + "-chat", messages=[{"role": "user", "content": "Name three colours."}], max_tokens=12,
+                temperature=0, logprobs=True, top_logprobs=3)
+    client.chat.completions.create(**body)  # its KV stored: the answers below all read it (int8, the same tensors)
+    answer = client.chat.completions.create(**body)
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens  # every answer token (an ending eos aside)
+    assert "".join(t.token for t in content).strip() == answer.choices[0].message.content
+    for token in content:
+        alternatives = [a.logprob for a in token.top_logprobs]
+        assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
+        # greedy: the token taken is the likeliest, with its logprob
+        assert (token.top_logprobs[0].token, token.top_logprobs[0].logprob) == (token.token, token.logprob)
+        assert token.logprob <= 0 and bytes(token.bytes).decode() == token.token
+    streamed = list(client.chat.completions.create(**body, stream=True))
+    last = [c for c in streamed if c.choices][-1].choices[0]
+    assert last.finish_reason and [t.token for t in last.logprobs.content] == [t.token for t in content]
+    assert [t.logprob for t in last.logprobs.content] == pytest.approx([t.logprob for t in content], abs=1e-4)
+    assert client.chat.completions.create(**{**body, "logprobs": None, "top_logprobs": None}).choices[0].logprobs \
+        is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(**{**body, "logprobs": None})
+
+    completion = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    legacy = completion.choices[0].logprobs
+    assert "".join(legacy.tokens) == completion.choices[0].text and len(legacy.tokens) == len(legacy.token_logprobs)
+    assert legacy.text_offset[0] == 0 and all(0 < len(top) <= 2 for top in legacy.top_logprobs)
+    assert all(max(top.values()) == pytest.approx(lp) for top, lp in zip(legacy.top_logprobs, legacy.token_logprobs))

@@ -105,6 +105,7 @@ def _a_rule_json_schema_cannot_state(recorder, case_id: str, check) -> bool:
                 # tool_choice's tool must be one of `tools`, and a forced call needs tools (a reference across
                 # fields); a schema the grammar engine cannot compile, or past its stated size and depth
                 "is not among the tools", "not among the tools (", "needs tools", "the schema does not compile",
+                "top_logprobs needs logprobs: true",  # a reference across fields too
                 "a schema of", "a schema nested deeper than",
                 "this model reads text only",  # a content part the model cannot take (image_url, audio)
                 "is not in the vocabulary",  # a /v1/completions token id past the model's vocabulary

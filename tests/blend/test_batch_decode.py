@@ -229,8 +229,8 @@ class FakeCapture:
         self.captures += 1
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
-        out = fn()
-        return out, lambda: out.copy_(fn())
+        out = fn()  # the step's static outputs (a tuple of tensors), refilled by each replay
+        return out, lambda: [static.copy_(fresh) for static, fresh in zip(out, fn())]
 
 
 def test_graphed_step_replays_the_eager_tokens_with_one_capture_per_shape():
@@ -243,8 +243,49 @@ def test_graphed_step_replays_the_eager_tokens_with_one_capture_per_shape():
     got = [list(graphed.generate(blender.full_prefill(ids), p)) for ids, p in zip(PROMPTS, params)]
     assert got == want
     # one request at a time, all in slot 0, under 256 keys: one graph for greedy rows, one for sampled rows
-    assert sorted(graphed.graphs.captured) == [(1, 256, False, False), (1, 256, True, False)]
+    assert sorted(graphed.graphs.captured) == [(1, 256, False, False, False), (1, 256, True, False, False)]
     assert capture.captures == 2
+    with_logprobs = SamplingParams(10, top_logprobs=2)  # a graph of its own, its logprobs those of the eager step
+    assert answer_with_logprobs(graphed, blender, PROMPTS[0], with_logprobs) == \
+        answer_with_logprobs(eager, blender, PROMPTS[0], with_logprobs)
+    assert (1, 256, False, False, True) in graphed.graphs.captured
+
+
+def answer_with_logprobs(decoder: DecodeRuntime, blender: Blender, ids: list[int], params: SamplingParams,
+                         beside: list[int] | None = None) -> tuple[list[int], list]:
+    """One answer step by step (with a row `beside` it in every step, whose tokens are checked against its tokens
+    alone): its tokens and its sequence's logprobs."""
+    sequence = decoder.start(blender.full_prefill(ids), params)
+    other = decoder.start(blender.full_prefill(beside), SamplingParams(params.max_new_tokens)) if beside else None
+    tokens, others = [sequence.first_token], [other.first_token] if other else []
+    for _ in range(params.max_new_tokens - 1):
+        rows = [sequence, other] if other else [sequence]
+        following = decoder.step(rows, [tokens[-1], *others[-1:]], [r.length for r in rows])
+        tokens.append(following[0])
+        others += following[1:]
+    for row in (sequence, other):
+        if row is not None:
+            row.release()
+    if beside:
+        assert others == generate(blender, blender.full_prefill(beside), SamplingParams(params.max_new_tokens))
+    return tokens, sequence.logprobs
+
+
+def test_logprobs_are_the_models_own_and_change_no_token(tiny_blender):
+    decoder, ids = runtime(tiny_blender), PROMPTS[1]
+    want, logits = hf_greedy(tiny_blender, ids, STEPS)
+    tokens, logprobs = answer_with_logprobs(decoder, tiny_blender, ids, SamplingParams(STEPS, top_logprobs=3),
+                                            beside=PROMPTS[2])  # a row without logprobs beside it
+    assert tokens == want and [lp.token for lp in logprobs] == tokens
+    for lp, row in zip(logprobs, logits):
+        reference = torch.log_softmax(row, dim=-1)                                            # [V]
+        assert lp.logprob == pytest.approx(float(reference[lp.token]), abs=1e-4)
+        assert [t for t, _ in lp.top] == reference.topk(3).indices.tolist() and lp.top[0][0] == lp.token  # greedy
+        assert [v for _, v in lp.top] == pytest.approx(reference.topk(3).values.tolist(), abs=1e-4)
+    sampled = SamplingParams(STEPS, temperature=1.3, seed=7)
+    alone, _ = answer_with_logprobs(decoder, tiny_blender, ids, sampled)
+    drawn, kept = answer_with_logprobs(decoder, tiny_blender, ids, SamplingParams(STEPS, 1.3, seed=7, top_logprobs=0))
+    assert drawn == alone and all(lp.top == () for lp in kept)  # the same draws; no alternatives asked
 
 
 def test_a_failed_capture_falls_back_to_eager_with_the_reason():

@@ -23,6 +23,7 @@ from app.scheduler import Scheduler
 from app.usage import UsageLog
 from app.worker import Worker
 from blend import Blender, DecodeRuntime, LoadedModel, PromptFormat, load_model
+from blend.cache import RoundTrip
 from retrieval import Chunker, Embedder, Metadata, Retriever, open_embedder, open_metadata
 from store import TieredStore, build_store
 from store.codecs import Codec
@@ -69,6 +70,14 @@ class Components:
         return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint,
                            self.blender.backend.placement,  # the gpu tier and pinned memory follow the model
                            ledger=self.metadata, codecs=self.codecs)
+
+    @cached_property
+    def stored_round_trip(self) -> RoundTrip | None:
+        """How a span the store keeps reads back from its fastest tier (the form a repeat of the prompt gets), a
+        layer at a time, for the prefill that computes it to attend to (blend.cache.StoredSpans); None where that
+        is the KV itself (native) or the codec cannot code a layer alone (cachegen)."""
+        codec = self.codecs[self.store.tiers[0].name] if self.store.tiers else None
+        return codec.round_trip_spans if codec is not None and codec.layerwise and codec.name != "native" else None
 
     @cached_property
     def codecs(self) -> dict[str, Codec]:

@@ -31,7 +31,7 @@ from app.planner import Loaded, Part, Plan, Planner
 from app.query import QueryParams, QueryResult, QueryStats, RequestError, Source
 from app.tool_calls import split_tool_calls
 from app.usage import COMPUTED
-from blend import Prefill, SamplingParams, TextStream
+from blend import Prefill, SamplingParams, StoredSpans, TextStream
 from blend.controller import Calibration
 from blend.decode import decode_loop
 from blend.driver import Driver, Offload
@@ -132,9 +132,12 @@ class RagEngine:
             elif ratio is None:
                 ratio = self.settings.blend.ratio
             segments, suffix = self.planner.segments(plan, loaded)
+            # the spans the store will keep, attended to as a repeat of the prompt will read them back
+            stored = StoredSpans(self.planner.stored(plan), parts.stored_round_trip) if parts.stored_round_trip \
+                else None
             prefill = yield from parts.blender.prefill_steps(
                 segments, suffix, ratio, selection=params.selection, pipeline=self.settings.blend.pipeline,
-                recompute=lambda i: self._fresh(loaded[i]))
+                recompute=lambda i: self._fresh(loaded[i]), stored=stored)
             stats.selection = params.selection or parts.blender.selection
             for span, read in zip(plan.spans, loaded):  # where each retrieved chunk's KV came from (app.usage)
                 if span.kind == "passage":

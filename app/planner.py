@@ -229,6 +229,11 @@ class Planner:
             contexts = [_salted(before, tenant), _salted(self.kv.context_hash(), "content\x00" + tenant)]
         return [(context, kv_key(self.fingerprint, context, list(span.ids))) for context in contexts]
 
+    def stored(self, plan: Plan) -> tuple[tuple[int, int], ...]:
+        """The positions [start, end) of the spans `store` will keep after this plan's prefill (its prefill attends
+        to their store round trip: blend.cache.StoredSpans)."""
+        return tuple((span.start, span.end) for span in plan.spans if _kept(span, span.source))
+
     def _computed_after(self, found: Loaded, span: Span) -> str:
         """The hash of what `found`'s entry was computed after: a collection passage's context is salted with its
         collection (so tenants' entries stay apart), yet it was computed after the head, as every passage is."""
@@ -268,8 +273,8 @@ class Planner:
         written: set[str] = set()
         for span, read in zip(plan.spans, loaded):
             had = "compute" if read.tier == COMPUTED else span.source  # an entry that failed to load: again
-            if had == "exact" or (had == "blended" and span.shared) or (span.kind == "head" and span.shared):
-                continue  # (the standard head: kept exact by ChunkKVCache, stored at warm-up)
+            if not _kept(span, had):
+                continue
             entries, kv = self.entries(span, span.after, plan.tenant, plan.collection), None
             for context, key in entries[:1] if had == "blended" else entries:  # blended: as prompted only
                 if key not in written:  # one copy out of the prefill, named by each entry's context
@@ -336,6 +341,13 @@ def _exact(kv: ChunkKV | LayerSource, before: str) -> ChunkKV | LayerSource:
         return replace(kv, context_hash=before)
     kv.context_hash = before  # an opened entry: its own, read once by this prefill
     return kv
+
+
+def _kept(span: Span, had: str) -> bool:
+    """Whether the store keeps `span` after a prefill that had it `had` (exact, blended, compute): not an exact one,
+    nor a shared passage blended here (its entry stays the one computed after the head), nor the standard head
+    (kept exact by ChunkKVCache, stored at warm-up)."""
+    return not (had == "exact" or (had == "blended" and span.shared) or (span.kind == "head" and span.shared))
 
 
 def _compute_when_mostly_new(spans: list[Span], loaded: list[Loaded], share: float) -> None:

@@ -17,6 +17,7 @@ _EXPORTS = {
     "ChunkKV": "common.chunk_kv", "KVMismatchError": "common.chunk_kv", "hash_ids": "common.chunk_kv",
     "SamplingParams": "blend.decode", "TextStream": "blend.decode", "TokenStream": "blend.decode",
     "Blender": "blend.blender", "Prefill": "blend.blender", "PrefillStats": "blend.blender",
+    "StoredSpans": "blend.cache",
     "DecodeRuntime": "blend.runtime", "Driver": "blend.driver", "Offload": "blend.driver",
     "LoadedModel": "blend.model", "load_model": "blend.model",
     "PromptFormat": "blend.prompt",

@@ -48,7 +48,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from blend.attention import BLEND_ATTENTION
 from blend.backend import Backend, backend_for
-from blend.cache import BlendCache
+from blend.cache import BlendCache, StoredSpans
 from blend.gate import judge, sliding_window, static_refusal, tolerance
 from blend.pipeline import ChunkMiss, Fresh, LayerLoader, LayerSource, as_source
 from blend.rope import RopeShifter, RopeUnsupportedError
@@ -292,8 +292,8 @@ class Blender:
 
     def prefill_steps(self, segments: Sequence[ChunkKV | LayerSource], suffix_ids: Sequence[int], ratio: float, *,
                       selection: str | Policy | None = None, seed: int = 0, reserve: int = 0,
-                      pipeline: bool = False, recompute: Callable[[int], ChunkKV] | None = None
-                      ) -> Generator[None, None, Prefill]:
+                      pipeline: bool = False, recompute: Callable[[int], ChunkKV] | None = None,
+                      stored: StoredSpans | None = None) -> Generator[None, None, Prefill]:
         """Blend `segments` + the suffix, yielding after each slice (a layer's chunk of tokens); returns the
         Prefill. `selection` names a policy in blend.selection (default: the Blender's); `reserve` leaves room in
         the cache for that many decoded tokens (the buffer would grow anyway, by a copy).
@@ -302,14 +302,15 @@ class Blender:
         prefill closes every LayerSource it is given. `pipeline`: a loader thread reads layer i+1 while
         layer i computes (same logits as loading every layer first). A segment that fails to load is a
         miss: `recompute(index)` gives its ChunkKV and the prefill starts again (without `recompute`,
-        ChunkMiss is raised)."""
+        ChunkMiss is raised). `stored`: the spans the store will keep, attended to as their round trip (from the
+        layer's chunk that reaches a span's end; the model's own forward, a refused model's, ignores it)."""
         sources = [as_source(s) for s in segments]  # a failed one is closed as it is replaced
         reloaded = 0
         try:
             while True:
                 try:
                     result = yield from self._blend_steps(sources, suffix_ids, ratio, selection, seed, reserve,
-                                                          pipeline)
+                                                          pipeline, stored)
                     result.stats.reloaded_chunks = reloaded
                     return result
                 except ChunkMiss as miss:
@@ -326,8 +327,8 @@ class Blender:
 
     @torch.inference_mode()
     def _blend_steps(self, sources: list[LayerSource], suffix_ids: Sequence[int], ratio: float,
-                     selection: str | Policy | None, seed: int, reserve: int, pipeline: bool
-                     ) -> Generator[None, None, Prefill]:
+                     selection: str | Policy | None, seed: int, reserve: int, pipeline: bool,
+                     stored: StoredSpans | None = None) -> Generator[None, None, Prefill]:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         if not suffix_ids:
@@ -360,6 +361,7 @@ class Blender:
             cache = BlendCache(keys, values, length=total)   # the reserve: decode room, never read before written
             cache.deviation_on = self.deviation
             cache.before_read = loader.wait
+            cache.stored = stored
             clock.lap("assemble")
             result = yield from self._blend(ids, sources, bounds, cache, ratio, policy, seed, clock)
         finally:
@@ -439,16 +441,20 @@ class Blender:
         # Which keys each chunk's queries see, planned once for all these layers (the hint, every key of the
         # prompt, spares a GPU reading the positions back: the plan masks the keys after a chunk's last query).
         plans = [self.backend.plan(run[rows], num_keys=cache.layers[0].keys.shape[2]) for rows in chunks]
+        # the stored spans each chunk rounds (none in the question's probe: it only scores the selection)
+        due = _due(run, chunks, cache.stored.spans) if cache.stored and probe is None else [[] for _ in chunks]
+        cache.round_trip = cache.stored.round_trip if cache.stored else None
         cos, sin = self.decoder.rotary_emb(hidden, position_ids=run[None])      # each [1, T, head_dim]
         for layer in self.decoder.layers[start:stop]:
             out = []                                                              # each [1, rows, hidden]
-            for rows, plan in zip(chunks, plans):
-                cache.write_positions = run[rows]
+            for rows, plan, spans in zip(chunks, plans, due):
+                cache.write_positions, cache.round_trip_now = run[rows], spans
                 out.append(layer(hidden[:, rows], attention_mask=None, position_ids=run[None, rows], cache=cache,
                                  position_embeddings=(cos[:, rows], sin[:, rows]), attention_plan=plan,
                                  attention_probe=probe))
                 yield
             hidden = out[0] if len(out) == 1 else torch.cat(out, dim=1)
+        cache.round_trip_now = []
         return hidden
 
     def _chunks(self, rows: int) -> list[slice]:
@@ -514,6 +520,18 @@ class Blender:
         out = self.model(input_ids=torch.tensor([target[:-1]], device=self.device), position_ids=positions,
                          cache=prefill.cache, use_cache=True)
         return torch.cat([prefill.logits[None], out.logits[0].float().cpu()])
+
+
+def _due(run: torch.Tensor, chunks: list[slice], spans: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """For each chunk of the (sorted) positions `run`, the spans whose last position it is the first to reach: their
+    K/V are final for the layer once its write is done (read or written before; the suffix, always in the last
+    chunk, is past every span). One read of the positions to the host."""
+    last = [positions[-1] for positions in (run.tolist()[rows] for rows in chunks)]
+    due: list[list[tuple[int, int]]] = [[] for _ in chunks]
+    for start, end in spans:
+        chunk = next((i for i, p in enumerate(last) if p >= end - 1), len(chunks) - 1)
+        due[chunk].append((start, end))
+    return due
 
 
 def _run(steps: Generator[None, None, Prefill]) -> Prefill:

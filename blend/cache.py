@@ -9,14 +9,31 @@ With `write_positions` unset, `update()` appends, as a DynamicCache does, but in
 buffer: a token (a precompute's, or a gated model's decode step over a pool slot, blend.pool) writes
 one position instead of copying the whole cache (DynamicCache's `torch.cat` is O(length) per token).
 The buffer doubles when it is full (never for a pool slot: the pool checks lengths first).
+With `round_trip` set, the spans in `round_trip_now` are replaced by their store codec's round trip right after a
+chunk's write (StoredSpans: the prefill then attends to what a repeat of the prompt reads back).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+
+# A store codec's round trip of spans of one layer's K/V, in place: (keys [1, H, N, D], values, [(start, end)]),
+# each span then as a read of its entry decodes it
+RoundTrip = Callable[[torch.Tensor, torch.Tensor, list[tuple[int, int]]], None]
+
+
+@dataclass(frozen=True)
+class StoredSpans:
+    """The prompt's spans the store will keep ([start, end) positions) and the round trip a read of them gives.
+    A prefill that attends to their round trip, rather than to its own unrounded K/V, answers as a repeat of the
+    prompt that reads them back does (with a lossy codec: int8's round trip moves a logprob by up to ~0.04)."""
+    spans: tuple[tuple[int, int], ...]
+    round_trip: RoundTrip
 
 
 class BlendCache(DynamicCache):
@@ -38,6 +55,11 @@ class BlendCache(DynamicCache):
         self.deviations: dict[int, list[torch.Tensor]] = {}  # layer -> per chunk [len(write_positions)]
         # Called with layer i before a prefill reads layer i's cached K/V (pipelined loading waits there).
         self.before_read: Callable[[int], None] | None = None
+        # Spans whose K/V this chunk's update replaces by their round trip, once written (blend.blender: the
+        # stored spans whose last position the chunk reaches first)
+        self.stored: StoredSpans | None = None
+        self.round_trip: RoundTrip | None = None
+        self.round_trip_now: list[tuple[int, int]] = []
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states/value_states: [1, H, Tq, D] for the tokens at write_positions (or new tokens to append)
@@ -52,6 +74,8 @@ class BlendCache(DynamicCache):
             self.deviations.setdefault(layer_idx, []).append(diff.pow(2).sum(dim=(0, 1, 3)))  # squared L2 per token
         layer.keys.index_copy_(2, self.write_positions, key_states)
         layer.values.index_copy_(2, self.write_positions, value_states)
+        if self.round_trip_now:  # before any query of this chunk reads them
+            self.round_trip(layer.keys, layer.values, self.round_trip_now)
         return layer.keys, layer.values
 
     def deviation(self, layer_idx: int) -> torch.Tensor:

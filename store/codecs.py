@@ -34,6 +34,7 @@ Entropy-coded (a section's length depends on the data):
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -196,6 +197,17 @@ class Codec:
         _np_into(parts["keys"], keys)
         _np_into(parts["values"], values)
 
+    # a layer is coded alone (`round_trip_spans`): not cachegen's, whose bins follow the layer's place among all
+    layerwise = True
+
+    def round_trip_spans(self, keys: torch.Tensor, values: torch.Tensor, spans: Sequence[tuple[int, int]]) -> None:
+        """Each span [start, end) of one layer's keys and values [1, H, N, D], in place, as `round_trip` gives
+        that span's entry back (a codec with `layerwise`): what a prefill attends to for the spans the store will
+        keep (blend.cache.StoredSpans)."""
+        for start, end in spans:
+            k, v = self.unpack(self.pack(keys[:, :, start:end], values[:, :, start:end]), keys.device, keys.dtype)
+            keys[:, :, start:end], values[:, :, start:end] = k, v
+
     def round_trip(self, kv: ChunkKV) -> ChunkKV:
         """`kv` as a hit will read it back (fresh tensors, the model's dtype, kv's device): what a
         just-computed chunk must be so it gives the same answer as a stored one."""
@@ -223,9 +235,21 @@ def quantize_int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor
     scale = x.abs().amax(dim=dim, keepdim=True) / 127
     if not torch.isfinite(scale).all():  # amax propagates inf/nan, so this checks every element
         raise ValueError("cannot int8-encode a KV holding inf or nan")
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero slice: any scale is exact
+    scale = _nonzero(scale)
     q = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
     return q, scale
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, scale, torch.ones_like(scale))  # all-zero slice: any scale is exact
+
+
+@functools.lru_cache(maxsize=64)  # a prefill asks for the same spans at every layer
+def _span_rows(spans: tuple[tuple[int, int], ...], device: Device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of `spans`, in order, and the index of the span each belongs to: each [n] int64."""
+    lengths = torch.tensor([end - start for start, end in spans])
+    positions = torch.cat([torch.arange(start, end) for start, end in spans])
+    return positions.to(device), torch.repeat_interleave(torch.arange(len(spans)), lengths).to(device)
 
 
 class NativeCodec(Codec):
@@ -250,6 +274,13 @@ class Fp16Codec(Codec):
     def error_bound(self, parts, T):  # rounded to the nearest fp16: half an ulp (normal), or of a subnormal
         return tuple(parts[p].float().abs() * 2.0 ** -11 * (1 + 2.0 ** -10) + 2.0 ** -25 for p in ("keys", "values"))
 
+    def round_trip_spans(self, keys, values, spans):
+        """Elementwise: every span at once."""
+        if spans:
+            positions, _ = _span_rows(tuple(spans), keys.device)
+            for out in (keys, values):
+                out[0].index_copy_(1, positions, out[0].index_select(1, positions).half().to(out.dtype))
+
 
 class Int8Codec(Codec):
     name = "int8"
@@ -265,6 +296,21 @@ class Int8Codec(Codec):
 
     def error_bound(self, parts, T):
         return parts["k_scale"].float() / 2, parts["v_scale"].float() / 2
+
+    def round_trip_spans(self, keys, values, spans):
+        """Every span at once, bit for bit as pack and unpack give each (a prefill rounds ~150 spans a layer)."""
+        if not spans:
+            return
+        positions, owner = _span_rows(tuple(spans), keys.device)                             # [n], [n]
+        # spans one after another (as a prompt's new messages are): a slice, a view where the dtype is float32
+        rows = slice(spans[0][0], spans[-1][1]) if positions.numel() == spans[-1][1] - spans[0][0] else positions
+        k, v = (x[0][:, rows].float() for x in (keys, values))                                # each [H, n, D]
+        amax = k.new_zeros(k.shape[0], len(spans), k.shape[2]).scatter_reduce_(
+            1, owner[None, :, None].expand_as(k), k.abs(), "amax")                            # [H, spans, D]
+        k_scale = _nonzero(amax / 127).index_select(1, owner)                                 # [H, n, D]
+        v_scale = _nonzero(v.abs().amax(dim=-1, keepdim=True) / 127)                          # [H, n, 1]
+        for x, scale, out in ((k, k_scale, keys), (v, v_scale, values)):  # round(x / scale) * scale, in place
+            out[0][:, rows] = x.div_(scale).round_().clamp_(-127, 127).mul_(scale)
 
     def unpack(self, parts, device, dtype):
         if _on_host(device):  # numpy, for host_to's reason
@@ -543,7 +589,7 @@ class CacheGenCodec(Codec):
     """
 
     name = "cachegen"
-    fixed_size = False
+    fixed_size, layerwise = False, False
     _PREFIX = struct.Struct("<II")
 
     def __init__(self, plan: BinPlan = DEFAULT_BINS, tables: CacheGenTables | None = None) -> None:

@@ -146,9 +146,13 @@ def test_logprobs_are_each_answer_tokens_streamed_or_not(live_server):
     client = openai_client(live_server.url)
     body = dict(model=MODEL + "-chat", messages=[{"role": "user", "content": "Name three colours."}], max_tokens=12,
                 temperature=0, logprobs=True, top_logprobs=3)
-    client.chat.completions.create(**body)  # its KV stored: the answers below all read it (int8, the same tensors)
-    answer = client.chat.completions.create(**body)
+    first = client.chat.completions.create(**body)  # computed, attending to its spans as the store keeps them (int8)
+    answer = client.chat.completions.create(**body)  # read back from the store: the same answer, the same logprobs
     content = answer.choices[0].logprobs.content
+    assert answer.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens
+    assert answer.choices[0].message.content == first.choices[0].message.content
+    assert [t.logprob for t in content] == pytest.approx([t.logprob for t in first.choices[0].logprobs.content],
+                                                         abs=1e-4)
     assert len(content) == answer.usage.completion_tokens  # every answer token (an ending eos aside)
     assert "".join(t.token for t in content).strip() == answer.choices[0].message.content
     for token in content:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from blend import Blender, ChunkKV, KVMismatchError, SamplingParams, hash_ids
+from blend import Blender, ChunkKV, KVMismatchError, SamplingParams, StoredSpans, hash_ids
 from tests.blend.conftest import generate, random_ids, tiny_model
 
 HEAD, CHUNKS, SUFFIX = random_ids(7, 1), [random_ids(23, 2), random_ids(31, 3), random_ids(17, 4)], random_ids(9, 5)
@@ -173,3 +173,39 @@ def test_a_fresh_span_between_cached_ones_is_computed_in_the_prefill(tiny_blende
     # in place): the full prefill's
     assert torch.allclose(mixed.cache.layers[0].keys[0, :, lo:hi], full.cache.layers[0].keys[0, :, lo:hi], atol=1e-4)
     assert mixed.stats.cached_tokens == len(HEAD) + len(CHUNKS[0]) + len(CHUNKS[2])
+
+
+def fp16_round_trip(keys: torch.Tensor, values: torch.Tensor, spans: list[tuple[int, int]]) -> None:
+    """A lossy store codec's read of spans of one layer's K/V [1, H, N, D] (fp16's rounding, in the model's dtype)."""
+    for start, end in spans:
+        for x in (keys, values):
+            x[:, :, start:end] = x[:, :, start:end].half().to(x.dtype)
+
+
+@pytest.mark.parametrize("ratio, chunk_tokens", [(0.0, None), (0.3, None), (0.3, 8)])
+def test_a_prompt_computed_answers_as_its_repeat_that_reads_the_stored_spans(tiny_blender, ratio, chunk_tokens,
+                                                                              monkeypatch):
+    """The spans the store will keep, computed in a prefill (fresh, or read and blended; a layer in one chunk or
+    in chunks of 8 rows that cut spans), are attended to as their round trip: the prompt again, its spans read
+    back exact through the codec and only the question computed, gives the first prefill's logits, where
+    attending to the unrounded K/V would not."""
+    monkeypatch.setattr(tiny_blender, "chunk_tokens", chunk_tokens)
+    head = tiny_blender.precompute(HEAD)
+    blended = tiny_blender.precompute(CHUNKS[2], [], context=None)  # read, and repaired at `ratio`
+    segs = [head, tiny_blender.fresh(CHUNKS[0], len(HEAD)), tiny_blender.fresh(CHUNKS[1], len(HEAD) + 23),
+            blended]  # computed at 0, read at len(HEAD) + 54
+    spans = ((len(HEAD), len(HEAD) + 23), (len(HEAD) + 23, len(HEAD) + 54), (len(HEAD) + 54, len(HEAD) + 71))
+    stored = StoredSpans(spans, fp16_round_trip)
+    first = tiny_blender.prefill(segs, SUFFIX, ratio=ratio, stored=stored)
+    unrounded = tiny_blender.prefill(segs, SUFFIX, ratio=ratio)
+    ids = HEAD + sum(CHUNKS, [])
+    kept = [head] + [ChunkKV(torch.stack([layer.keys[0, :, a:b] for layer in first.cache.layers]),
+                             torch.stack([layer.values[0, :, a:b] for layer in first.cache.layers]),
+                             torch.tensor(ids[a:b]), a, hash_ids(ids[:a]), head.fingerprint) for a, b in spans]
+    for kv in kept[1:]:  # what the prefill attended to is already its round trip: storing it changes nothing
+        assert torch.equal(kv.keys, kv.keys.half().to(kv.keys.dtype))
+    repeat = tiny_blender.prefill(kept, SUFFIX, ratio=ratio)
+    assert repeat.stats.exact_tokens == len(ids)  # every span read exact: only the question computed
+    gap, unrounded_gap = ((p.logits - repeat.logits).abs().max() for p in (first, unrounded))
+    assert gap < 1e-5 < unrounded_gap / 10, (gap, unrounded_gap)
+

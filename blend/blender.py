@@ -443,7 +443,6 @@ class Blender:
         plans = [self.backend.plan(run[rows], num_keys=cache.layers[0].keys.shape[2]) for rows in chunks]
         # the stored spans each chunk rounds (none in the question's probe: it only scores the selection)
         due = _due(run, chunks, cache.stored.spans) if cache.stored and probe is None else [[] for _ in chunks]
-        cache.round_trip = cache.stored.round_trip if cache.stored else None
         cos, sin = self.decoder.rotary_emb(hidden, position_ids=run[None])      # each [1, T, head_dim]
         for layer in self.decoder.layers[start:stop]:
             out = []                                                              # each [1, rows, hidden]

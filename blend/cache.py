@@ -9,7 +9,7 @@ With `write_positions` unset, `update()` appends, as a DynamicCache does, but in
 buffer: a token (a precompute's, or a gated model's decode step over a pool slot, blend.pool) writes
 one position instead of copying the whole cache (DynamicCache's `torch.cat` is O(length) per token).
 The buffer doubles when it is full (never for a pool slot: the pool checks lengths first).
-With `round_trip` set, the spans in `round_trip_now` are replaced by their store codec's round trip right after a
+With `stored` set, the spans in `round_trip_now` are replaced by their store codec's round trip right after a
 chunk's write (StoredSpans: the prefill then attends to what a repeat of the prompt reads back).
 """
 from __future__ import annotations
@@ -55,10 +55,9 @@ class BlendCache(DynamicCache):
         self.deviations: dict[int, list[torch.Tensor]] = {}  # layer -> per chunk [len(write_positions)]
         # Called with layer i before a prefill reads layer i's cached K/V (pipelined loading waits there).
         self.before_read: Callable[[int], None] | None = None
-        # Spans whose K/V this chunk's update replaces by their round trip, once written (blend.blender: the
-        # stored spans whose last position the chunk reaches first)
+        # The spans the store will keep, and those of them this chunk's update replaces by their round trip once
+        # written (blend.blender: the ones whose last position the chunk reaches first)
         self.stored: StoredSpans | None = None
-        self.round_trip: RoundTrip | None = None
         self.round_trip_now: list[tuple[int, int]] = []
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -75,7 +74,7 @@ class BlendCache(DynamicCache):
         layer.keys.index_copy_(2, self.write_positions, key_states)
         layer.values.index_copy_(2, self.write_positions, value_states)
         if self.round_trip_now:  # before any query of this chunk reads them
-            self.round_trip(layer.keys, layer.values, self.round_trip_now)
+            self.stored.round_trip(layer.keys, layer.values, self.round_trip_now)
         return layer.keys, layer.values
 
     def deviation(self, layer_idx: int) -> torch.Tensor:

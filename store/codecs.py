@@ -137,6 +137,7 @@ class Codec:
 
     name: str
     fixed_size = True
+    layerwise = True  # a layer is coded alone (`round_trip_spans`): not cachegen's, its bins follow the layer's place
 
     def header_fields(self) -> dict[str, Any]:
         """What an entry's header must name for a reader to decode it, beyond the codec's name."""
@@ -196,9 +197,6 @@ class Codec:
         tensors `keys`, `values` [H, T, D] in the model's dtype: one numpy pass each, no intermediate."""
         _np_into(parts["keys"], keys)
         _np_into(parts["values"], values)
-
-    # a layer is coded alone (`round_trip_spans`): not cachegen's, whose bins follow the layer's place among all
-    layerwise = True
 
     def round_trip_spans(self, keys: torch.Tensor, values: torch.Tensor, spans: Sequence[tuple[int, int]]) -> None:
         """Each span [start, end) of one layer's keys and values [1, H, N, D], in place, as `round_trip` gives

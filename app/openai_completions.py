@@ -57,6 +57,14 @@ class CompletionRequest(OpenAIBody):
     def _stops(cls, value: str | list[str] | None) -> list[str]:
         return stop_sequences(value)
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _integral_ids(cls, value: Any) -> Any:
+        """Token ids as JSON Schema counts integers: 2.0 (or 1e20) is an integer (RequestBody's rule, a level down)."""
+        if isinstance(value, list):
+            return [int(v) if isinstance(v, float) and v.is_integer() else v for v in value]
+        return value
+
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]

@@ -62,6 +62,8 @@ def test_completions_refuse_what_they_do_not_support(live_server):
         assert error.value.status_code == 400
     with pytest.raises(openai.BadRequestError, match="not in the vocabulary"):
         client.completions.create(model=MODEL, prompt=[1, 10**7], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="not in the vocabulary"):  # integers as JSON Schema counts them
+        client.completions.create(model=MODEL, prompt=[1.0, 1e20], max_tokens=2)
     with pytest.raises(openai.UnprocessableEntityError):
         client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=2)
 

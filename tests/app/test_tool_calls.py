@@ -134,8 +134,8 @@ def test_json_schema_strict_and_bad_schemas(live_server):
     with pytest.raises(openai.BadRequestError, match="nested deeper"):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=CHAT, response_format={
             "type": "json_schema", "json_schema": {"name": "a", "schema": deep}})
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, logprobs=True, extra_body=CHAT)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, top_logprobs=2, extra_body=CHAT)
     with pytest.raises(openai.BadRequestError, match="image_url"):
         client.chat.completions.create(model=MODEL, max_tokens=5, extra_body=CHAT, messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},

@@ -328,7 +328,7 @@ class Blender:
     @torch.inference_mode()
     def _blend_steps(self, sources: list[LayerSource], suffix_ids: Sequence[int], ratio: float,
                      selection: str | Policy | None, seed: int, reserve: int, pipeline: bool,
-                     stored: StoredSpans | None = None) -> Generator[None, None, Prefill]:
+                     stored: StoredSpans | None) -> Generator[None, None, Prefill]:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         if not suffix_ids:
@@ -525,7 +525,8 @@ def _due(run: torch.Tensor, chunks: list[slice], spans: Sequence[tuple[int, int]
     """For each chunk of the (sorted) positions `run`, the spans whose last position it is the first to reach: their
     K/V are final for the layer once its write is done (read or written before; the suffix, always in the last
     chunk, is past every span). One read of the positions to the host."""
-    last = [positions[-1] for positions in (run.tolist()[rows] for rows in chunks)]
+    positions = run.tolist()
+    last = [positions[rows][-1] for rows in chunks]
     due: list[list[tuple[int, int]]] = [[] for _ in chunks]
     for start, end in spans:
         chunk = next((i for i, p in enumerate(last) if p >= end - 1), len(chunks) - 1)

@@ -243,11 +243,14 @@ def _nonzero(scale: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)  # a prefill asks for the same spans at every layer
-def _span_rows(spans: tuple[tuple[int, int], ...], device: Device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions of `spans`, in order, and the index of the span each belongs to: each [n] int64."""
+def _span_rows(spans: tuple[tuple[int, int], ...], device: Device) -> tuple[slice | torch.Tensor, torch.Tensor]:
+    """The rows of `spans` (a slice where they lie one after another, as a prompt's new messages do: a view;
+    else their positions, [n] int64) and the index of the span each row belongs to ([n] int64)."""
     lengths = torch.tensor([end - start for start, end in spans])
-    positions = torch.cat([torch.arange(start, end) for start, end in spans])
-    return positions.to(device), torch.repeat_interleave(torch.arange(len(spans)), lengths).to(device)
+    owner = torch.repeat_interleave(torch.arange(len(spans)), lengths).to(device)
+    if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+        return slice(spans[0][0], spans[-1][1]), owner
+    return torch.cat([torch.arange(start, end) for start, end in spans]).to(device), owner
 
 
 class NativeCodec(Codec):
@@ -275,9 +278,9 @@ class Fp16Codec(Codec):
     def round_trip_spans(self, keys, values, spans):
         """Elementwise: every span at once."""
         if spans:
-            positions, _ = _span_rows(tuple(spans), keys.device)
+            rows, _ = _span_rows(tuple(spans), keys.device)
             for out in (keys, values):
-                out[0].index_copy_(1, positions, out[0].index_select(1, positions).half().to(out.dtype))
+                out[0][:, rows] = out[0][:, rows].half().to(out.dtype)
 
 
 class Int8Codec(Codec):
@@ -299,10 +302,8 @@ class Int8Codec(Codec):
         """Every span at once, bit for bit as pack and unpack give each (a prefill rounds ~150 spans a layer)."""
         if not spans:
             return
-        positions, owner = _span_rows(tuple(spans), keys.device)                             # [n], [n]
-        # spans one after another (as a prompt's new messages are): a slice, a view where the dtype is float32
-        rows = slice(spans[0][0], spans[-1][1]) if positions.numel() == spans[-1][1] - spans[0][0] else positions
-        k, v = (x[0][:, rows].float() for x in (keys, values))                                # each [H, n, D]
+        rows, owner = _span_rows(tuple(spans), keys.device)                                  # [n] each
+        k, v = (x[0][:, rows].float() for x in (keys, values))      # each [H, n, D] (a view: a slice, float32)
         amax = k.new_zeros(k.shape[0], len(spans), k.shape[2]).scatter_reduce_(
             1, owner[None, :, None].expand_as(k), k.abs(), "amax")                            # [H, spans, D]
         k_scale = _nonzero(amax / 127).index_select(1, owner)                                 # [H, n, D]

@@ -101,13 +101,13 @@ async def completions(body: CompletionRequest, request: Request, svc: Service = 
         return sse(run, completion_chunks(run, head, include_usage))
     result = await run.result(request)
     choice = CompletionChoice(text=result.answer, finish_reason=finish_reason(result),
-                              logprobs=completion_logprobs(svc, result))
+                              logprobs=await completion_logprobs(svc, result))
     return Completion(**head, choices=[choice], usage=usage_of(result))
 
 
-def completion_logprobs(svc: Service, result: QueryResult) -> CompletionLogprobs | None:
+async def completion_logprobs(svc: Service, result: QueryResult) -> CompletionLogprobs | None:
     """The legacy form of the answer's logprobs: tokens, their logprobs, {token: logprob} alternatives, offsets."""
-    chosen = choice_logprobs(svc, result)
+    chosen = await choice_logprobs(svc, result)
     if chosen is None:
         return None
     offsets = [0, *itertools.accumulate(len(t.token) for t in chosen.content)][:-1]
@@ -161,7 +161,7 @@ async def completion_chunks(run: QueryRun, head: dict[str, Any], include_usage: 
         if isinstance(event, str):
             yield chunk(event)
             continue
-        yield chunk("", finish=finish_reason(event), logprobs=completion_logprobs(run.svc, event))
+        yield chunk("", finish=finish_reason(event), logprobs=await completion_logprobs(run.svc, event))
         if include_usage:
             yield chunk(None, usage=usage_of(event))
     yield ServerSentEvent("[DONE]")

@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from app.explain import Explain
-from blend.decode import TokenLogprob
 from app.tool_calls import ToolCallOut
+from blend.decode import TokenLogprob
 
 Mode = Literal["blend", "full", "reuse", "prefix"]  # prefix: the exact prefix reused, everything after it computed
 

@@ -196,16 +196,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
     return ChatCompletion(**head, usage=usage_of(result), sources=result.sources,
                           dropped_messages=result.stats.dropped_messages, lease=note,
                           choices=[Choice(message=message, finish_reason=finish_reason(result),
-                                          logprobs=choice_logprobs(svc, result))])
+                                          logprobs=await choice_logprobs(svc, result))])
 
 
-def choice_logprobs(svc: Service, result: QueryResult) -> ChoiceLogprobs | None:
+async def choice_logprobs(svc: Service, result: QueryResult) -> ChoiceLogprobs | None:
     """OpenAI's logprobs of the answer's tokens (each one's text, logprob, UTF-8 bytes and alternatives), where
-    the request asked for them. A logprob too small for a float is -9999.0, as OpenAI writes it."""
+    the request asked for them, the tokens decoded off the event loop. A logprob too small for a float is
+    -9999.0, as OpenAI writes it."""
     if result.logprobs is None:
         return None
     ids = [t for lp in result.logprobs for t in (lp.token, *(i for i, _ in lp.top))]
-    texts = iter(svc.serving.engine.parts.tokenizer.batch_decode([[t] for t in ids]))
+    texts = iter(await asyncio.to_thread(svc.serving.engine.parts.tokenizer.batch_decode, [[t] for t in ids]))
 
     def entry(logprob: float) -> dict[str, Any]:
         text = next(texts)
@@ -217,6 +218,8 @@ def choice_logprobs(svc: Service, result: QueryResult) -> ChoiceLogprobs | None:
 async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
     """A chat request's engine parameters, its limits checked (LimitError: 422 naming the field)."""
     check_model(svc, body.model)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     body.question()  # 422 without a user message
     limits = svc.settings.limits
     if len(body.messages) > limits.max_messages:
@@ -243,8 +246,6 @@ async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
 def answer_grammar(body: ChatCompletionRequest, tools: list[dict]) -> str | None:
     """What the answer must be (app.tool_calls): its grammar under tool_choice and response_format; a 400 for
     what this server cannot give (a part that is not text) or a choice it cannot follow."""
-    if body.top_logprobs is not None and not body.logprobs:
-        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     for i, message in enumerate(body.messages):
         for part in message.content if isinstance(message.content, list) else ():
             if part.type != "text":
@@ -302,7 +303,7 @@ async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool,
                 yield sent
             note = await retain(event)
             yield chunk(Delta(), finish=finish_reason(event), dropped=event.stats.dropped_messages, note=note,
-                        logprobs=choice_logprobs(run.svc, event))
+                        logprobs=await choice_logprobs(run.svc, event))
             if include_usage:
                 yield chunk(None, usage=usage_of(event))
     yield ServerSentEvent("[DONE]")

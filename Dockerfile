@@ -23,4 +23,4 @@ RUN pip install --no-deps -e .
 
 VOLUME /data
 EXPOSE 8000
-CMD ["sh", "-c", "python -m app.prepare && ragblend ingest corpus && ragblend serve --host 0.0.0.0 --port 8000"]
+CMD ["sh", "-c", "python -m app.cli.prepare && ragblend ingest corpus && ragblend serve --host 0.0.0.0 --port 8000"]

@@ -21,7 +21,7 @@ $(STAMP): requirements.txt pyproject.toml
 
 # Convert the embedded GGUF once into a cached safetensors folder under the data dir.
 models: setup
-	$(BIN)/python -m app.prepare
+	$(BIN)/python -m app.cli.prepare
 
 ingest-demo: models
 	$(BIN)/ragblend ingest corpus
@@ -32,6 +32,7 @@ serve: ingest-demo
 test: models
 	@command -v redis-server >/dev/null || echo "warning: redis-server not installed; Redis tests will be skipped (apt-get install -y redis-server)"
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || echo "warning: PostgreSQL not installed; its tests will be skipped (apt-get install -y postgresql)"
+	$(BIN)/ruff check .  # pyflakes, pycodestyle, import order, line length (pyproject.toml)
 	$(BIN)/lint-imports --no-cache  # the layering (.importlinter): downward imports only, no circles
 	$(BIN)/python -m pytest
 

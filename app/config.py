@@ -110,7 +110,7 @@ class LimitsSettings(BaseModel):
 
 
 class PlannerSettings(BaseModel):
-    """How app.planner cuts a prompt into spans (each a store entry): by content, or LMCache's fixed windows."""
+    """How app.engine.planner cuts a prompt into spans (each a store entry): by content, or LMCache's fixed windows."""
     chunking: Literal["content", "windows"] = "content"
     window_tokens: int = Field(256, ge=8)  # chunking windows: the window, matched at any offset of a later prompt
     average_span_tokens: int = Field(16, ge=4)  # chunking content: a cut candidate every this many tokens (and

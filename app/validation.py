@@ -1,5 +1,5 @@
 """The rules for text from outside — JSON bodies, multipart forms, chat content parts, ingested files —
-in one place. The API's schemas (app/api_models.py) and ingest (app/ingest.py) both apply them, so a
+in one place. The API's schemas (app/api/schemas/ragblend.py) and ingest (app/engine/ingest.py) both apply them, so a
 document id or title is checked the same way whichever door it came in by.
 """
 from __future__ import annotations

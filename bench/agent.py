@@ -42,11 +42,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app.compare import agreement  # noqa: E402
+from app.cli.compare import agreement  # noqa: E402
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
-from app.engine import RagEngine  # noqa: E402
-from app.query import QueryParams, QueryStats  # noqa: E402
+from app.engine.query import QueryParams, QueryStats  # noqa: E402
+from app.engine.rag_engine import RagEngine  # noqa: E402
 from blend import SamplingParams, TextStream  # noqa: E402
 from blend.driver import Driver  # noqa: E402
 from common import git_commit  # noqa: E402
@@ -114,7 +114,7 @@ def one_turn(engine: RagEngine, messages: list[dict], mode: str, ratio: float, a
         int(prefill.logits.argmax())  # the first token is chosen from these
         seconds["prefill_s"], seconds["cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
         start = time.perf_counter()
-        if mode != "full":  # the spans the store lacked, cut from the prefill (app.planner): no compute
+        if mode != "full":  # the spans the store lacked, cut from the prefill (app.engine.planner): no compute
             engine.planner.store(plan, loaded, prefill)
         seconds["store_s"] = time.perf_counter() - start
         yield plan, prefill
@@ -139,7 +139,7 @@ def engines(shared: Components, root: Path) -> dict[str, RagEngine]:
         mode_settings = shared.settings.model_copy(update={"data_dir": root / mode})
         parts = Components(mode_settings)
         parts.__dict__.update(loaded)
-        out[mode] = RagEngine(mode_settings, components=parts)
+        out[mode] = RagEngine(mode_settings, parts)
     return out
 
 
@@ -148,8 +148,8 @@ def run_rule(engines: dict[str, RagEngine], turns: list[list[dict]], rule: str, 
     """The trace, a turn at a time: full, prefix and blend back to back (so load drifts hit them alike)."""
     blender = engines["full"].parts.blender
     out: dict[str, Any] = {"prompt_tokens": [], "modes": {}}
-    rows = {mode: {"prefill_s": [], "cpu_s": [], "store_s": [], "kl": [], "top1": [], "cached_tokens": [], "exact_tokens": [],
-                   "recomputed_tokens": [], "computed_tokens": []} for mode in MODES}
+    rows = {mode: {"prefill_s": [], "cpu_s": [], "store_s": [], "kl": [], "top1": [], "cached_tokens": [],
+                   "exact_tokens": [], "recomputed_tokens": [], "computed_tokens": []} for mode in MODES}
     for t, messages in enumerate(turns):
         for mode in MODES:
             engine = engines[mode]

@@ -25,15 +25,16 @@ to back on every request so load drifts hit them alike:
 Per mode: `seen_reuse`, the share of previously seen passages' tokens whose KV was read from the store (a passage
 is seen once any earlier prompt held it) and `seen_passages_90`, the share of seen passages with >= 90% of their
 tokens reused; TTFT (the plan, store reads and computes, the prefill, the first token) relative to full prefill
-on the same prompt, first and second sight apart (means; the second sight's median too); KL(full || mode) and top-1, teacher-forced over full prefill's
-greedy answer (--answer-tokens) as `ragblend compare` does (app.compare.agreement); `after_answer_s`, the
-model-thread work after the answer (storing the prompt's pieces, any blendable forms), and `background_s`, the
+on the same prompt, first and second sight apart (means; the second sight's median too); KL(full || mode) and
+top-1, teacher-forced over full prefill's greedy answer (--answer-tokens) as `ragblend compare` does
+(app.cli.compare.agreement); `after_answer_s`, the model-thread work after the answer (storing the prompt's
+pieces, any blendable forms), and `background_s`, the
 store writer's time (encoding and tier writes, off the model thread); `dropped_puts`, the spans the store's full
 put queue lost (never stored). --admission / --min-reused-share: store.admission / planner.min_reused_share for
 every mode.
 `retrieval_path`: the same passages of each second sight through ragblend's own retrieval prompt (head |
-passages | question) at query@--ratio (app.compare.Harness): the KL the targets compare against.
-`back_to_back`: through the server's scheduler (app.scheduler, in-process), a new stuffed prompt A, then its
+passages | question) at query@--ratio (app.cli.compare.Harness): the KL the targets compare against.
+`back_to_back`: through the server's scheduler (app.serving.scheduler, in-process), a new stuffed prompt A, then its
 identical repeat B sent the moment A's answer arrives (A's storing still pending), then the same repeat C on an
 idle server: TTFT of B vs C is whether a request is admitted at once; A's `result_s` - `ttft_s` is the storing
 that delays its result (and stalls every other stream on the model thread). `..._stored_inline`: the same with
@@ -61,13 +62,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app.compare import CompareConfig, Harness, Mode, agreement  # noqa: E402
+from app.cli.compare import CompareConfig, Harness, Mode, agreement  # noqa: E402
 from app.components import Components  # noqa: E402
 from app.config import Settings, load_settings  # noqa: E402
-from app.engine import RagEngine  # noqa: E402
-from app.query import QueryParams, QueryResult, QueryStats  # noqa: E402
-from app.scheduler import Scheduler  # noqa: E402
-from app.usage import COMPUTED  # noqa: E402
+from app.engine.query import QueryParams, QueryResult, QueryStats  # noqa: E402
+from app.engine.rag_engine import RagEngine  # noqa: E402
+from app.engine.usage import COMPUTED  # noqa: E402
+from app.serving.scheduler import Scheduler  # noqa: E402
 from blend import SamplingParams, TextStream  # noqa: E402
 from blend.driver import Driver  # noqa: E402
 from common import git_commit  # noqa: E402
@@ -214,7 +215,7 @@ def engines(shared: Components, root: Path, modes: list[str], window_tokens: int
         settings = load_settings(data_dir=root / mode, **base, **overrides)
         parts = Components(settings)
         parts.__dict__.update(loaded)
-        out[mode] = RagEngine(settings, components=parts)
+        out[mode] = RagEngine(settings, parts)
     return out
 
 

@@ -4,11 +4,11 @@ measure with one full prefill per question shared by every codec (a compare run 
     python bench/codec_quality.py [--codecs native,fp16,int8,int4,int2,cachegen] [--plans FILE]
                                   [--start 30 --limit 30 --passages 5 --ratio 0.15] [--out FILE]
 
-Per question, as app.compare does it: the prompt head | first K passages | question (each passage's KV
+Per question, as app.cli.compare does it: the prompt head | first K passages | question (each passage's KV
 precomputed after the head, exact), full prefill's greedy answer as the reference, then for every codec the
 passages' KV through that codec and back (the head stays exact, as serving keeps it) and a blended prefill
 at reuse (ratio 0) and at --ratio with the default selection; KL(full || mode) and top-1 agreement
-teacher-forced over the reference (app.compare.agreement). Deterministic: no timing.
+teacher-forced over the reference (app.cli.compare.agreement). Deterministic: no timing.
 
 Codecs: the store's by name ("cachegen" with store.cachegen_bins: its quantiser; the entropy coding is
 lossless), a cachegen bin plan by its name in --plans (a JSON object, name -> {"keys": [[first layer, bins],
@@ -29,7 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app.compare import CompareConfig, Harness, Mode, PromptKV, agreement, load_dataset  # noqa: E402
+from app.cli.compare import CompareConfig, Harness, Mode, PromptKV, agreement, load_dataset  # noqa: E402
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
 from common import git_commit, write_atomic  # noqa: E402

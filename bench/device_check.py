@@ -130,7 +130,8 @@ def hf_forward(model, ids: list[int], device, implementation: str = "sdpa") -> t
 
 def compare(reference: torch.Tensor, x: torch.Tensor) -> dict:
     kl = torch.nn.functional.kl_div(x.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="sum")
-    return {"max_abs": float((x - reference).abs().max()), "kl": float(kl), "top1": bool(x.argmax() == reference.argmax())}
+    return {"max_abs": float((x - reference).abs().max()), "kl": float(kl),
+            "top1": bool(x.argmax() == reference.argmax())}
 
 
 def exactness(blender: Blender, device, tokens: int, chunk: int) -> dict:

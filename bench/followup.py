@@ -7,7 +7,7 @@ turn ("When was it automated?") and topic switches that do not. For each, the do
 the second question is known. Compares what the search sees:
     alone      the new question only
     always     the previous exchange (user message + answer) and the new question, every time
-    rule       app.conversation's rule: the previous exchange only when the question is a follow-up
+    rule       app.engine.conversation's rule: the previous exchange only when the question is a follow-up
     rule_user  the same rule, with only the previous user message (not the answer) in front
 Prints JSON: hit@1 and hit@k per strategy, for follow-ups, switches and all; and the rule's decisions.
 Retrieval only (the real embedder and FAISS index); no LLM is loaded.
@@ -23,8 +23,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.conversation import Conversation, is_follow_up  # noqa: E402
-from app.ingest import collect_files, read_documents  # noqa: E402
+from app.engine.conversation import Conversation, is_follow_up  # noqa: E402
+from app.engine.ingest import collect_files, read_documents  # noqa: E402
 from retrieval import Chunker, ChunkingSettings, Retriever  # noqa: E402
 from tests.helpers import ROOT, shared_embedder, shared_tokenizer  # noqa: E402
 

@@ -5,7 +5,7 @@
 Prints JSON on stdout, progress on stderr.
 - embed: MiniLM over real chunks (MuSiQue passages through the default chunker; the demo corpus
   if the data is missing), batched as ingest does.
-- kv_precompute: app.kv.ChunkKVCache.ensure on the same chunks into a fresh tiered store (every
+- kv_precompute: app.engine.kv.ChunkKVCache.ensure on the same chunks into a fresh tiered store (every
   one a miss: the blended-prefix forward pass plus the store write).
 - search: FAISS top-4 latency per query over synthetic unit vectors (dim 384), flat and HNSW,
   after a warm-up; plus the question-embedding time a real search adds.

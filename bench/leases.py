@@ -4,7 +4,7 @@ For each of `leased` and `unleased`, in a fresh data dir (the model shared): `--
 ingested (their KV precomputed), and a question retrieves all of them (top_k = passages). The memory tier
 holds the context and a little more (`--memory-slack` passages). Then:
 1. the question is asked once (its prompt's keys: QueryResult.kv_keys), and with `leased` those keys are
-   leased as a request with prompt_cache_retention 24h is (app.prompt_cache.lease: soft, 24 h);
+   leased as a request with prompt_cache_retention 24h is (app.engine.prompt_cache.lease: soft, 24 h);
 2. `--repeats` more asks: the first hit's TTFT (median);
 3. churn: the KV of unleased documents worth `--churn` times the memory tier is computed and stored (as other
    requests and uploads would), with a progress bar;
@@ -34,11 +34,11 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from app import prompt_cache  # noqa: E402
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
-from app.engine import RagEngine  # noqa: E402
-from app.query import QueryParams  # noqa: E402
+from app.engine import prompt_cache  # noqa: E402
+from app.engine.query import QueryParams  # noqa: E402
+from app.engine.rag_engine import RagEngine  # noqa: E402
 from common import git_commit  # noqa: E402
 
 QUESTION = "Which harbour towns keep a lighthouse museum?"

@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
 
+from app.api.server import create_app  # noqa: E402
 from app.config import load_settings  # noqa: E402
-from app.explain import explain_prompt  # noqa: E402
-from app.server import create_app  # noqa: E402
+from app.engine.explain import explain_prompt  # noqa: E402
 from blend import Prefill, PrefillStats  # noqa: E402
 
 

@@ -39,7 +39,6 @@ from common import git_commit  # noqa: E402
 from store import BytesTier, DiskTier, MemoryTier, RedisTier, TieredStore  # noqa: E402
 from tests.servers import RedisServer  # noqa: E402
 
-
 HOW = ("pipelined", "whole", "auto")
 
 

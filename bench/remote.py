@@ -14,7 +14,7 @@ KV stored through the link beforehand (as ingest does).
 
 TTFT = open the stored entries + blended prefill + the first token:
 - "fixed": blend.ratio --ratio (default 0.15), loading pipelined (blend.pipeline);
-- "auto": blend.ratio: auto, the loading controller as serving runs it (app.loading.LoadingControl): the ratio
+- "auto": blend.ratio: auto, the loading controller as serving runs it (app.engine.loading.LoadingControl): the ratio
   (>= --ratio) and, per chunk, load or recompute from text, from the compute cost, link bandwidth and codec
   decode rate measured on a first, untimed prefill of the same store (and on each timed one after it);
 - "full prefill": every token through the model, no store (the reference; timed once per repeat).
@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from app.cachegen import tier_codecs  # noqa: E402
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
-from app.loading import LoadingControl  # noqa: E402
+from app.engine.loading import LoadingControl  # noqa: E402
 from blend import ChunkKV  # noqa: E402
 from blend.pipeline import LayerSource  # noqa: E402
 from common import git_commit  # noqa: E402
@@ -109,7 +109,7 @@ class ThrottledLink:
 
 @dataclass
 class Piece:
-    """A passage as the engine's plan holds it (app.loading.Piece)."""
+    """A passage as the engine's plan holds it (app.engine.loading.Piece)."""
 
     ids: list[int]
     tier: str | None
@@ -177,7 +177,7 @@ def main() -> None:
             store.flush()
             stores[name], controls[name] = store, LoadingControl(blender, store, floor=args.ratio)
 
-        def recompute(piece: Piece) -> ChunkKV:  # what app.kv.ChunkKVCache.compute does
+        def recompute(piece: Piece) -> ChunkKV:  # what app.engine.kv.ChunkKVCache.compute does
             return blender.precompute(piece.ids, kv_cache.context_ids, context=head)
 
         def blended(name: str, how: str) -> tuple[float, dict | None]:

@@ -26,9 +26,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
-from app.engine import RagEngine  # noqa: E402
-from app.query import QueryParams  # noqa: E402
+from app.engine.query import QueryParams  # noqa: E402
+from app.engine.rag_engine import RagEngine  # noqa: E402
 from common import git_commit  # noqa: E402
 
 QUESTIONS = ["Name three colours.", "What is the capital of France?", "Write a haiku about rain.",
@@ -45,7 +46,7 @@ def log(message: str) -> None:
 def engine(codec: str) -> RagEngine:
     settings = load_settings(data_dir=tempfile.mkdtemp(prefix="ragblend-repeat-"),
                              model={"cache_dir": str(REPO / "data" / "models")}, store={"codec": codec})
-    return RagEngine(settings)
+    return RagEngine(settings, Components(settings))
 
 
 def first_logprob(rag: RagEngine, params: QueryParams) -> tuple[str, float]:

@@ -61,7 +61,7 @@ def start_server(data_dir: str, port: int, max_batch: int, queue_size: int, thre
            "RAGBLEND_SERVER__REQUEST_TIMEOUT_S": "3600"}  # a client here waits out the queue, however long
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    return subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
+    return subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)],
                             cwd=REPO, env=env)
 
 

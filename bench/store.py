@@ -42,8 +42,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.placement import HOST, Placement  # noqa: E402
-from store import (CODEC_NAMES, CacheGenTables, DiskTier, MemoryTier, RedisTier, TieredStore, decode,  # noqa: E402
-                   encode, get_codec, register_tables)
+from store import (  # noqa: E402
+    CODEC_NAMES,
+    CacheGenTables,
+    DiskTier,
+    MemoryTier,
+    RedisTier,
+    TieredStore,
+    decode,
+    encode,
+    get_codec,
+    register_tables,
+)
 from store.codecs import Codec  # noqa: E402
 from store.serialize import parse_head  # noqa: E402
 from tests.helpers import random_kv  # noqa: E402

@@ -29,10 +29,11 @@ import jsonschema
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
-from app.engine import RagEngine  # noqa: E402
-from app.query import QueryParams, QueryResult  # noqa: E402
-from app.tool_calls import tools_grammar  # noqa: E402
+from app.engine.query import QueryParams, QueryResult  # noqa: E402
+from app.engine.rag_engine import RagEngine  # noqa: E402
+from app.engine.tool_calls import tools_grammar  # noqa: E402
 from blend import SamplingParams  # noqa: E402
 from blend.driver import Driver, Slot  # noqa: E402
 from blend.grammar import Grammars, token_masks  # noqa: E402
@@ -163,7 +164,8 @@ def main() -> None:
     args = parser.parse_args()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        engine = RagEngine(load_settings(data_dir=tmp, model={"cache_dir": str(REPO / "data/models")}))
+        settings = load_settings(data_dir=tmp, model={"cache_dir": str(REPO / "data/models")})
+        engine = RagEngine(settings, Components(settings))
         report: dict = {"commit": git_commit(), "n": args.n, "compile": compile_times(engine)}
         costs: dict = {}
         for batch in (1, 4):

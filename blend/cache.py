@@ -21,7 +21,6 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-
 # A store codec's round trip of spans of one layer's K/V, in place: (keys [1, H, N, D], values, [(start, end)]),
 # each span then as a read of its entry decodes it
 RoundTrip = Callable[[torch.Tensor, torch.Tensor, list[tuple[int, int]]], None]

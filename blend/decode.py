@@ -11,7 +11,6 @@ from transformers import PreTrainedTokenizerBase
 from blend.grammar import Constraint
 from blend.pool import KVPool
 
-
 # Below this, logits / temperature overflows float32 (and sampling is greedy in all but name).
 MIN_TEMPERATURE = 1e-4
 MAX_TOP_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's bound); the step computes this many

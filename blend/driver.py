@@ -8,7 +8,7 @@ A request is a program, a generator run on the thread that owns the model. It yi
                       one batched forward
 `Driver` holds the programs in flight (its slots) and does the stepping: `advance` resumes a program until its
 next directive, `decode` runs one batched decode step for every slot waiting on a token and resumes each with
-its row. No threads here: app.scheduler runs a Driver on its model thread (and adds the queue, the offload
+its row. No threads here: app.serving.scheduler runs a Driver on its model thread (and adds the queue, the offload
 pool, admission and slice budgets); `Driver.run` runs one program alone on the calling thread, offloads
 inline (the CLI, `ragblend compare`, tests and DecodeRuntime.generate).
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -155,7 +155,8 @@ class LayerLoader:
         self.wait_s += time.perf_counter() - start
         if error is not None:
             raise error
-        self.stager.wait(min(i, self.num_layers - 1))  # CUDA: the compute stream waits for the copies, the host does not
+        # CUDA: the compute stream waits for the copies, the host does not
+        self.stager.wait(min(i, self.num_layers - 1))
 
     def close(self) -> None:
         """Stop loading (the prefill is done or was abandoned) and wait for the thread."""

@@ -24,7 +24,6 @@ import heapq
 
 import torch
 
-
 DEFAULT_POOL_TOKENS = 8192  # positions per slot unless configured (and at most the model's context)
 
 

@@ -229,7 +229,7 @@ class ChatTemplate:
 
 
 def hermes_tools(tools: Sequence[dict], plain: Callable[[str], str] = str) -> str:
-    """Tools (OpenAI's form) described in the Hermes form, and how to call them (app.tool_calls parses it);
+    """Tools (OpenAI's form) described in the Hermes form, and how to call them (app.engine.tool_calls parses it);
     `plain`: what makes the client's text safe to render (PromptFormat.plain)."""
     listed = plain("\n".join(json.dumps(t, sort_keys=True) for t in tools))
     return (f"You may call these tools:\n<tools>\n{listed}\n</tools>\nTo call one, write "
@@ -257,7 +257,7 @@ def _spans(render, base: str, body: str, chat: list[dict]) -> list[str] | None:
 
 
 def _arguments(text: str):
-    """A call's arguments as the Hermes form writes them (and app.tool_calls' grammar makes the model write
+    """A call's arguments as the Hermes form writes them (and app.engine.tool_calls' grammar makes the model write
     them): a JSON object, not a string holding one; text that is not JSON as it is."""
     try:
         return json.loads(text)

@@ -23,8 +23,19 @@ import torch
 
 from blend.batch import bucket
 from blend.blender import Blender, Prefill
-from blend.decode import (Decoding, SamplingParams, TokenStream, decode_loop, draw_noise, logprob_of, logprob_rows,
-                          sample_next, sample_rows, sampling_rows, token_logprobs)
+from blend.decode import (
+    Decoding,
+    SamplingParams,
+    TokenStream,
+    decode_loop,
+    draw_noise,
+    logprob_of,
+    logprob_rows,
+    sample_next,
+    sample_rows,
+    sampling_rows,
+    token_logprobs,
+)
 from blend.driver import Driver
 from blend.grammar import Constraint, Grammars, token_masks
 from blend.pool import DEFAULT_POOL_TOKENS, KVPool, PoolTooShort

@@ -7,8 +7,9 @@ Contract (tested):
   character the model would see exactly once;
 - `chunk.token_ids == tokenizer(chunk.text, add_special_tokens=False, split_special_tokens=True)["input_ids"]`:
   a document is text, so a control token's string in it (`<|im_start|>`) is read as text, never as the token
-  (a document cannot forge a turn in the prompts that retrieve it); each chunk is tokenized on its own (never a slice of the document's tokens), so the ids are what the model
-  sees when the chunk is rendered alone, and no token straddles two chunks;
+  (a document cannot forge a turn in the prompts that retrieve it); each chunk is tokenized on its own (never a
+  slice of the document's tokens), so the ids are what the model sees when the chunk is rendered alone, and no
+  token straddles two chunks;
 - `1 <= chunk.n_tokens <= max_tokens`; chunks aim at `target_tokens`, and a chunk under
   `min_tokens` is merged into a neighbour whenever the merge fits in `max_tokens`.
 

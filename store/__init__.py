@@ -43,8 +43,16 @@ from store.layered import LayeredEntry, LayerReadError, ResidentEntry
 from store.leases import LeaseLedger, LeaseResult, Leases, family_id
 from store.memory import BytesTier, MemoryTier
 from store.redis_tier import RedisTier
-from store.serialize import (CODECS, CorruptEntryError, OldFormatError, bytes_per_token, decode, encode, get_codec,
-                             read_header)
+from store.serialize import (
+                             CODECS,
+                             CorruptEntryError,
+                             OldFormatError,
+                             bytes_per_token,
+                             decode,
+                             encode,
+                             get_codec,
+                             read_header,
+)
 from store.settings import StoreSettings
 from store.tiered import KVStore, StoreClosedError, TieredStore
 

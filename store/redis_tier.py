@@ -194,8 +194,8 @@ class RedisTier(ByteTier):
         self._client.close()
 
     def stats(self) -> dict[str, Any]:
-        """Ours: errors, outages, skipped calls, the write queue's length and its dropped writes. The server's (None when unreachable): keys in this
-        database, memory used and its limit and policy, evictions since it started."""
+        """Ours: errors, outages, skipped calls, the write queue's length and its dropped writes. The server's (None
+        when unreachable): keys in this database, memory used and its limit and policy, evictions since it started."""
         info = self._call({}, self._client.info)
         keys = info.get(f"db{self._client.connection_pool.connection_kwargs.get('db', 0)}", {}).get("keys")
         with self._lock:

@@ -39,8 +39,17 @@ import torch
 import xxhash
 
 from common.chunk_kv import ChunkKV, KVMismatchError, hash_ids
-from store.codecs import (CODEC_NAMES, CODECS, Codec, CorruptEntryError, Device, OldFormatError, _on_host,
-                          get_codec, host_to)
+from store.codecs import (
+    CODEC_NAMES,
+    CODECS,
+    Codec,
+    CorruptEntryError,
+    Device,
+    OldFormatError,
+    _on_host,
+    get_codec,
+    host_to,
+)
 
 __all__ = ["CODECS", "CODEC_NAMES", "Codec", "CorruptEntryError", "OldFormatError", "get_codec", "host_to"]
 
@@ -222,7 +231,8 @@ class EntryHead:
         """Raise CorruptEntryError unless `section` (a buffer) is layer i's bytes."""
         _, length = self.layer_range(i)
         if len(memoryview(section).cast("B")) != length:
-            raise CorruptEntryError(f"layer {i} is {len(memoryview(section).cast('B'))} bytes, the header says {length}")
+            size = len(memoryview(section).cast("B"))
+            raise CorruptEntryError(f"layer {i} is {size} bytes, the header says {length}")
         if digest(section) != self.header["layers"][i][2]:
             raise CorruptEntryError(f"layer {i} checksum mismatch")
 

@@ -43,7 +43,8 @@ class TierCodecs(BaseModel):
 class StoreSettings(BaseModel):
     codec: CodecName | TierCodecs = TierCodecs()  # one codec for every tier, or one per tier
     cachegen_bins: CacheGenBins = CacheGenBins()
-    gpu_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"  # auto: a share of the device's free memory; 0 for a model on the host
+    # auto: a share of the device's free memory; 0 for a model on the host
+    gpu_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
     memory_bytes: int = Field(512 << 20, ge=0)
     disk_bytes: int = Field(4 << 30, ge=0)
     redis_url: str | None = None

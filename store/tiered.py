@@ -42,8 +42,8 @@ from common.placement import HOST, Placement
 from store.admission import TENSOR_TIERS, Admission
 from store.base import Entry, OpenEntry, Reading, Tier
 from store.counters import StoreCounters
-from store.layered import ResidentEntry
 from store.keys import kv_key, validate_key
+from store.layered import ResidentEntry
 from store.leases import Freed, LeaseResult, Leases, family_id
 from store.serialize import Codec, CorruptEntryError, OldFormatError, get_codec
 from store.write_behind import WriteBehind
@@ -101,7 +101,8 @@ class TieredStore:
         self._codecs = {t.name: get_codec(_codec_of(codec, t.name)) for t in self.tiers}
         self.codecs = {name: c.name for name, c in self._codecs.items()}  # tier name -> its codec's name
         self.fingerprint, self.placement = fingerprint, placement
-        self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="ragblend-store-read") if read_threads else None
+        self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="ragblend-store-read") \
+            if read_threads else None
         self._readings = {name: Reading(c, fingerprint, placement, self._pool, read_ahead)
                           for name, c in self._codecs.items()}
         self._counters = StoreCounters(t.name for t in self.tiers)

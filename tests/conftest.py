@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings as hypothesis_settings
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 # Every run replays the same examples, in CI and in a fresh clone's `make test` alike: a red build is
 # then a real regression, not a new draw. `pytest --hypothesis-profile=explore` draws new ones (and

@@ -56,7 +56,7 @@ def shared_llm():
 
 
 class DictKVCache:
-    """Stands in for app.kv.ChunkKVCache in unit tests of ingest bookkeeping: key -> passage text."""
+    """Stands in for app.engine.kv.ChunkKVCache in unit tests of ingest bookkeeping: key -> passage text."""
 
     def __init__(self) -> None:
         self.tokenizer = shared_tokenizer()

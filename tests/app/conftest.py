@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from app.config import Settings, load_settings
-from app.query import QueryParams, QueryResult, QueryStats, Source
+from app.engine.query import QueryParams, QueryResult, QueryStats, Source
 
 MODELS = Path(__file__).resolve().parents[2] / "data" / "models"
 
@@ -61,9 +61,10 @@ def server_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 @pytest.fixture(scope="session")
 def server_engine(server_settings: Settings):
     """The real engine, loaded once: every app in the session shares it (one at a time)."""
-    from app.engine import RagEngine
+    from app.components import Components
+    from app.engine.rag_engine import RagEngine
 
-    engine = RagEngine(server_settings)
+    engine = RagEngine(server_settings, Components(server_settings))
     yield engine
     engine.parts.close()
 
@@ -71,7 +72,7 @@ def server_engine(server_settings: Settings):
 @pytest.fixture(scope="session")
 def make_app(server_settings: Settings, server_engine) -> Callable[..., FastAPI]:
     """create_app over the session engine, with settings sections overridden (e.g. server={"api_key": "k"})."""
-    from app.server import create_app
+    from app.api.server import create_app
 
     def make(**sections: dict[str, Any]) -> FastAPI:
         settings = make_settings(server_settings.data_dir, **sections) if sections else server_settings
@@ -84,7 +85,7 @@ def engine_with(server_settings: Settings, server_engine) -> Callable[..., Any]:
     """A RagEngine over the session's data dir with settings sections overridden (e.g. limits=...) whose
     parts come from that settings, sharing the session's loaded LLM and embedder."""
     from app.components import Components
-    from app.engine import RagEngine
+    from app.engine.rag_engine import RagEngine
 
     def make(**sections: dict[str, Any]):
         settings = make_settings(server_settings.data_dir, **sections)
@@ -176,7 +177,7 @@ class StubEngine:
         return [None] * len(caches)
 
     def program(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False):
-        from app.scheduler import DecodeStep
+        from app.serving.scheduler import DecodeStep
 
         for event in self.stream(params, cancelled):
             yield event
@@ -209,7 +210,7 @@ class StubEngine:
 @pytest.fixture
 def stub_app(tmp_path: Path) -> Callable[..., tuple[FastAPI, StubEngine]]:
     """make(step_s=0, slices=False, **sections) -> (app, its StubEngine)."""
-    from app.server import create_app
+    from app.api.server import create_app
 
     def make(step_s: float = 0.0, slices: bool = False, **sections: dict[str, Any]) -> tuple[FastAPI, StubEngine]:
         engine = StubEngine(make_settings(tmp_path, **sections), step_s, slices)

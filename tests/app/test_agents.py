@@ -11,7 +11,7 @@ import uuid
 import openai
 import pytest
 
-from app.query import QueryParams, QueryStats
+from app.engine.query import QueryParams, QueryStats
 from blend import PromptFormat
 from tests.helpers import MODEL, shared_tokenizer
 
@@ -119,7 +119,7 @@ def test_tool_calls_and_results_through_a_template_that_does_not():
 # ---- message spans on the real model ----------------------------------------------------------------
 
 def kv_of(result, messages: range) -> set[str]:
-    """How the spans of these messages had their KV (app.planner: exact, blended, compute)."""
+    """How the spans of these messages had their KV (app.engine.planner: exact, blended, compute)."""
     return {s["kv"] for s in result.stats.spans if s["message"] in messages}
 
 
@@ -134,7 +134,8 @@ def test_the_same_messages_after_the_same_prefix_are_an_exact_prefix(server_engi
     again = ask(server_engine, trace(nonce, [0]))
     assert kv_of(again, range(3)) == {"exact"} and again.stats.recomputed_tokens == 0
     # The whole prompt but the assistant's opening came from the store, exact; the answer is the same.
-    assert again.stats.exact_tokens == again.stats.cached_tokens == again.stats.prompt_tokens - tail_tokens(server_engine)
+    tail = tail_tokens(server_engine)
+    assert again.stats.exact_tokens == again.stats.cached_tokens == again.stats.prompt_tokens - tail
     assert again.answer == first.answer
     uses = [u for u in again.kv_keys if u.message is not None]
     assert sorted({u.message for u in uses}) == [0, 1, 2] and all(u.cached for u in uses)
@@ -220,7 +221,7 @@ def test_lookup_reports_what_the_next_request_reuses(client):
     body = {"model": MODEL, "messages": list(trace(nonce, [0, 1])), "tools": list(TOOLS), "retrieval": False,
             "max_tokens": 4}
     cold = client.post("/v1/cache/lookup", json=body).json()
-    kinds = [p["kind"] for p in cold["pieces"]]  # app.planner's spans: each message one or more
+    kinds = [p["kind"] for p in cold["pieces"]]  # app.engine.planner's spans: each message one or more
     assert kinds[0] == "head" and set(kinds[1:]) == {"message"} and {p["message"] for p in cold["pieces"][1:]} == {
         0, 1, 2, 3, 4}
     # The task is new; the tool exchanges may be known from other tests (keys are content), never exact here.

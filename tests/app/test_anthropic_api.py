@@ -7,7 +7,7 @@ import anthropic
 import httpx
 import pytest
 
-from app.prompt_cache import LEASE_HEADER
+from app.engine.prompt_cache import LEASE_HEADER
 from store import family_id
 from tests.helpers import MODEL
 

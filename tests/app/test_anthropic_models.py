@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from app.anthropic_api import breakpoints, message_text, parse, system_text, usage
-from app.query import KeyUse, QueryResult, QueryStats
-from app.errors import ApiError
-from app.prompt_cache import prefix_keys
+from app.api.anthropic_routes import breakpoints, message_text, parse, system_text, usage
+from app.api.errors import ApiError
+from app.engine.prompt_cache import prefix_keys
+from app.engine.query import KeyUse, QueryResult, QueryStats
 from tests.helpers import MODEL
 
 EPHEMERAL = {"type": "ephemeral"}
@@ -35,7 +35,8 @@ def test_a_body_becomes_the_system_turn_and_text_turns():
     assert system.startswith("You may call these tools:\n<tools>\n") and system.endswith("</tool_call>\n\nBe brief.")
     assert '"name": "lookup"' in system and "<tool_call>" in system
     assert [message_text(m) for m in request.messages] == [
-        "Who built it?", '<tool_call>\n{"name": "lookup", "arguments": {"q": "builder"}}\n</tool_call>', "[tool result t1 (error): not found]\nTry again?"]
+        "Who built it?", '<tool_call>\n{"name": "lookup", "arguments": {"q": "builder"}}\n</tool_call>',
+        "[tool result t1 (error): not found]\nTry again?"]
 
 
 def test_breakpoints_anywhere_count_up_to_four():

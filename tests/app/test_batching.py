@@ -106,7 +106,7 @@ def test_a_request_longer_than_the_decode_pool_gets_a_400_with_the_reason(engine
     """A request that would pass a pool slot's length is refused before it starts, saying why."""
     from fastapi.testclient import TestClient
 
-    from app.server import create_app
+    from app.api.server import create_app
 
     settings, engine = engine_with(model={"kv_pool_tokens": 100})
     with TestClient(create_app(settings, engine)) as client:

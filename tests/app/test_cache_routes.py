@@ -18,7 +18,7 @@ def samples(text: str) -> dict[tuple[str, tuple[str, ...]], float]:
 
 
 def test_the_cache_endpoint_reports_leases_and_drops_a_family(corpus, engine_with):
-    from app.server import create_app
+    from app.api.server import create_app
 
     settings, engine = engine_with(server={"api_key": "k"})
     parts, question = engine.parts, corpus.questions[0][0]

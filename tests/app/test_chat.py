@@ -9,8 +9,8 @@ from urllib.parse import quote
 import openai
 import pytest
 
-from app.conversation import Conversation, is_follow_up
-from app.query import QueryParams, QueryStats
+from app.engine.conversation import Conversation, is_follow_up
+from app.engine.query import QueryParams, QueryStats
 from blend import PromptFormat
 from tests.helpers import MODEL, shared_tokenizer
 

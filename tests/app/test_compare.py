@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from app.answer_metrics import answer_scores, exact_match, f1_score, lcs_length, normalize_answer, rouge_l
-from app.commands import run_compare
-from app.compare import REPORT_JSON, build_modes
+from app.cli.answer_metrics import answer_scores, exact_match, f1_score, lcs_length, normalize_answer, rouge_l
+from app.cli.commands import run_compare
+from app.cli.compare import REPORT_JSON, build_modes
 from app.config import load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,8 +110,8 @@ def test_compare_report_and_resume(tmp_path, tiny_dataset, monkeypatch):
     def no_prefill(*args, **kwargs):
         raise AssertionError("resume recomputed a finished question")
 
-    monkeypatch.setattr("app.compare.Harness.run", no_prefill)
-    monkeypatch.setattr("app.compare.warm_up", no_prefill)
+    monkeypatch.setattr("app.cli.compare.Harness.run", no_prefill)
+    monkeypatch.setattr("app.cli.compare.warm_up", no_prefill)
     assert compare(tmp_path, tiny_dataset, out, limit=2, resume=True)["questions"] == report["questions"]
     # ...and refuses to mix in results of another config.
     compare(tmp_path, tiny_dataset, out, limit=2, resume=True, max_tokens=4, expect=2)
@@ -120,7 +120,7 @@ def test_compare_report_and_resume(tmp_path, tiny_dataset, monkeypatch):
 def test_the_cli_names_every_store_codec_when_it_refuses_one(tmp_path):
     from typer.testing import CliRunner
 
-    from app.cli import cli
+    from app.cli.main import cli
 
     dataset = tmp_path / "none.json"
     dataset.write_text("[]")

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from app.cli import main
+from app.cli.main import main
 from app.config import ENV_NESTED_DELIMITER, ENV_PREFIX, Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -176,7 +176,7 @@ def test_cli_bad_arguments_exit_nonzero_with_a_reason(args, message, monkeypatch
 def test_cli_bad_config_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("blend:\n  ratio: 7\n")
-    result = subprocess.run([sys.executable, "-m", "app.cli", "store", "stats", "--config", str(bad)],
+    result = subprocess.run([sys.executable, "-m", "app.cli.main", "store", "stats", "--config", str(bad)],
                             capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and len(result.stderr.strip().splitlines()) == 1

@@ -43,9 +43,9 @@ def files(root: Path) -> dict[str, int]:
 
 
 def test_an_upload_on_a_full_disk_is_a_507_and_leaves_nothing(small_disk, server_engine):
+    from app.api.server import create_app
     from app.components import Components
-    from app.engine import RagEngine
-    from app.server import create_app
+    from app.engine.rag_engine import RagEngine
 
     settings = make_settings(small_disk / "data")
     parts = Components(settings)

@@ -9,15 +9,23 @@ import pytest
 from typer.testing import CliRunner
 
 import app.components
-from app.cli import cli
+from app.cli.commands import run_ingest
+from app.cli.main import cli
 from app.components import Components
-from app.commands import run_ingest
-from app.ingest import IngestCancelled, IngestError, Ingestor, SourceDocument, collect_files, read_documents
+from app.engine.ingest import IngestCancelled, IngestError, Ingestor, SourceDocument, collect_files, read_documents
 from blend import PromptFormat, hash_ids
 from retrieval import Chunker, ChunkingSettings, Retriever
 from store import build_store, kv_key
-from tests.helpers import (MODEL_CACHE, ROOT, DictKVCache, random_kv, shared_embedder, shared_llm, shared_tokenizer,
-                           test_settings)
+from tests.helpers import (
+    MODEL_CACHE,
+    ROOT,
+    DictKVCache,
+    random_kv,
+    shared_embedder,
+    shared_llm,
+    shared_tokenizer,
+    test_settings,
+)
 
 LONG = " ".join(f"Sentence {i} of the long document talks about harbour number {i}." for i in range(12))
 
@@ -376,7 +384,7 @@ def test_a_deeply_nested_jsonl_line_is_one_error_line(tmp_path, env, monkeypatch
 
 
 def test_a_crash_mid_batch_keeps_what_was_committed(tmp_path, monkeypatch):
-    from app.kv import ChunkKVCache
+    from app.engine.kv import ChunkKVCache
 
     monkeypatch.setattr(app.components, "load_model", lambda *args, **kwargs: shared_llm())
     monkeypatch.setattr(app.components, "open_embedder", lambda settings: shared_embedder())
@@ -398,7 +406,7 @@ def test_a_crash_mid_batch_keeps_what_was_committed(tmp_path, monkeypatch):
 
 
 def test_ingest_text_for_the_api(tmp_path, monkeypatch):
-    from app.commands import open_ingestor
+    from app.cli.commands import open_ingestor
 
     monkeypatch.setattr(app.components, "load_model", lambda *args, **kwargs: shared_llm())
     monkeypatch.setattr(app.components, "open_embedder", lambda settings: shared_embedder())

@@ -1,4 +1,4 @@
-"""The loading controller as a request runs it (app.loading.LoadingControl) over a real store: per chunk, load
+"""The loading controller as a request runs it (app.engine.loading.LoadingControl) over a real store: per chunk, load
 or recompute from the rates it was given, the cheapest of the tiers holding a chunk, and rates learnt from
 real reads."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from app.loading import LoadingControl
+from app.engine.loading import LoadingControl
 from blend import Blender, ChunkKV
 from blend.pipeline import LayerSource
 from store import CacheGenTables, DiskTier, MemoryTier, RedisTier, TieredStore, kv_key, register_tables

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+
 from tests.helpers import MODEL
 
 pytestmark = pytest.mark.slow

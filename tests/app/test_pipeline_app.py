@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.query import QueryParams, QueryStats
+from app.engine.query import QueryParams, QueryStats
 from store.serialize import parse_head
 
 pytestmark = pytest.mark.slow

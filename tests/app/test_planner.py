@@ -1,4 +1,4 @@
-"""The planner (app.planner): a prompt's parts cut into spans and each span's KV source, decided once."""
+"""The planner (app.engine.planner): a prompt's parts cut into spans and each span's KV source, decided once."""
 from __future__ import annotations
 
 import random
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.config import PlannerSettings
-from app.planner import Part, Planner
+from app.engine.planner import Part, Planner
 from blend import ChunkKV, hash_ids
 from tests.helpers import shared_tokenizer
 
@@ -17,7 +17,7 @@ HEAD = tuple(range(1000, 1020))
 
 
 class FakeKV:
-    """What the planner asks of app.kv.ChunkKVCache: the head, the passages' context, reads by key."""
+    """What the planner asks of app.engine.kv.ChunkKVCache: the head, the passages' context, reads by key."""
 
     def __init__(self):
         self.head_ids, self.entries = list(HEAD), {}

@@ -7,8 +7,8 @@ import httpx
 import openai
 import pytest
 
-from app.query import QueryParams
-from app.prompt_cache import LEASE_HEADER
+from app.engine.prompt_cache import LEASE_HEADER
+from app.engine.query import QueryParams
 from store import family_id
 from tests.helpers import MODEL
 
@@ -78,7 +78,7 @@ def test_openai_prompt_cache_key_and_24h_retention_lease_the_conversation(make_a
         chunks = list(client.chat.completions.create(messages=messages, stream=True,
                                                      stream_options={"include_usage": True}, **request))
         [finish] = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-        # ... and the spans of the two messages of the first exchange (one or more each: app.planner)
+        # ... and the spans of the two messages of the first exchange (one or more each: app.engine.planner)
         assert finish.model_extra["lease"]["status"] == "held" and finish.model_extra["lease"]["entries"] >= 5
         second = chunks[-1].usage  # the head and the first exchange come from the store now
         assert second.prompt_tokens_details.cached_tokens > usage.prompt_tokens_details.cached_tokens
@@ -102,9 +102,9 @@ def test_a_lease_over_the_pinned_cap_is_refused_and_the_response_says_so(server_
     with another system would pass memory's cap: refused there too. Every one answers, and says so."""
     import anthropic
 
+    from app.api.server import create_app
     from app.components import Components
-    from app.engine import RagEngine
-    from app.server import create_app
+    from app.engine.rag_engine import RagEngine
     from tests.app.conftest import make_settings
 
     def engine(**store) -> RagEngine:

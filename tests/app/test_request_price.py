@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from app.openai_models import ChatMessage
+from app.api.schemas.openai import ChatMessage
 
 WORDS = "one two three four five six seven eight".split()
 
@@ -48,7 +48,7 @@ def test_store_reads_and_passages_are_priced_before_any_kv_is_read(engine_with, 
     any KV is read or any layer runs (the real engine, the session's corpus: its passages are in the store)."""
     import re
 
-    from app.server import create_app
+    from app.api.server import create_app
 
     settings, engine = engine_with(limits={"piece_cost_tokens": 3000})
     question = corpus.questions[0][0]

@@ -25,10 +25,10 @@ import pytest
 from typer.testing import CliRunner
 
 import app.components
-from app.cli import cli
+from app.cli.main import cli
 from app.components import Components
-from app.engine import RagEngine
-from app.query import QueryParams
+from app.engine.query import QueryParams
+from app.engine.rag_engine import RagEngine
 from tests.app.conftest import CORPUS, MODELS, QUESTIONS, make_settings
 from tests.helpers import shared_embedder, shared_llm
 from tests.servers import RedisServer, listening_port
@@ -145,7 +145,7 @@ class Replica:
 
     def start(self) -> Replica:
         with self.log.open("w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1",
+            self.proc = subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--host", "127.0.0.1",
                                           "--port", "0"], env=self.env, cwd=REPO,
                                          stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from app.scheduler import DecodeStep, Offload, Scheduler
-from app.worker import QueueFull, WorkerStopped
+from app.serving.scheduler import DecodeStep, Offload, Scheduler
+from app.serving.worker import QueueFull, WorkerStopped
 from blend.driver import Driver
 
 

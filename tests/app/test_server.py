@@ -12,6 +12,7 @@ from typing import Iterator
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+
 from tests.helpers import MODEL
 
 pytestmark = pytest.mark.slow
@@ -259,7 +260,7 @@ def test_unparseable_bodies_use_the_error_shape(client):
 
 
 def test_a_document_over_the_size_limit_is_413_and_changes_nothing(engine_with, corpus):
-    from app.server import create_app
+    from app.api.server import create_app
 
     settings, engine = engine_with(limits={"max_document_chars": 1000})
     with TestClient(create_app(settings, engine)) as client:
@@ -454,7 +455,7 @@ def test_a_file_without_a_known_suffix_is_read_by_its_content_type(client):
 @contextmanager
 def over_budget_client(engine_with, monkeypatch, **limits) -> Iterator[TestClient]:
     """A client of an app with the given limits whose engine fails the test if a request reaches the model."""
-    from app.server import create_app
+    from app.api.server import create_app
 
     def no_model_work(*args, **kwargs):
         raise AssertionError("a request over its budget reached the model")
@@ -498,8 +499,8 @@ def test_passages_count_in_the_prompt_budget(engine_with, corpus, monkeypatch):
 
 
 def test_corrupt_entries_are_counted_in_metrics_and_store_stats(corpus, engine_with):
-    from app.server import create_app
-    from app.usage import store_report
+    from app.api.server import create_app
+    from app.engine.usage import store_report
     from store.serialize import parse_head
 
     settings, engine = engine_with(store={"memory_bytes": 0})  # disk only: a damaged file is read

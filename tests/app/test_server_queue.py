@@ -12,7 +12,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-import app.server as server
+import app.api.server as server
 
 QUERY = {"question": "anything?", "max_tokens": 2}
 

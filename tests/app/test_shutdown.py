@@ -41,7 +41,7 @@ def serve(data_dir: Path, **env: str) -> Iterator[tuple[subprocess.Popen, httpx.
     env = {**os.environ, "RAGBLEND_DATA_DIR": str(data_dir), "RAGBLEND_MODEL__CACHE_DIR": str(ROOT / "data" / "models"),
            "RAGBLEND_LOG_LEVEL": "INFO", **env}
     with open(data_dir.parent / "server.log", "w") as log:
-        server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--port", "0"], cwd=ROOT, env=env,
+        server = subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--port", "0"], cwd=ROOT, env=env,
                                   stdout=subprocess.DEVNULL, stderr=log, text=True)
     server.log_path = data_dir.parent / "server.log"
     try:

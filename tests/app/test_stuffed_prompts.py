@@ -1,6 +1,6 @@
 """Bring your own retrieval: a client pastes its documents into one user message (retrieval off), then sends
 them again in another order with another question. The official `openai` and `anthropic` clients against a
-real server: most passage tokens are read from the store (app.planner found their spans by content)."""
+real server: most passage tokens are read from the store (app.engine.planner found their spans by content)."""
 from __future__ import annotations
 
 import uuid

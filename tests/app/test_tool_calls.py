@@ -1,7 +1,7 @@
 """Tool calls out and answers held to a schema, with the official `openai` and `anthropic` clients against a
 real server (the embedded SmolLM2): tool_choice required / named / any, a parallel call, a streamed call,
 json_schema strict; the calls' arguments checked with jsonschema against the tool's parameters. Plus the
-parser of calls out of text (app.tool_calls)."""
+parser of calls out of text (app.engine.tool_calls)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from app.tool_calls import CallStream, split_tool_calls
+from app.engine.tool_calls import CallStream, split_tool_calls
 from tests.helpers import MODEL
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
@@ -137,7 +137,8 @@ def test_json_schema_strict_and_bad_schemas(live_server):
     with pytest.raises(openai.BadRequestError, match="top_logprobs needs logprobs"):
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, top_logprobs=2, extra_body=CHAT)
     with pytest.raises(openai.BadRequestError, match="image_url"):
-        client.chat.completions.create(model=MODEL, max_tokens=5, extra_body=CHAT, messages=[{"role": "user", "content": [
+        client.chat.completions.create(model=MODEL, max_tokens=5, extra_body=CHAT, messages=[
+            {"role": "user", "content": [
             {"type": "text", "text": "what is this?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
 
@@ -166,7 +167,7 @@ def test_anthropic_tool_use_any_streamed_and_a_long_tool_result(live_server):
 
     # the client runs the tool; its result (longer than a question may be, as OpenAI tool messages take it)
     result = "Sunny, 21 degrees. " + "x" * 3_004
-    answer = client.messages.create(model=MODEL, max_tokens=20, tools=ANTHROPIC_TOOLS, 
+    answer = client.messages.create(model=MODEL, max_tokens=20, tools=ANTHROPIC_TOOLS,
                                     messages=[*ASK, {"role": "assistant", "content": message.content},
                                               {"role": "user", "content": [{"type": "tool_result",
                                                                             "tool_use_id": uses[0].id,

@@ -30,7 +30,8 @@ def test_device_check_smoke_mode_runs_on_the_cpu(tmp_path):
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert {"commit", "torch", "transformers", "device", "model", "total_s"} <= set(report)
     assert report["gate"] == "accepted"
-    assert report["gates"]["torch.float32"]["backend"] == "cpu" and report["gates"]["torch.float32"]["unsupported"] is None
+    gate = report["gates"]["torch.float32"]
+    assert gate["backend"] == "cpu" and gate["unsupported"] is None
     exactness = report["exactness"]["torch.float32"]
     assert exactness["prompt_tokens"] > 100 and exactness["max_abs_logit"] > 0
     for name in EXACTNESS:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from blend.decode import Decoding, DecodeStep, SamplingParams, TokenStream, decode_loop
+from blend.decode import DecodeStep, Decoding, SamplingParams, TokenStream, decode_loop
 from blend.driver import Driver, Offload, Slot
 
 

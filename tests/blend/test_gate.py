@@ -3,8 +3,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (DynamicCache, Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    DynamicCache,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from blend import BLEND_ATTENTION, Blender, SamplingParams

@@ -97,7 +97,8 @@ def test_a_forged_turn_in_a_question_tool_or_title_is_text(family):
     tool = {"type": "function", "function": {"name": "lookup", "description": f"finds{forged}", "parameters": {}}}
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": f'{{"q": "{forged}"}}'}}]},
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "lookup", "arguments": f'{{"q": "{forged}"}}'}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": f"result{forged}"}]
     benign = [{**m, "content": m["content"].replace(forged, "")} for m in messages]
     benign[1] = {**benign[1], "tool_calls": [{**messages[1]["tool_calls"][0], "function": {

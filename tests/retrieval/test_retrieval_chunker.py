@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import hashlib
 
-from hypothesis import HealthCheck, given, settings as hyp_settings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
 from retrieval import Chunk, Chunker, ChunkingSettings
 from tests.helpers import MUSIQUE, ROOT, load_musique

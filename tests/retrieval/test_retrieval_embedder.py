@@ -7,8 +7,7 @@ import socket
 import numpy as np
 import pytest
 
-from retrieval import EmbedderSettings
-from retrieval import open_embedder
+from retrieval import EmbedderSettings, open_embedder
 from retrieval.embedder import embedded_model_path
 
 

@@ -13,8 +13,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blend import Blender, ChunkKV
-from store import (CacheGenTables, CorruptEntryError, DiskTier, KVMismatchError, MemoryTier, RedisTier, StoreSettings,
-                   TieredStore, bytes_per_token, decode, encode, get_codec, kv_key, register_tables)
+from store import (
+    CacheGenTables,
+    CorruptEntryError,
+    DiskTier,
+    KVMismatchError,
+    MemoryTier,
+    RedisTier,
+    StoreSettings,
+    TieredStore,
+    bytes_per_token,
+    decode,
+    encode,
+    get_codec,
+    kv_key,
+    register_tables,
+)
 from store.codecs import CODEC_NAMES, DEFAULT_BINS, KEY_GROUP, BinPlan
 from store.serialize import MAGIC, _canonical, _header_digest, decode_layer, head_nbytes, parse_head
 from store.tables import TablesShelf, shared_tables, tables_name

@@ -7,8 +7,7 @@ import threading
 import pytest
 import torch
 
-from store import (CODECS, BytesTier, DiskTier, Entry, MemoryTier, RedisTier, TieredStore, decode, encode,
-                   get_codec)
+from store import CODECS, BytesTier, DiskTier, Entry, MemoryTier, RedisTier, TieredStore, decode, encode, get_codec
 from tests.helpers import all_layers, random_kv
 
 FP = "model-a"

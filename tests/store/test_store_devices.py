@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from blend import Blender
-from store import BytesTier, DiskTier, LayerReadError, MemoryTier, RedisTier, ResidentEntry, TieredStore, get_codec, kv_key
+from store import (
+    BytesTier,
+    DiskTier,
+    LayerReadError,
+    MemoryTier,
+    RedisTier,
+    ResidentEntry,
+    TieredStore,
+    get_codec,
+    kv_key,
+)
 from store.serialize import decode_layer, encode, parse_head
 from tests.blend.conftest import TEST_DEVICE, random_ids, tiny_model
 from tests.helpers import all_layers, assert_same_kv, random_kv

@@ -5,9 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from store import (CODECS, DiskTier, LayeredEntry, LayerReadError, MemoryTier, RedisTier, ResidentEntry,
-                   StoreClosedError, TieredStore, decode)
 from common.placement import HOST, Placement
+from store import (
+    CODECS,
+    DiskTier,
+    LayeredEntry,
+    LayerReadError,
+    MemoryTier,
+    RedisTier,
+    ResidentEntry,
+    StoreClosedError,
+    TieredStore,
+    decode,
+)
 from store.serialize import OPEN_BYTES, parse_head
 from tests.helpers import all_layers, assert_same_kv, random_kv, run_in_threads
 

@@ -8,8 +8,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from store import (CODECS, CorruptEntryError, KVMismatchError, OldFormatError, bytes_per_token, decode, encode,
-                   read_header)
+from store import (
+    CODECS,
+    CorruptEntryError,
+    KVMismatchError,
+    OldFormatError,
+    bytes_per_token,
+    decode,
+    encode,
+    read_header,
+)
 from store.serialize import HEAD_BYTES, MAGIC, decode_layer, head_nbytes, parse_head
 from tests.helpers import assert_same_kv, random_kv
 

@@ -11,9 +11,20 @@ import time
 import pytest
 import torch
 
-from store import (CODECS, BytesTier, DiskTier, KVMismatchError, MemoryTier, RedisTier, StoreClosedError, StoreSettings,
-                   TieredStore, build_store, encode)
 from common.placement import HOST, Placement
+from store import (
+    CODECS,
+    BytesTier,
+    DiskTier,
+    KVMismatchError,
+    MemoryTier,
+    RedisTier,
+    StoreClosedError,
+    StoreSettings,
+    TieredStore,
+    build_store,
+    encode,
+)
 from store.factory import gpu_bytes
 from tests.helpers import all_layers, assert_same_kv, random_kv, run_in_threads
 

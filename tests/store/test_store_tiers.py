@@ -6,12 +6,11 @@ import time
 
 import diskcache
 import pytest
-
 import torch
 
+from common.chunk_kv import ChunkKV
 from store import BytesTier, DiskTier, Entry, MemoryTier, RedisTier
 from store.eviction import LRUPolicy
-from common.chunk_kv import ChunkKV
 from tests.helpers import random_kv
 from tests.servers import RedisServer
 

@@ -1,0 +1,92 @@
+"""OpenAI's embeddings, POST /v1/embeddings: the vectors of this server's retrieval embedder (all-MiniLM-L6-v2 by
+default; float32, unit norm), for a client that does its own retrieval and wants the same vectors this server's
+index holds. Run on the ingest lane, so the model thread never waits for them. Text only: token ids are a 400
+(they would be another tokenizer's); a text longer than the embedder reads is a 400 rather than silently cut;
+`dimensions` other than the embedder's is a 400. `encoding_format` base64 (the official client's default) is the
+float32 vector's little-endian bytes."""
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Literal
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, Field, WithJsonSchema
+
+from app.api.deps import on_lane, service
+from app.api.errors import ApiError
+from app.api.schemas.ragblend import ERRORS, MODEL_NOT_FOUND, OpenAIBody, Text
+from app.serving.service import Service
+
+router = APIRouter()
+MAX_INPUTS = 256  # texts in one request
+InputText = Annotated[Text, Field(min_length=1)]
+Texts = Annotated[list[InputText], Field(min_length=1, max_length=MAX_INPUTS)]
+TokenIds = list[int]
+
+
+class EmbeddingRequest(OpenAIBody):
+    model: Text = Field(description="The embedder's id (the last GET /v1/models lists; another is a 404).")
+    # token ids are taken here only to be refused with a 400 that says why (the schema states text alone)
+    input: Annotated[InputText | Texts | TokenIds | list[TokenIds], WithJsonSchema(
+        {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
+                                                        "minItems": 1, "maxItems": MAX_INPUTS}]})] = Field(
+        description=f"A text or up to {MAX_INPUTS} texts, each within the embedder's window (a longer one is a "
+                    "400). Token ids are a 400: they would be another tokenizer's.")
+    encoding_format: Literal["float", "base64"] = Field("float", description="base64: little-endian float32 bytes.")
+    dimensions: int | None = Field(None, ge=1, description="Only the embedder's own (384 for all-MiniLM-L6-v2).")
+    user: Text | None = None
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingList, responses={**ERRORS, **MODEL_NOT_FOUND})
+async def embeddings(body: EmbeddingRequest, request: Request, svc: Service = Depends(service)) -> EmbeddingList:
+    """Each input's vector, in order (see the module docstring)."""
+    embedder = svc.serving.engine.parts.embedder
+    if body.model != embedder.name:
+        raise ApiError(404, f"The model {body.model!r} does not exist: this server embeds with {embedder.name!r}",
+                       code="model_not_found", param="model")
+    texts = [body.input] if isinstance(body.input, str) else body.input
+    if not all(isinstance(text, str) for text in texts):
+        raise ApiError(400, "input: token ids are not served (they would be another tokenizer's); send text",
+                       param="input")
+    if body.dimensions is not None and body.dimensions != embedder.dim:
+        raise ApiError(400, f"dimensions: {embedder.name} embeds in {embedder.dim} dimensions only",
+                       param="dimensions")
+
+    def embed(cancelled) -> tuple[list[int], np.ndarray]:
+        counts = embedder.count_tokens(texts)
+        over = next((i for i, n in enumerate(counts) if n > embedder.window), None)
+        if over is not None:
+            raise ApiError(400, f"input[{over}]: {counts[over]} word pieces, over the {embedder.window} "
+                                f"{embedder.name} reads", param="input")
+        return counts, embedder.embed(texts)  # [len(texts), dim] float32
+
+    counts, vectors = await on_lane(request, svc, embed, "embed")
+    data = [Embedding(index=i, embedding=encoded(v, body.encoding_format)) for i, v in enumerate(vectors)]
+    return EmbeddingList(data=data, model=embedder.name,
+                         usage=EmbeddingUsage(prompt_tokens=sum(counts), total_tokens=sum(counts)))
+
+
+def encoded(vector: np.ndarray, encoding: str) -> list[float] | str:
+    """[dim] float32 as a list of floats, or base64 of its little-endian bytes."""
+    if encoding == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()

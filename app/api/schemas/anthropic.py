@@ -1,0 +1,158 @@
+"""Request and response schemas of Anthropic's Messages API (POST /v1/messages, app.api.anthropic_routes)."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.api.schemas.ragblend import MAX_SEED, RETRY_AFTER, NonBlank, RequestBody, Text
+from app.engine.prompt_cache import LeaseNote
+
+
+class AnthropicBody(RequestBody):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class CacheControl(AnthropicBody):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
+BREAKPOINT = ("A prompt caching breakpoint: the prefix up to here is leased for its ttl. At most 4 in a request "
+              "(tools, system and message blocks and the request's own together).")
+
+
+class Cacheable(AnthropicBody):
+    cache_control: CacheControl | None = Field(None, description=BREAKPOINT)
+
+
+class TextBlock(Cacheable):
+    type: Literal["text"]
+    text: NonBlank = Field(description="Not blank (as Anthropic's API requires).")
+
+
+class ToolUseBlock(Cacheable):
+    type: Literal["tool_use"]
+    id: Text
+    name: Text
+    input: dict[str, Any]
+
+
+class ToolResultBlock(Cacheable):
+    type: Literal["tool_result"]
+    tool_use_id: Text
+    content: Text | list[TextBlock] = ""
+    is_error: bool = False
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(AnthropicBody):
+    role: Literal["user", "assistant"]
+    content: NonBlank | Annotated[list[Block], Field(min_length=1)]
+
+
+class Tool(Cacheable):
+    name: Text = Field(min_length=1)
+    description: Text | None = None
+    input_schema: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolChoice(AnthropicBody):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Text | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class Metadata(AnthropicBody):
+    user_id: Text | None = None
+
+
+class CountTokensRequest(AnthropicBody):
+    """POST /v1/messages/count_tokens: a Messages request without max_tokens (what else it holds is ignored)."""
+    model: Text = Field(description="One of the ids GET /v1/models lists (another is a 404 not_found_error).")
+    messages: list[Message] = Field(min_length=1, description="The conversation; the last message is a user's "
+                                                              "(the question).")
+    system: Text | list[TextBlock] | None = None
+    tools: list[Tool] = Field(default_factory=list)
+    tool_choice: ToolChoice | None = Field(None, description=(
+        "Enforced by grammar-constrained decoding: auto (text until the model opens a call, then a valid call), "
+        "any (calls only), tool (one call of `name`, which must be one of `tools`), none (text only); any and "
+        "tool need tools."))
+    cache_control: CacheControl | None = Field(None, description=f"On the last block (automatic caching). {BREAKPOINT}")
+    # ragblend extras
+    retrieval: bool = Field(False, description="Retrieve passages for the question (default: off).")
+    retrieval_top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
+    stop_sequences: list[Text] = Field(default_factory=list, max_length=4)
+    stream: bool = False
+    metadata: Metadata | None = None
+    top_k: int | None = Field(None, ge=1, description="Anthropic's sampling top_k: accepted and ignored (ragblend "
+                                                      "samples with temperature and top_p); not the passages.")
+    # ragblend extra
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+
+
+class CacheCreation(BaseModel):
+    ephemeral_5m_input_tokens: int
+    ephemeral_1h_input_tokens: int
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+    cache_creation: CacheCreation
+    output_tokens: int
+
+
+class TextOut(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ToolUseOut(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description="invalid_request_error, authentication_error, request_too_large, "
+                                  "rate_limit_error, overloaded_error, api_error...")
+    message: str
+
+
+class AnthropicError(BaseModel):
+    type: Literal["error"] = "error"
+    error: AnthropicErrorDetail
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": AnthropicError, **({"headers": RETRY_AFTER} if code in (429, 503) else {})}
+    for code in (400, 401, 404, 413, 429, 503)}  # 404: an unknown model id (not_found_error)
+
+
+class TokenCount(BaseModel):
+    input_tokens: int = Field(description="The prompt's tokens as the server renders it (chat template, system, "
+                                          "tools, and passages with retrieval).")
+
+
+class MessageOut(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[TextOut | ToolUseOut]
+    stop_reason: str | None
+    stop_sequence: str | None = None
+    usage: MessageUsage
+    lease: LeaseNote | None = Field(None, description="ragblend extra: the lease of the cache_control prefixes.")

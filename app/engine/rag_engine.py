@@ -1,0 +1,316 @@
+"""RagEngine: a request as retrieve → plan → prefill → decode → store.
+
+The engine owns the model, which is not thread-safe. `program(params)` is one request as a generator
+that blend.driver's Driver steps on the model thread (the server's scheduler, app.serving.scheduler, several at a
+time): it yields text deltas and finally a QueryResult for the client, and directives in between —
+retrieval and store reads offloaded to another thread, one slice per prefill layer, one DecodeStep per token
+(batched with the other requests'). `stream()` runs one program alone through the same driver, in one slot
+(the CLI, tests), and `answer()` collects it.
+
+The prompt is given as parts: a query's is head | passages | question (blend.prompt); a chat's is
+    head (system turn) | message | message | ... | [user turn opening | passages | question]
+the bracket only with retrieval (then the last user message is the question, after its passages), else the
+assistant turn's opening alone. app.engine.planner cuts the parts into spans and decides, once, where each span's KV
+comes from (an exact entry, a blended one, or computed in the prefill itself); after the prefill it stores
+the spans the store lacked, cut from the prefill's own KV, before the result is sent (so every key the result
+names is stored). Nothing is computed but the prefill and the decode. When the messages do not fit the
+context, the oldest are dropped first; with blend.ratio auto the loading controller (app.engine.loading) picks the
+ratio.
+"""
+from __future__ import annotations
+
+import time
+from functools import cached_property
+from typing import Any, Callable, Generator, Iterator, Protocol
+
+from app.config import Settings
+from app.engine.conversation import CHARS_PER_TOKEN_BOUND
+from app.engine.explain import Explain, explain_prompt
+from app.engine.kv import ChunkKVCache
+from app.engine.loading import LoadingControl
+from app.engine.planner import Loaded, Part, Plan, Planner
+from app.engine.query import QueryParams, QueryResult, QueryStats, RequestError, Source
+from app.engine.tool_calls import split_tool_calls
+from app.engine.usage import COMPUTED
+from blend import Blender, DecodeRuntime, LoadedModel, Prefill, PromptFormat, SamplingParams, StoredSpans, TextStream
+from blend.cache import RoundTrip
+from blend.controller import Calibration
+from blend.decode import decode_loop
+from blend.driver import Driver, Offload
+from blend.grammar import GrammarError
+from blend.prompt import ChatTemplateError
+from blend.selection import get_policy
+from retrieval import Retriever
+
+SYSTEM_ROLES = ("system", "developer")  # their text joins the system turn (the head)
+
+
+class Parts(Protocol):
+    """What the engine runs on, built by app.components (the engine never builds its parts)."""
+
+    llm: LoadedModel
+    tokenizer: Any
+    blender: Blender
+    runtime: DecodeRuntime
+    prompt: PromptFormat
+    kv_cache: ChunkKVCache
+    retriever: Retriever
+    loading: LoadingControl
+    stored_round_trip: RoundTrip | None
+
+
+class RagEngine:
+    def __init__(self, settings: Settings, parts: Parts):
+        self.settings, self.parts = settings, parts
+
+    @property
+    def calibration(self) -> Calibration:
+        """The loading controller's measured recompute cost and tier bandwidths (blend.ratio: auto)."""
+        return self.parts.loading.calibration
+
+    def answer(self, params: QueryParams) -> QueryResult:
+        results = [event for event in self.stream(params) if isinstance(event, QueryResult)]
+        if not results:
+            raise RuntimeError("generation ended without a result")
+        return results[-1]
+
+    def stream(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
+               ) -> Iterator[str | QueryResult]:
+        """Text deltas, then the QueryResult: one request run alone, on this thread (the driver, one slot)."""
+        return Driver(self.parts.runtime.step).run(self.program(params, cancelled))
+
+    def program(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
+                ) -> Generator[Any, Any, None]:
+        """One request for the scheduler (see the module docstring for what it yields)."""
+        parts, start = self.parts, time.perf_counter()
+        stats = QueryStats(mode=params.mode)
+        max_tokens = params.max_tokens or self.settings.limits.default_max_new_tokens
+        try:  # the answer's grammar (tool_choice, response_format: app.engine.tool_calls), compiled once per grammar
+            constraint = parts.runtime.grammars.constraint(params.grammar) if params.grammar else None
+        except GrammarError as exc:
+            raise RequestError(f"the schema does not compile: {exc}") from None
+        plan, loaded, prefill = yield from self.prefill(params, max_tokens, stats)
+
+        # 4. Decode in a KV pool slot: one token per DecodeStep, batched by the driver with the other
+        #    requests' (blend.decode.decode_loop, the loop every answer runs). Closing the program
+        #    (done, cancelled, failed) gives the slot back.
+        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
+                                  stop=params.stop, seed=params.seed, top_logprobs=params.top_logprobs)
+        eos = frozenset() if params.ignore_eos else parts.runtime.eos_ids
+        text = TextStream(parts.tokenizer, stop=params.stop, eos_ids=eos)
+        sequence = parts.runtime.start(prefill, sampling, constraint)  # the first token is chosen here
+        stats.ttft_ms = _ms(start)
+        try:
+            yield from decode_loop(sequence, text, cancelled)
+        finally:
+            sequence.release()
+        stats.completion_tokens = len(text.tokens)
+        stats.total_ms = _ms(start)
+        answer = text.text if params.prompt_ids else text.text.strip()  # a raw prompt's continuation as it is
+        finish = text.finish_reason or "length"
+        content, calls = split_tool_calls(answer) if params.tool_calls else (answer, [])
+        sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text)
+                   for h in plan.hits]
+        explain = None
+        if params.explain_tokens:  # built after the answer: it never delays the first token
+            explain = self._explain(plan, prefill, params.explain_tokens)
+        # 5. Store the spans the store lacked, cut from the prefill (no compute): every key in kv_keys is stored.
+        if params.mode != "full" and finish != "cancelled":
+            self.planner.store(plan, loaded, prefill)
+        uses = self.planner.key_uses(plan) if params.mode != "full" else []
+        logprobs = sequence.logprobs[:len(text.tokens)] if params.top_logprobs is not None else None  # (no eos)
+        yield QueryResult(content, sources, stats, finish, explain, uses, calls, text.stop_sequence, logprobs)
+
+    @cached_property
+    def planner(self) -> Planner:
+        return Planner(self.parts.kv_cache, self.settings.planner, pipeline=self.settings.blend.pipeline)
+
+    def prefill(self, params: QueryParams, max_tokens: int, stats: QueryStats
+                ) -> Generator[Any, Any, tuple[Plan, list[Loaded], Prefill]]:
+        """Steps 1-3 of a request: its plan, the KV read, and its prefill (the benchmarks score the prefill)."""
+        parts = self.parts
+        # 1. Off the model thread: retrieve, cut the prompt into spans, read their KV from the store.
+        plan, loaded = yield Offload(lambda: self._plan(params, max_tokens, stats))
+
+        # 2. Prefill, a slice per layer chunk (server.prefill_chunk_tokens): the spans read (RoPE-shifted,
+        #    blended), the others computed in it.
+        t = time.perf_counter()
+        if params.mode == "full":
+            prompt_ids = [i for s in plan.spans for i in s.ids] + list(plan.suffix)
+            prefill = yield from parts.blender.prefill_steps([], prompt_ids, 1.0)
+        else:
+            ratio = 0.0 if params.mode in ("reuse", "prefix") else params.ratio
+            reads = [r for s, r in zip(plan.spans[:plan.tail], loaded) if r.kv is not None]
+            if ratio is None and self.settings.blend.ratio == "auto":
+                suffix_tokens = sum(len(s.ids) for s in plan.spans[plan.tail:]) + len(plan.suffix)
+                ratio, stats.loading = yield from parts.loading.ratio(reads, suffix_tokens, params.selection,
+                                                                      self._fresh)
+            elif ratio is None:
+                ratio = self.settings.blend.ratio
+            segments, suffix = self.planner.segments(plan, loaded)
+            # the spans the store will keep, attended to as a repeat of the prompt will read them back
+            stored = StoredSpans(self.planner.stored(plan), parts.stored_round_trip) if parts.stored_round_trip \
+                else None
+            prefill = yield from parts.blender.prefill_steps(
+                segments, suffix, ratio, selection=params.selection, pipeline=self.settings.blend.pipeline,
+                recompute=lambda i: self._fresh(loaded[i]), stored=stored)
+            stats.selection = params.selection or parts.blender.selection
+            for span, read in zip(plan.spans, loaded):  # where each retrieved chunk's KV came from (app.engine.usage)
+                if span.kind == "passage":
+                    source = read.tier if span.source != "compute" else COMPUTED
+                    parts.kv_cache.served(span.ids, source, plan.collection)
+        stats.prefill_ms = _ms(t)
+        self.planner.fill_stats(stats, plan, loaded, prefill, params.mode)
+        if params.mode == "blend" and prefill.stats.fallback is None:  # live compute cost, for the controller
+            tokens = (stats.prompt_tokens - stats.cached_tokens) * parts.blender.num_layers  # all but what was read
+            parts.loading.observe(tokens, (stats.prefill_ms - stats.load_wait_ms) / 1000)
+        return plan, loaded, prefill
+
+    def _fresh(self, read: Loaded):
+        """A span whose stored KV failed to load mid-prefill (damaged, gone), or that the loading controller finds
+        cheaper to recompute than to load: computed in the prefill instead (and stored after it)."""
+        read.tier = COMPUTED
+        return self.parts.blender.fresh(read.ids, read.start)
+
+    # ---- the plan, off the model thread ------------------------------------------------------------
+
+    def lookup(self, params: QueryParams) -> Plan:
+        """The request's plan as its program would make it, each span's source and tier saying where its KV is
+        (entries' headers read, no KV, nothing computed): POST /v1/cache/lookup."""
+        max_tokens = params.max_tokens or self.settings.limits.default_max_new_tokens
+        return self._plan(params, max_tokens, QueryStats(mode=params.mode), read=False)[0]
+
+    def _plan(self, params: QueryParams, max_tokens: int, stats: QueryStats, read: bool = True
+              ) -> tuple[Plan, list[Loaded]]:
+        parts, t = self.parts, time.perf_counter()
+        hits = parts.retriever.search(params.retrieval_query or params.question,
+                                      params.top_k or self.settings.retrieval.top_k,
+                                      tenant=params.collection) if params.retrieve else []
+        passages = [Part("passage", tuple(parts.kv_cache.passage_ids(h.chunk.token_ids, h.title))) for h in hits]
+        stats.retrieve_ms = _ms(t)
+        if params.prompt_ids:  # a raw prompt (/v1/completions): no template; its last token computed for the logits
+            ids = params.prompt_ids
+            given, suffix, dropped = ([Part("message", ids[:-1], 0)] if len(ids) > 1 else []), list(ids[-1:]), 0
+        elif params.messages:
+            try:
+                given, suffix, dropped = self._chat_parts(params, passages, max_tokens)
+            except ChatTemplateError as exc:
+                raise RequestError(str(exc)) from exc
+        else:
+            given, suffix, dropped = [Part("head", tuple(parts.prompt.head_ids))], parts.prompt.suffix_ids(
+                params.question), 0
+        given += passages
+        prompt_tokens = sum(len(p.ids) for p in given) + len(suffix)
+        self._check_length(prompt_tokens, max_tokens)
+        budget = self.settings.limits.max_prompt_tokens
+        if prompt_tokens > budget:  # the route checked the messages; the passages are known only now
+            raise RequestError(f"prompt of {prompt_tokens} tokens (messages, passages and question) exceeds "
+                               f"limits.max_prompt_tokens ({budget}); lower top_k or shorten the messages")
+        t = time.perf_counter()
+        plan, loaded = self.planner.plan(given, suffix, mode=params.mode, tenant=params.tenant, read=read,
+                                         collection=params.collection, hits=tuple(hits), dropped=dropped)
+        stats.kv_load_ms = _ms(t)
+        self._check_price(params, plan, loaded, prompt_tokens)
+        return plan, loaded
+
+    def _check_price(self, params: QueryParams, plan: Plan, loaded: list[Loaded], prompt_tokens: int) -> None:
+        """The exact price, now that the store is looked up (with the pipeline, only the entries' headers are read:
+        no KV yet, no layer run): tokens computed, tokens read, the pieces (messages, or the question, and
+        passages). Over limits.max_prompt_tokens: a 400, the opened entries closed."""
+        limits = self.settings.limits
+        read = sum(len(r.ids) for r in loaded if r.kv is not None)
+        pieces = (len(params.messages) if params.messages else 1) + len(plan.hits)
+        price = limits.price(computed=prompt_tokens - read, read=read, pieces=pieces)
+        if price > limits.max_prompt_tokens:
+            for entry in loaded:
+                entry.close()
+            raise RequestError(f"prompt work priced at {price} tokens, over limits.max_prompt_tokens "
+                               f"({limits.max_prompt_tokens}): {prompt_tokens - read} tokens computed, {read} read "
+                               f"from the store (each {limits.read_token_cost} of a computed one, "
+                               f"limits.read_token_cost), {pieces} pieces (messages and passages, each "
+                               f"{limits.piece_cost_tokens}, limits.piece_cost_tokens); lower top_k or shorten the "
+                               f"messages")
+
+    def _chat_parts(self, params: QueryParams, passages: list[Part], max_tokens: int
+                    ) -> tuple[list[Part], list[int], int]:
+        """A chat's head, message parts (the newest messages that fit the context) and opening, its suffix, and
+        how many messages were dropped."""
+        prompt, template = self.parts.prompt, self.parts.prompt.chat
+        system = "\n\n".join(message_text(m) for m in params.messages
+                             if m["role"] in SYSTEM_ROLES and message_text(m)) or None
+        indexed = [(i, m) for i, m in enumerate(params.messages) if m["role"] not in SYSTEM_ROLES]
+        question = None
+        if params.retrieve:  # the last user message with text is the question, after its passages
+            q = max((k for k, (_, m) in enumerate(indexed) if m["role"] == "user" and message_text(m)), default=None)
+            if q is None:
+                raise RequestError("retrieval needs a user message with text (the question)")
+            question = indexed.pop(q)[1]
+        opening = template.opening_ids(system) if params.retrieve else []
+        keep = 0 if params.retrieve else 1  # without retrieval the last message is what is answered
+        limit = self._context_limit()
+        start = within_chars(indexed, limit, keep)
+        layout = template.layout([m for _, m in indexed[start:]], params.tools, system)
+        suffix = prompt.suffix_ids(message_text(question), system) if question else layout.tail
+        fixed = len(opening) + sum(len(p.ids) for p in passages) + len(suffix) + max_tokens
+        while limit and len(layout.head) + sum(map(len, layout.messages)) + fixed > limit \
+                and start < len(indexed) - keep:  # drop the oldest messages, as many as the excess
+            excess, drop = len(layout.head) + sum(map(len, layout.messages)) + fixed - limit, 0
+            while excess > 0 and drop < min(len(layout.messages), len(indexed) - keep - start):
+                excess, drop = excess - len(layout.messages[drop]), drop + 1
+            start += max(drop, 1)
+            layout = template.layout([m for _, m in indexed[start:]], params.tools, system)
+        kept = indexed[start:]
+        numbers = [i for i, _ in kept] if layout.split else [kept[-1][0]] * len(layout.messages)
+        given = [Part("head", tuple(layout.head))] + [Part("message", tuple(ids), number)
+                                                      for ids, number in zip(layout.messages, numbers)]
+        if opening:
+            given.append(Part("opening", tuple(opening)))
+        return given, suffix, start
+
+    def _check_length(self, prompt_len: int, max_tokens: int) -> None:
+        limit = self._context_limit()
+        if limit and prompt_len + max_tokens > limit:
+            what = "decode KV pool's" if limit == self.parts.runtime.max_len else "model's"
+            raise RequestError(f"prompt of {prompt_len} tokens plus max_tokens ({max_tokens}) exceeds the {what} "
+                               f"{limit}-token context; lower top_k or max_tokens")
+
+    def _context_limit(self) -> int | None:
+        """Positions a request may fill: the model's context, at most a decode pool slot (blend.pool)."""
+        model = getattr(self.parts.llm.model.config, "max_position_embeddings", None)
+        return min(x for x in (model, self.parts.runtime.max_len) if x)
+
+    # ---- after the answer ----------------------------------------------------------------------------
+
+    def _explain(self, plan: Plan, prefill: Prefill, max_tokens: int) -> Explain:
+        first = next((k for k, s in enumerate(plan.spans) if s.kind == "passage"), plan.tail)
+        passages = [s for s in plan.spans[first:] if s.kind == "passage"]
+        head = [i for s in plan.spans[:first] for i in s.ids]  # the head and any messages
+        rest = [i for s in plan.spans[first + len(passages):] for i in s.ids] + list(plan.suffix)
+        return explain_prompt(self.parts.tokenizer, head, [s.ids for s in passages], rest, prefill,
+                              score=self._score_meaning(prefill), max_tokens=max_tokens)
+
+    def _score_meaning(self, prefill: Prefill) -> str:
+        """What the scores of the policy that ran measure (its docstring), for the page's legend."""
+        b = self.settings.blend
+        policy = get_policy(prefill.stats.selection or b.selection)
+        detail = f" (the {b.deviation}s at layer {b.check_layer})" if policy.deviation else ""
+        return f"{policy.name}: {policy.doc}{detail}"
+
+
+def within_chars(indexed: list[tuple[int, dict]], limit: int | None, keep: int) -> int:
+    """The first message worth rendering: the older ones cannot fit a `limit`-token context on their text
+    alone (no token holds more than CHARS_PER_TOKEN_BOUND characters). The last `keep` are always kept."""
+    chars = 0
+    for start in range(len(indexed) - 1, -1, -1):
+        chars += len(message_text(indexed[start][1]))
+        if limit and chars > CHARS_PER_TOKEN_BOUND * limit and start < len(indexed) - keep:
+            return start + 1
+    return 0
+
+
+def message_text(message: dict | None) -> str:
+    return ((message or {}).get("content") or "").strip()
+
+
+def _ms(since: float) -> float:
+    return round((time.perf_counter() - since) * 1000, 2)

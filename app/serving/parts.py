@@ -1,0 +1,106 @@
+"""What the HTTP service adds once its engine has loaded: the model thread that runs all model work (the
+`Scheduler`) and the upload Ingestor, which chunks and embeds on the ingest lane and precomputes each chunk's KV on
+the model thread. The routes receive these parts; nothing else reaches into them."""
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import replace
+from functools import cached_property
+from typing import Any, Protocol
+
+from app.components import Components
+from app.config import Settings
+from app.engine.ingest import IngestCancelled, Ingestor
+from app.engine.kv import ChunkKVCache
+from app.serving.scheduler import Scheduler
+from app.serving.worker import Worker
+from retrieval import Retriever
+from store import TieredStore
+
+
+class Engine(Protocol):
+    """What the service runs queries on: app.engine.rag_engine.RagEngine (or a stand-in with the same parts)."""
+
+    parts: Components
+
+    def program(self, params: Any, cancelled: Callable[[], bool]) -> Generator[Any, Any, None]: ...
+
+
+class Serving:
+    """The service's parts once `engine` has loaded: its model thread (`scheduler`, not yet started), the
+    upload Ingestor (`uploads`), and what the routes read (`retriever`, `store`, `model_name`,
+    `blend_disabled`)."""
+
+    def __init__(self, settings: Settings, engine: Engine, lane: Worker):
+        parts, s = engine.parts, settings.server
+        self.engine, self._parts, self._lane, self._limits = engine, parts, lane, settings.limits
+        self.scheduler = Scheduler(parts.runtime.step, max_batch=s.max_batch, queue_size=s.queue_size,
+                                   slice_s=s.prefill_slice_ms / 1000, max_stall_s=s.max_stall_ms / 1000)
+        self.model_name = parts.llm.name
+        self.blend_disabled: str | None = getattr(parts.blender, "unsupported", None)  # the model gate's reason
+
+    @property
+    def retriever(self) -> Retriever:
+        return self._parts.retriever  # built on first use, as ever: a missing index fails a request, not the load
+
+    @property
+    def store(self) -> TieredStore:
+        return self._parts.store
+
+    def owned_keys(self, keys: list[str]) -> set[str]:
+        return self._parts.owned_keys(keys)
+
+    @cached_property
+    def uploads(self) -> Ingestor:
+        """The parts' Ingestor as the ingest lane runs it: this server's document limit, its KV precompute
+        on the model thread, and stopped (IngestCancelled, nothing committed) between two embedding
+        batches or chunks once the lane's running job is cancelled (its client left, or the server stops)."""
+        def check(_: int = 0) -> None:
+            if self._lane.cancelled():
+                raise IngestCancelled("upload cancelled")
+
+        kv = ModelThreadKV(self._parts.kv_cache, self.scheduler, self._lane.cancelled)
+        return replace(self._parts.ingestor, kv_cache=kv, on_embedded=check,
+                       max_chars=self._limits.max_document_chars)
+
+    def warm_up(self) -> None:
+        """First calls before any concurrency: the prompt head's KV and one embedding (the embedder's tokenizer
+        sets its padding/truncation state on first use; later calls from two threads only read it). (The decode
+        runtime, with the kernel step's probe, was built with the scheduler.)"""
+        parts = self._parts
+        for warm in (lambda: parts.kv_cache.head(), lambda: parts.embedder.embed(["warm up"])):
+            try:
+                warm()
+            except AttributeError:  # a stand-in engine without these parts
+                pass
+
+    def close(self) -> None:
+        """Close the engine's store and database (once no thread uses them)."""
+        self._parts.close()
+
+
+class ModelThreadKV:
+    """The chunk KV cache as the ingest lane uses it: store reads here, each precompute on the model thread."""
+
+    def __init__(self, kv: ChunkKVCache, scheduler: Scheduler, cancelled: Callable[[], bool]):
+        self.kv, self.scheduler, self.cancelled = kv, scheduler, cancelled
+
+    def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:
+        return self.kv.passage_ids(chunk_ids, title)
+
+    def key(self, ids: Sequence[int], collection: str = "") -> str:
+        return self.kv.key(ids, collection)
+
+    def delete(self, key: str) -> None:
+        self.kv.delete(key)
+
+    def ensure(self, ids: Sequence[int], collection: str = "") -> str:
+        if self.kv.store.contains(key := self.kv.key(ids, collection)):
+            return key
+        try:
+            return self.scheduler.run_on_model(lambda: self.kv.ensure(ids, collection),
+                                               label="upload: chunk KV precompute",
+                                               cancelled=self.cancelled)
+        except concurrent.futures.CancelledError:
+            raise IngestCancelled("upload cancelled") from None

@@ -160,8 +160,8 @@ def refusal(schema) -> str | None:
         return (f"the schema is too complex: a value must match {patterns} string patterns at once "
                 f"(at most {MAX_PATTERNS}: their intersection compiles in time exponential in their count)")
     if not has_document(schema):
-        return ("the schema allows no finite document (a $ref cycle without a way out, or an object that "
-                "requires itself)")
+        return ("the schema allows no finite document (such as a $ref cycle without a way out, or an object "
+                "that requires itself)")
     return None
 
 
@@ -189,9 +189,7 @@ def _intersected_patterns(node, root, seen: set[int]) -> int:
     if not isinstance(node, dict) or id(node) in seen:
         return 0
     seen.add(id(node))
-    ref = node.get("$ref")
-    parts = [*(node["allOf"] if isinstance(node.get("allOf"), list) else ()),
-             *([_pointer(root, ref[1:])] if isinstance(ref, str) and ref.startswith("#") else ())]
+    parts = [*(node["allOf"] if isinstance(node.get("allOf"), list) else ()), _target(node, root)]
     return ("pattern" in node) + sum(_intersected_patterns(p, root, seen) for p in parts)
 
 
@@ -216,8 +214,7 @@ def has_document(schema) -> bool:
 
 def _satisfiable(node: dict, root, ok) -> bool:
     """Whether `node` has a document, given which of its subschemas have (`ok`)."""
-    ref = node.get("$ref")
-    target = _pointer(root, ref[1:]) if isinstance(ref, str) and ref.startswith("#") else None
+    target = _target(node, root)
     if target is not None and not ok(target):
         return False
     lists = {k: node[k] for k in ("allOf", "anyOf", "oneOf") if isinstance(node.get(k), list) and node[k]}
@@ -225,7 +222,7 @@ def _satisfiable(node: dict, root, ok) -> bool:
                                                              if k in lists):
         return False
     types = node.get("type")
-    if types is None:
+    if not isinstance(types, (str, list)):
         return True
     return any(_type_satisfiable(node, t, ok) for t in ([types] if isinstance(types, str) else types))
 
@@ -234,7 +231,8 @@ def _type_satisfiable(node: dict, kind, ok) -> bool:
     if kind == "object":
         properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
         other = True if node.get("patternProperties") else node.get("additionalProperties", True)
-        return all(ok(properties.get(name, other)) for name in node.get("required", ()) if isinstance(name, str))
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        return all(ok(properties.get(name, other)) for name in required if isinstance(name, str))
     if kind == "array":
         least = node.get("minItems", 0) if isinstance(node.get("minItems"), int) else 0
         prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
@@ -243,18 +241,21 @@ def _type_satisfiable(node: dict, kind, ok) -> bool:
     return True
 
 
-def _pointer(root, pointer: str):
-    """The subschema a local JSON pointer ("/$defs/a") names in `root`; None where it names none."""
-    node = root
-    for part in pointer.split("/")[1:] if pointer else ():
+def _target(node: dict, root):
+    """The subschema `node`'s local `$ref` ("#", "#/$defs/a") names in `root`; None where it names none."""
+    ref = node.get("$ref")
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return None
+    target = root
+    for part in ref[2:].split("/") if ref != "#" else ():
         part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
         else:
             return None
-    return node
+    return target
 
 
 class Constraint:

@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.serve import free_port, start_server, wait_ready  # noqa: E402
+from bench.serve import served  # noqa: E402
 from common import git_commit  # noqa: E402
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -74,33 +73,25 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--patterns", type=int, default=21)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as data_dir:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = start_server(data_dir, port, max_batch=8, queue_size=16, threads=None)
-        try:
-            wait_ready(url, server)
-            ttft(url)  # warm-up
-            alone = [ttft(url) for _ in range(args.repeat)]
-            log(f"alone: {alone}")
-            up_front, message = refused(url, bomb(args.patterns, wrap=False))
-            resend_up_front, _ = refused(url, bomb(args.patterns, wrap=False))
-            log(f"up front: {up_front:.3f} s ({message})")
-            limited, during = [], []
-            for i in range(args.repeat):
-                result: dict = {}
-                schema = bomb(args.patterns, wrap=True, offset=i)
-                thread = threading.Thread(target=lambda: result.update(zip(("s", "message"), refused(url, schema))))
-                thread.start()
-                time.sleep(0.2)
-                during.append(ttft(url))
-                thread.join()
-                limited.append(result["s"])
-                log(f"limited: {result}; short during: {during[-1]:.3f} s")
-            resend_limited, _ = refused(url, bomb(args.patterns, wrap=True, offset=0))
-        finally:
-            server.terminate()
-            server.wait(60)
+    with served() as url:
+        ttft(url)  # warm-up
+        alone = [ttft(url) for _ in range(args.repeat)]
+        log(f"alone: {alone}")
+        up_front, message = refused(url, bomb(args.patterns, wrap=False))
+        resend_up_front, _ = refused(url, bomb(args.patterns, wrap=False))
+        log(f"up front: {up_front:.3f} s ({message})")
+        limited, during = [], []
+        for i in range(args.repeat):
+            result: dict = {}
+            schema = bomb(args.patterns, wrap=True, offset=i)
+            thread = threading.Thread(target=lambda: result.update(zip(("s", "message"), refused(url, schema))))
+            thread.start()
+            time.sleep(0.2)
+            during.append(ttft(url))
+            thread.join()
+            limited.append(result["s"])
+            log(f"limited: {result}; short during: {during[-1]:.3f} s")
+        resend_limited, _ = refused(url, bomb(args.patterns, wrap=True, offset=0))
     median = statistics.median
     print(json.dumps({"commit": git_commit(), "loadavg": os.getloadavg(), "patterns": args.patterns,
                       "refused_up_front_s": round(up_front, 3), "resend_up_front_ms": round(resend_up_front * 1e3, 1),

@@ -1,8 +1,9 @@
 """Grammar bounds: a schema whose grammar would compile for minutes neither stalls the server nor another client.
 
-    python bench/grammar_bounds.py [--repeat 3]
+    python bench/grammar_bounds.py [--repeat 3] [--url http://127.0.0.1:8000]
 
-Starts one `ragblend serve` on a temporary data dir (requests run with `retrieval: false`). Measures, client-side:
+Starts one `ragblend serve` on a temporary data dir, or uses the server at `--url` (requests run with
+`retrieval: false`). Measures, client-side:
 - `refused_up_front_s`: the issue's N = 21 body (an allOf of 21 string patterns), refused before any compile;
 - `compile_limit_s`: the same patterns each wrapped in a one-branch anyOf (the up-front count does not follow
   anyOf, so the compile runs, in a child process, until `limits.grammar_compile_s` kills it), to its 400;
@@ -20,6 +21,7 @@ import statistics
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
@@ -72,8 +74,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--patterns", type=int, default=21)
+    parser.add_argument("--url", help="a running server (default: one started here)")
     args = parser.parse_args()
-    with served() as url:
+    with nullcontext(args.url) if args.url else served() as url:
         ttft(url)  # warm-up
         alone = [ttft(url) for _ in range(args.repeat)]
         log(f"alone: {alone}")

@@ -16,6 +16,7 @@ from app.engine.loading import LoadingControl
 from app.engine.usage import UsageLog
 from blend import Blender, DecodeRuntime, LoadedModel, PromptFormat, load_model
 from blend.cache import RoundTrip
+from blend.grammar import Grammars
 from retrieval import Chunker, Embedder, Metadata, Retriever, open_embedder, open_metadata
 from store import TieredStore, build_store
 from store.codecs import Codec
@@ -53,6 +54,13 @@ class Components:
         m = self.settings.model
         return DecodeRuntime(self.blender, slots=self.settings.server.max_batch, max_len=m.kv_pool_tokens,
                              cuda_graphs=m.cuda_graphs)
+
+    @cached_property
+    def grammars(self) -> Grammars:
+        """Compiles the answers' grammars (tool_choice, response_format), each bounded in time (blend.grammar)."""
+        limits = self.settings.limits
+        return Grammars(self.llm.tokenizer, self.runtime.vocab, limit_s=limits.grammar_compile_s,
+                        workers=limits.grammar_compile_workers)
 
     @cached_property
     def prompt(self) -> PromptFormat:
@@ -127,8 +135,9 @@ class Components:
                         precompute_at=self.settings.blend.precompute_at)
 
     def close(self) -> None:
-        """Write the last usage counts, close the store and the metadata database, if they were opened."""
-        for name in ("usage", "store", "retriever", "metadata"):
+        """Write the last usage counts, close the store and the metadata database, stop the grammar compile
+        processes, if they were opened."""
+        for name in ("usage", "store", "retriever", "metadata", "grammars"):
             part = self.__dict__.pop(name, None)
             if part is not None:
                 part.close()

@@ -99,6 +99,8 @@ class LimitsSettings(BaseModel):
     max_message_tokens: int = Field(7680, ge=1)  # one message of a chat, or a query's question (else 422): up to
     # the prompt budget, so a message carrying pasted documents fits
     max_messages: int = Field(512, ge=1)  # messages of one chat request (else 422)
+    grammar_compile_s: float = Field(2.0, gt=0)  # a schema's grammar compiles within this, or is a 400 (too complex)
+    grammar_compile_workers: int = Field(2, ge=1)  # child processes that compile grammars (each killed past the limit)
     piece_cost_tokens: int = Field(8, ge=0)  # each message priced as this many tokens more within max_prompt_tokens
     read_token_cost: float = Field(0.0625, ge=0, le=1)  # a prompt token whose KV is read from the store, priced as
     # this share of a computed one (its KV moved and RoPE-shifted, no layer run): checked once the store is looked up

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.serve import free_port, start_server, wait_ready  # noqa: E402
+from bench.serve import served  # noqa: E402
 from common import git_commit  # noqa: E402
 
 WORDS = ("the harbour lamp keeper wrote down every ship that passed the rocks at night and the weather that came "
@@ -64,26 +63,18 @@ def main() -> None:
     long = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Note {i}: {text(i)}"}
             for i in range(args.messages - 1)] + [{"role": "user", "content": "Which ship came last?"}]
     short = [{"role": "user", "content": "Who keeps the lamp?"}]
-    with tempfile.TemporaryDirectory() as data_dir:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = start_server(data_dir, port, max_batch=8, queue_size=16, threads=None)
-        try:
-            wait_ready(url, server)
-            chat(url, short, [], "warm-up")
-            alone = chat(url, short, [], "short")
-            log(f"alone: {alone}")
-            firsts: list[str] = []
-            results: dict[str, dict] = {}
-            thread = threading.Thread(target=lambda: results.update(long=chat(url, long, firsts, "long")))
-            thread.start()
-            time.sleep(args.delay)
-            results["short"] = chat(url, short, firsts, "short")
-            thread.join()
-            log(f"during: {results}")
-        finally:
-            server.terminate()
-            server.wait(60)
+    with served() as url:
+        chat(url, short, [], "warm-up")
+        alone = chat(url, short, [], "short")
+        log(f"alone: {alone}")
+        firsts: list[str] = []
+        results: dict[str, dict] = {}
+        thread = threading.Thread(target=lambda: results.update(long=chat(url, long, firsts, "long")))
+        thread.start()
+        time.sleep(args.delay)
+        results["short"] = chat(url, short, firsts, "short")
+        thread.join()
+        log(f"during: {results}")
     print(json.dumps({"commit": git_commit(), "loadavg": os.getloadavg(), "chunk_tokens": args.chunk_tokens,
                       "messages": args.messages,
                       "words_per_message": args.words, "delay_s": args.delay, "short_alone": alone,

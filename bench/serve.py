@@ -30,7 +30,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -63,6 +65,21 @@ def start_server(data_dir: str, port: int, max_batch: int, queue_size: int, thre
         env["OMP_NUM_THREADS"] = str(threads)
     return subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port)],
                             cwd=REPO, env=env)
+
+
+@contextmanager
+def served(max_batch: int = 8, queue_size: int = 16) -> Iterator[str]:
+    """One `ragblend serve` on a temporary data dir, ready: its URL (the server terminated on exit)."""
+    with tempfile.TemporaryDirectory() as data_dir:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = start_server(data_dir, port, max_batch, queue_size, threads=None)
+        try:
+            wait_ready(url, server)
+            yield url
+        finally:
+            server.terminate()
+            server.wait(60)
 
 
 def wait_ready(url: str, server: subprocess.Popen, timeout: float = 600) -> None:

@@ -37,7 +37,7 @@ from blend.decode import (
     token_logprobs,
 )
 from blend.driver import Driver
-from blend.grammar import Constraint, Grammars, token_masks
+from blend.grammar import Constraint, token_masks
 from blend.pool import DEFAULT_POOL_TOKENS, KVPool, PoolTooShort
 
 log = logging.getLogger("ragblend.blend")
@@ -64,7 +64,6 @@ class DecodeRuntime:
         ids = ids if isinstance(ids, list) else [ids]
         tokenizer_eos = getattr(blender.tokenizer, "eos_token_id", None)
         self.eos_ids = frozenset(i for i in [*ids, tokenizer_eos] if i is not None)
-        self.grammars = Grammars(blender.tokenizer, self.vocab)  # compiles a request's grammar (blend.grammar)
 
     @property
     def cuda_graphs(self) -> str | None:

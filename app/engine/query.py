@@ -8,6 +8,7 @@ from typing import Literal
 from app.engine.explain import Explain
 from app.engine.tool_calls import ToolCallOut
 from blend.decode import TokenLogprob
+from blend.grammar import Grammar
 
 Mode = Literal["blend", "full", "reuse", "prefix"]  # prefix: the exact prefix reused, everything after it computed
 
@@ -39,7 +40,9 @@ class QueryParams:
     tenant: str = ""  # who asks (set from the API key): the store keys of a client's prompt text mix it in
     collection: str = ""  # whose documents it retrieves: the tenant's (retrieval.documents: tenant), or "" shared
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
-    grammar: str | None = None  # the answer's grammar (llguidance Lark, app.engine.tool_calls)
+    # the answer's grammar (llguidance Lark, app.engine.tool_calls); the server compiles it before the request takes
+    # a slot (app.serving.service), a program run alone (CLI, bench) where it starts
+    grammar: str | Grammar | None = None
     tool_calls: bool = False  # parse the calls in the answer (with tools, but for tool_choice none)
     prompt_ids: tuple[int, ...] = ()  # a raw prompt's tokens (/v1/completions): no template, no messages
     top_logprobs: int | None = None  # None: no logprobs; n: each answer token's, with n alternatives

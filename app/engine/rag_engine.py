@@ -37,7 +37,7 @@ from blend.cache import RoundTrip
 from blend.controller import Calibration
 from blend.decode import decode_loop
 from blend.driver import Driver, Offload
-from blend.grammar import GrammarError
+from blend.grammar import GrammarError, Grammars
 from blend.prompt import ChatTemplateError
 from blend.selection import get_policy
 from retrieval import Retriever
@@ -52,6 +52,7 @@ class Parts(Protocol):
     tokenizer: Any
     blender: Blender
     runtime: DecodeRuntime
+    grammars: Grammars
     prompt: PromptFormat
     kv_cache: ChunkKVCache
     retriever: Retriever
@@ -85,10 +86,10 @@ class RagEngine:
         parts, start = self.parts, time.perf_counter()
         stats = QueryStats(mode=params.mode)
         max_tokens = params.max_tokens or self.settings.limits.default_max_new_tokens
-        try:  # the answer's grammar (tool_choice, response_format: app.engine.tool_calls), compiled once per grammar
-            constraint = parts.runtime.grammars.constraint(params.grammar) if params.grammar else None
+        try:  # the answer's grammar (tool_choice, response_format: app.engine.tool_calls), compiled by the server
+            constraint = parts.grammars.constraint(params.grammar) if params.grammar else None  # before the slot
         except GrammarError as exc:
-            raise RequestError(f"the schema does not compile: {exc}") from None
+            raise RequestError(str(exc)) from None
         plan, loaded, prefill = yield from self.prefill(params, max_tokens, stats)
 
         # 4. Decode in a KV pool slot: one token per DecodeStep, batched by the driver with the other

@@ -5,14 +5,18 @@ The form is the one blend.prompt tells the model to use (Hermes): free text, the
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
-Grammars (llguidance's Lark, blend.grammar), the JSON of a call pinned to its tool's name and parameters:
+Grammars (llguidance's Lark, blend.grammar), each call's JSON its tool's name, then arguments its parameters allow
+(each tool's parameters their own `%json` root, so their `$defs`/`$ref`s resolve as in the schema alone):
     auto       free text that never opens a call, optionally followed by calls: the text stays free until the
-               model writes `<tool_call>`; from there the call must be a valid call of one of the tools
+               model writes `<tool_call>`; from there the call must be a valid call of one of the tools. With
+               response_format json_schema: the document of the schema, or calls (nothing before them)
     required   one call or more (at most MAX_PARALLEL_CALLS; one with parallel_tool_calls false), nothing before
     named      one call of that function
     none       free text that never opens a call
     json       (response_format json_object / json_schema) the JSON document alone
-Schemas are limited (MAX_SCHEMA_CHARS of JSON, MAX_SCHEMA_DEPTH levels) before any compile.
+Schemas are checked before any compile (SchemaLimitError): MAX_SCHEMA_CHARS of JSON, MAX_SCHEMA_DEPTH levels,
+and blend.grammar.refusal (too many string patterns intersected, no finite document). A tool's name may not hold
+the call markup.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from blend.grammar import json_rule
+from blend.grammar import json_rule, refusal
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_SCHEMA_CHARS = 16_000  # a tool's parameters or a response schema, as JSON text
@@ -32,7 +36,8 @@ _TEXT = r'TEXT: /(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/'
 
 
 class SchemaLimitError(ValueError):
-    """A schema over MAX_SCHEMA_CHARS or MAX_SCHEMA_DEPTH."""
+    """A schema or tool refused before any compile: over MAX_SCHEMA_CHARS or MAX_SCHEMA_DEPTH, more than
+    MAX_PATTERNS patterns intersected, no finite document, or a tool name holding the call markup."""
 
 
 @dataclass
@@ -49,6 +54,9 @@ def check_schema(schema: Any, where: str) -> None:
         raise SchemaLimitError(f"{where}: a schema of {len(text)} characters (at most {MAX_SCHEMA_CHARS})")
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         raise SchemaLimitError(f"{where}: a schema nested deeper than {MAX_SCHEMA_DEPTH} levels")
+    reason = refusal(schema)
+    if reason:
+        raise SchemaLimitError(f"{where}: {reason}")
 
 
 def _depth(value: Any) -> int:
@@ -59,18 +67,31 @@ def _depth(value: Any) -> int:
     return 0
 
 
-def call_schema(tool: dict) -> dict:
-    """The JSON of a call to `tool` (an OpenAI tool dict): its name, and arguments its parameters allow."""
-    function = tool["function"]
-    parameters = function.get("parameters") or {"type": "object"}
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def check_name(name: str) -> None:
+    """A tool's name may not hold the call markup: its calls would not be told from text."""
+    if OPEN in name or CLOSE in name:
+        raise SchemaLimitError(f"tools: the tool name {name!r} holds the call markup ({OPEN} or {CLOSE})")
+
+
+def call_rules(tools: list[dict]) -> str:
+    """Lark rules: `body`, the JSON of a call to one of `tools` (OpenAI tool dicts), in blend.grammar's JSON_FORM:
+    its name, then arguments its parameters allow, each tool's parameters their own %json root."""
+    calls, rules = [], []
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        head = json.dumps('{"name": ' + json.dumps(function["name"], ensure_ascii=False) + ', "arguments": ',
+                          ensure_ascii=False)
+        calls.append(f"call_{i}")
+        rules += [f'call_{i}: {head} args_{i} "}}"', f"args_{i}: {json_rule(function.get('parameters') or {})}"]
+    return "body: " + " | ".join(calls) + "\n" + "\n".join(rules) + "\n"
 
 
 def tools_grammar(tools: list[dict], choice: str | None, parallel: bool = True,
                   answer_schema: dict | None = None) -> str | None:
     """The grammar of an answer with `tools` under `choice`: "auto" | "none" | "required" | a function's name
     (None: no tools, `answer_schema` alone). `answer_schema`: the JSON a non-call answer must be."""
+    for tool in tools:
+        check_name(tool["function"]["name"])
     answer = f"answer: {json_rule(answer_schema)}\n" if answer_schema is not None else None
     if not tools or choice == "none":
         if answer:
@@ -79,14 +100,13 @@ def tools_grammar(tools: list[dict], choice: str | None, parallel: bool = True,
     chosen = [t for t in tools if t["function"]["name"] == choice] if choice not in ("auto", "required") else tools
     for tool in chosen:
         check_schema(tool["function"].get("parameters") or {}, f"tools: {tool['function']['name']}")
-    body = {"anyOf": [call_schema(t) for t in chosen]} if len(chosen) > 1 else call_schema(chosen[0])
     more = _up_to(MAX_PARALLEL_CALLS - 1) if parallel and choice in ("auto", "required") else ""
-    rules = (f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
-             f"body: {json_rule(body)}\n")
+    rules = f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n' + call_rules(chosen)
+    if choice == "auto" and answer:  # the schema's document, or calls: never text
+        return f"start: answer | call{more}\n" + rules + answer
     if choice == "auto":  # text until the model opens a call (the lazy opener ends at the first one), then calls
         calls = f'opener "\\n" body "\\n{CLOSE}"{more}'
-        start = f"start: answer | {calls}\n" if answer else f"start: TEXT | {calls}\n"
-        return start + rules + f"opener[lazy]: /(.|\\n)*{OPEN}/\n" + (answer or f"{_TEXT}\n")
+        return f"start: TEXT | {calls}\n" + rules + f"opener[lazy]: /(.|\\n)*{OPEN}/\n{_TEXT}\n"
     return f"start: call{more}\n" + rules
 
 

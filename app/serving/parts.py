@@ -65,11 +65,13 @@ class Serving:
                        max_chars=self._limits.max_document_chars)
 
     def warm_up(self) -> None:
-        """First calls before any concurrency: the prompt head's KV and one embedding (the embedder's tokenizer
-        sets its padding/truncation state on first use; later calls from two threads only read it). (The decode
-        runtime, with the kernel step's probe, was built with the scheduler.)"""
+        """First calls before any concurrency: the prompt head's KV, one embedding (the embedder's tokenizer
+        sets its padding/truncation state on first use; later calls from two threads only read it) and the grammar
+        compiler (the tokenizer's llguidance form, its compile processes). (The decode runtime, with the kernel
+        step's probe, was built with the scheduler.)"""
         parts = self._parts
-        for warm in (lambda: parts.kv_cache.head(), lambda: parts.embedder.embed(["warm up"])):
+        for warm in (lambda: parts.kv_cache.head(), lambda: parts.embedder.embed(["warm up"]),
+                     lambda: parts.grammars.start()):
             try:
                 warm()
             except AttributeError:  # a stand-in engine without these parts

@@ -25,15 +25,18 @@ import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, Callable
 
 from app.config import Settings
-from app.engine.query import QueryParams
+from app.engine.query import QueryParams, RequestError
 from app.serving.metrics import Metrics
 from app.serving.parts import Engine, Serving
 from app.serving.scheduler import Scheduler
 from app.serving.worker import Job, QueueFull, QueueTimeout, Worker
 from app.tenants import current_tenant
+from blend.grammar import Grammar, GrammarError
 
 log = logging.getLogger("ragblend.server")
 
@@ -58,6 +61,9 @@ class Service:
         self.owns_engine = engine is None
         self.serving: Serving | None = None
         self.lane = Worker(settings.server.queue_size, name="ragblend-ingest")
+        # compile requests' grammars (each waits on a compile process: as many threads as processes)
+        self.grammar_threads = ThreadPoolExecutor(settings.limits.grammar_compile_workers,
+                                                  thread_name_prefix="ragblend-grammar")
         self.metrics = Metrics(lambda: self.waiting, lambda: self.running, self._store_stats,
                                lambda: self.scheduler.step_totals() if self.scheduler else {})
         self.ready = threading.Event()
@@ -194,12 +200,26 @@ class Service:
                            tenant=tenant, collection=self.settings.retrieval.collection(tenant), **rest)
 
     async def submit_query(self, params: QueryParams, kind: str) -> Job:
-        """Queue a query for a slot on the model thread and wait until it has one. Its label, which /health
-        shows to anyone, is its `kind` ("query", "chat"): never the client's text (that is logged at DEBUG)."""
+        """Queue a query for a slot on the model thread and wait until it has one, its grammar compiled first
+        (`compile_grammar`). Its label, which /health shows to anyone, is its `kind` ("query", "chat"): never the
+        client's text (that is logged at DEBUG)."""
         engine, scheduler = self.serving.engine, self.serving.scheduler
+        if isinstance(params.grammar, str):
+            params = replace(params, grammar=await self.compile_grammar(params.grammar))
         log.debug("request queued", extra={"kind": kind, "question": params.question[:200]})
         return await self._started(lambda: scheduler.submit(
             lambda cancelled: engine.program(params, cancelled), label=kind), scheduler.retry_after)
+
+    async def compile_grammar(self, grammar: str) -> Grammar:
+        """A request's grammar, compiled before it takes a slot, so that the model thread never waits for one: a
+        cached one (or a known failure) at once, else on the grammar threads within `limits.grammar_compile_s`
+        (blend.grammar); one that fails is a 400 (RequestError)."""
+        grammars = self.serving.engine.parts.grammars
+        try:
+            return grammars.cached(grammar) or await asyncio.get_running_loop().run_in_executor(
+                self.grammar_threads, grammars.compile, grammar)
+        except GrammarError as exc:
+            raise RequestError(str(exc)) from None
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's tokens in the model's tokenizer, special tokens left out: the unit of the budgets."""

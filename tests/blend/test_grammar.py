@@ -1,10 +1,12 @@
 """Grammar-constrained decoding in the one decode step (blend.grammar): constrained rows follow their grammar and
 end only where it accepts; an unconstrained row in the same batch gets exactly the tokens it gets alone; a
-grammar that cannot go on ends its answer with an error, never a hang; a grammar that does not compile says why.
-A tiny random Llama with SmolLM2's vocabulary and tokenizer."""
+grammar that meets a dead end ends its answer cleanly; a grammar that does not compile says why, and one whose
+compile runs away is stopped at the limit (and refused at once when sent again); a schema that explodes or has no
+finite document is refused before any compile. A tiny random Llama with SmolLM2's vocabulary and tokenizer."""
 from __future__ import annotations
 
 import json
+import string
 
 import jsonschema
 import pytest
@@ -13,7 +15,17 @@ from transformers import AutoTokenizer
 from blend import Blender, DecodeRuntime, SamplingParams
 from blend.decode import TokenStream, decode_loop
 from blend.driver import Driver, Slot
-from blend.grammar import NUMBER_LIMIT, NUMBER_PLACES, GrammarDeadEnd, GrammarError, bounded, json_rule
+from blend.grammar import (
+    MAX_PATTERNS,
+    NUMBER_LIMIT,
+    NUMBER_PLACES,
+    GrammarError,
+    Grammars,
+    bounded,
+    has_document,
+    json_rule,
+    refusal,
+)
 from tests.blend.conftest import random_ids, tiny_model
 
 MODEL_DIR = "data/models/smollm2-135m-instruct"
@@ -21,6 +33,7 @@ SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenh
           "required": ["unit", "rain"], "additionalProperties": False}
 GRAMMAR = f"start: {json_rule(SCHEMA)}"
 BLENDERS: dict[DecodeRuntime, Blender] = {}
+COMPILERS: dict[DecodeRuntime, Grammars] = {}
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +42,15 @@ def decoder() -> DecodeRuntime:
     model = tiny_model("llama", vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2)
     blender = Blender(model, tokenizer=tokenizer, fingerprint="tiny-llama-smol")
     decoder = DecodeRuntime(blender, slots=4, max_len=256)
-    BLENDERS[decoder] = blender
-    return decoder
+    BLENDERS[decoder], COMPILERS[decoder] = blender, Grammars(tokenizer, decoder.vocab, limit_s=2.0)
+    yield decoder
+    COMPILERS.pop(decoder).close()
 
 
 def program(decoder: DecodeRuntime, prompt: list[int], sampling: SamplingParams, grammar: str | None,
             eos: frozenset[int]):
     """One answer as the engine runs it: a slot, its constraint, the decode loop; yields its token ids."""
-    constraint = decoder.grammars.constraint(grammar) if grammar else None
+    constraint = COMPILERS[decoder].constraint(grammar) if grammar else None
     sequence = decoder.start(decoder_prefill(decoder, prompt), sampling, constraint)
     try:
         yield from decode_loop(sequence, TokenStream(eos_ids=eos))
@@ -75,22 +89,79 @@ def test_constrained_rows_follow_their_grammar_beside_a_free_row(decoder):
     assert rows[3] != rows[2]  # the same prompt and seed unconstrained: the mask changed what was drawn
 
 
-def test_a_finished_grammar_ends_the_answer_and_a_refused_token_is_an_error(decoder):
+def test_a_finished_grammar_ends_the_answer_and_a_refused_token_ends_it_too(decoder):
     # eos no end here (as with ignore_eos): the answer still ends where its grammar is complete
     tokens = run_together(decoder, [(random_ids(9, 4), SamplingParams(max_new_tokens=200), GRAMMAR)],
                           eos=frozenset())[0]
     assert len(tokens) < 60 and json.loads(BLENDERS[decoder].tokenizer.decode(tokens, skip_special_tokens=True))
     assert decoder.pool.free == 4
-    constraint = decoder.grammars.constraint(GRAMMAR)
-    with pytest.raises(GrammarDeadEnd, match="refused"):
-        constraint.advance(BLENDERS[decoder].tokenizer.encode("x")[0])  # not how a JSON document opens
+    constraint = COMPILERS[decoder].constraint(GRAMMAR)
+    constraint.advance(BLENDERS[decoder].tokenizer.encode("x")[0])  # not how a JSON document opens: a dead end
+    assert constraint.dead and constraint.finished  # the decode loop ends the answer there ("stop"), no error
 
 
 def test_a_schema_that_does_not_compile_says_why(decoder):
     with pytest.raises(GrammarError, match="unknown|Unknown|invalid|Invalid|expected|Expected"):
-        decoder.grammars.constraint('start: %json {"type": "objekt"}')
-    first = decoder.grammars.constraint(GRAMMAR)
-    assert decoder.grammars.constraint(GRAMMAR).matcher is not first.matcher  # a fresh copy per answer
+        COMPILERS[decoder].constraint('start: %json {"type": "objekt"}')
+    first = COMPILERS[decoder].constraint(GRAMMAR)
+    assert COMPILERS[decoder].constraint(GRAMMAR).matcher is not first.matcher  # a fresh copy per answer
+
+
+def patterns(n: int) -> dict:
+    """A string that must match n patterns at once: their intersection compiles in time exponential in n."""
+    return {"type": "string", "allOf": [{"pattern": f".*{c}.*"} for c in string.ascii_lowercase[:n]]}
+
+
+def test_a_compile_past_the_limit_is_stopped_and_its_resend_refused_at_once(decoder):
+    grammars = COMPILERS[decoder]
+    bomb = f"start: {json_rule(patterns(21))}"  # ~160 s to compile; refusal() would refuse it first (below)
+    with pytest.raises(GrammarError, match="too complex: its grammar did not compile within 2 s"):
+        grammars.compile(bomb)
+    with pytest.raises(GrammarError, match="too complex"):
+        grammars.cached(bomb)  # the failure is remembered: no compile
+    # the compile process was killed and replaced: the next grammar compiles
+    assert grammars.constraint(f"start: {json_rule({'type': 'integer'})}").matcher is not None
+
+
+DEAD = [{"$ref": "#"},
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]},
+        {"type": "array", "minItems": 1, "items": {"$ref": "#"}},
+        {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "required": ["a"],
+         "$defs": {"n": {"anyOf": [{"$ref": "#/$defs/m"}]}, "m": {"type": "object", "required": ["x"],
+                                                                 "properties": {"x": {"$ref": "#/$defs/n"}}}}}]
+LIVE = [{"type": "object", "properties": {"c": {"$ref": "#"}}},  # a tree: a child may be left out
+        {"$defs": {"Node": {"type": "object", "properties": {"children": {"type": "array",
+                                                                          "items": {"$ref": "#/$defs/Node"}}},
+                            "required": ["children"]}}, "$ref": "#/$defs/Node"},  # [] ends it
+        {"anyOf": [{"$ref": "#"}, {"type": "null"}]}, {"type": "object", "required": ["x"]}, patterns(MAX_PATTERNS)]
+
+
+def test_a_schema_with_no_finite_document_or_too_many_patterns_is_refused_before_any_compile(decoder):
+    for schema in DEAD:
+        assert not has_document(schema), schema
+        assert "no finite document" in refusal(schema)
+    for schema in LIVE:
+        assert has_document(schema) and refusal(schema) is None, schema
+    assert "21 string patterns" in refusal(patterns(21))
+    by_ref = {"$defs": {c: {"pattern": f".*{c}.*"} for c in "abcdefghijklmnop"}, "type": "string",
+              "allOf": [{"$ref": f"#/$defs/{c}"} for c in "abcdefghijklmnop"]}  # 5 s to compile, through $refs
+    assert "16 string patterns" in refusal(by_ref)
+    # where a dead schema reaches the compiler all the same, its first step says it has no document
+    with pytest.raises(GrammarError, match="allows no document"):
+        COMPILERS[decoder].compile(f"start: {json_rule(DEAD[0])}")
+
+
+def test_a_dead_end_mid_answer_ends_that_answer_cleanly_beside_another(decoder):
+    # an object that requires itself compiles (its first token is `{`) but its parser gives out a few tokens in
+    needs_itself = f"start: {json_rule(DEAD[2])}"  # never accepts: an answer ends before max_tokens at a dead end
+    free = SamplingParams(max_new_tokens=24)
+    alone = run_together(decoder, [(random_ids(9, 1), free, None)])[0]
+    rows = run_together(decoder, [(random_ids(9, 1), free, None),
+                                  (random_ids(12, 7), SamplingParams(max_new_tokens=60), needs_itself)])
+    assert rows[0] == alone  # the other row is untouched
+    assert all(isinstance(t, int) for t in rows[1]) and len(rows[1]) < 60  # ended at the dead end: no error
+    assert BLENDERS[decoder].tokenizer.decode(rows[1], skip_special_tokens=True).startswith("{")
 
 
 
@@ -100,7 +171,7 @@ MANY = f'start: doc ("\\n" doc)*\ndoc: {json_rule(SCHEMA)}'  # documents one aft
 def test_an_answer_ends_at_a_whole_document_rather_than_be_cut_by_max_tokens(decoder):
     tokenizer = BLENDERS[decoder].tokenizer
     first, second = '{"unit": "celsius", "rain": true}', '{"unit": "fahrenheit", "rain": false}'
-    constraint = decoder.grammars.constraint(MANY)
+    constraint = COMPILERS[decoder].constraint(MANY)
     ids = tokenizer.encode(first, add_special_tokens=False)
     for token in ids[:-1]:
         constraint.advance(token)
@@ -126,7 +197,7 @@ def test_an_answer_ends_at_a_whole_document_rather_than_be_cut_by_max_tokens(dec
 
 def taken(decoder: DecodeRuntime, schema: dict, text: str) -> tuple[str, bool]:
     """How much of `text` (fed a character at a time) the grammar of `schema` takes, and whether it may end there."""
-    tokenizer, constraint = BLENDERS[decoder].tokenizer, decoder.grammars.constraint(f"start: {json_rule(schema)}")
+    tokenizer, constraint = BLENDERS[decoder].tokenizer, COMPILERS[decoder].constraint(f"start: {json_rule(schema)}")
     for i, char in enumerate(text):
         token = tokenizer.encode(char, add_special_tokens=False)
         if not constraint.matcher.try_consume_tokens(token):

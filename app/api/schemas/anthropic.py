@@ -76,7 +76,10 @@ class CountTokensRequest(AnthropicBody):
     messages: list[Message] = Field(min_length=1, description="The conversation; the last message is a user's "
                                                               "(the question).")
     system: Text | list[TextBlock] | None = None
-    tools: list[Tool] = Field(default_factory=list)
+    tools: list[Tool] = Field(default_factory=list, description=(
+        "A name holding the call markup (<tool_call>, </tool_call>) is a 400. input_schema: as OpenAI's "
+        "response_format schemas (its $defs/$ref resolve within it; the same limits, refused with a 400 before any "
+        "prefill)."))
     tool_choice: ToolChoice | None = Field(None, description=(
         "Enforced by grammar-constrained decoding: auto (text until the model opens a call, then a valid call), "
         "any (calls only), tool (one call of `name`, which must be one of `tools`), none (text only); any and "

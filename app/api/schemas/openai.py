@@ -12,6 +12,7 @@ from app.engine.query import Mode, Source
 from app.engine.tool_calls import MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH
 from app.validation import MAX_ID_CHARS, NOT_BLANK, ONE_LINE_NOT_BLANK
 from blend.decode import MAX_TOP_LOGPROBS
+from blend.grammar import MAX_PATTERNS
 
 
 class TextPart(OpenAIBody):
@@ -180,16 +181,22 @@ class ChatCompletionRequest(OpenAIBody):
         None, description="in_memory (the default): the prompt's KV stays under plain LRU; 24h: it is leased for "
                           "24 h (renewed by each hit), see the response's `lease` and x-ragblend-lease header.")
     tools: list[Tool] | None = Field(None, description="Functions the model may call: rendered into the prompt "
-                                                      "through the model's chat template.")
+                                                      "through the model's chat template. A name holding the call "
+                                                      "markup (<tool_call>, </tool_call>) is a 400; parameters are "
+                                                      "schemas as response_format's (their $defs/$ref resolve "
+                                                      "within each tool's parameters).")
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
         "Enforced by grammar-constrained decoding: none (text, never a call), auto (the default with tools: text "
-        "until the model opens a call, then a valid call), required (calls only), or a named function (one call "
-        "of it)."))
+        "until the model opens a call, then a valid call; with a json_schema response_format: the schema's "
+        "document or calls, never text), required (calls only), or a named function (one call of it)."))
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default: several).")
     response_format: ResponseFormat | None = Field(None, description=(
         f"json_object or json_schema: the answer is a JSON document (of the schema), enforced by grammar-"
         f"constrained decoding. A schema (a tool's parameters too) has at most {MAX_SCHEMA_CHARS} characters of "
-        f"JSON and {MAX_SCHEMA_DEPTH} levels of nesting; one the grammar engine cannot compile is a 400."))
+        f"JSON and {MAX_SCHEMA_DEPTH} levels of nesting, and one value must match at most {MAX_PATTERNS} string "
+        f"patterns at once (allOf, $ref); a schema no finite document satisfies ($ref cycles, an object requiring "
+        f"itself), or one the grammar engine cannot compile within limits.grammar_compile_s (default 2 s), is a "
+        f"400 before any prefill (a failed schema is remembered: its resend is refused at once)."))
     logprobs: bool | None = Field(None, description=(
         "true: each answer token's log-probability under the model (before temperature, top_p and a grammar's "
         "mask), in `choices[0].logprobs.content`; streamed, all of them on the finish chunk."))

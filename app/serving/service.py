@@ -199,7 +199,7 @@ class Service:
         engine, scheduler = self.serving.engine, self.serving.scheduler
         log.debug("request queued", extra={"kind": kind, "question": params.question[:200]})
         return await self._started(lambda: scheduler.submit(
-            lambda cancelled: engine.program(params, cancelled), label=kind), scheduler.retry_after)
+            lambda: engine.request(params), label=kind, output=engine.output(params)), scheduler.retry_after)
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's tokens in the model's tokenizer, special tokens left out: the unit of the budgets."""

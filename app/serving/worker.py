@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
 
+from blend.driver import Output
+
 Cancelled = Callable[[], bool]
 Work = Callable[[Cancelled], Iterable[Any]]
 
@@ -36,11 +38,14 @@ class WorkerStopped(Exception):
 
 
 class Job:
-    """One unit of work; iterate it (async) for the items its work yields."""
+    """One unit of work; iterate it (async) for the items its work yields, or, with an `output`
+    (blend.driver.Output: a query's), for what the output makes of them, on the event loop."""
 
-    def __init__(self, work: Work, loop: asyncio.AbstractEventLoop, label: str = ""):
-        self.work, self.loop, self.label = work, loop, label
+    def __init__(self, work: Callable[..., Any], loop: asyncio.AbstractEventLoop, label: str = "",
+                 output: Output | None = None):
+        self.work, self.loop, self.label, self.output = work, loop, label, output
         self.cancelled = threading.Event()  # set by the caller: the client went away
+        self.stopped = threading.Event()  # set by its output: a stop string ended the answer
         self.submitted = time.monotonic()
         self.started: float | None = None
         self._events: asyncio.Queue[Any] = asyncio.Queue()
@@ -57,6 +62,10 @@ class Job:
             self._state, self.started = "running", time.monotonic()
         self.post(STARTED)
         return True
+
+    def halt(self) -> str | None:
+        """Why the model thread should end this job's request now: "cancelled", "stop" (its output), or None."""
+        return "cancelled" if self.cancelled.is_set() else "stop" if self.stopped.is_set() else None
 
     @property
     def waiting(self) -> bool:
@@ -99,7 +108,14 @@ class Job:
         while (item := await self._events.get()) is not END:
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            if self.output is None:
+                yield item
+                continue
+            events = self.output.feed(item)
+            if self.output.stopped:  # the model thread ends the request at its next step
+                self.stopped.set()
+            for event in events:
+                yield event
 
     async def result(self) -> Any:
         """The last item (for one-shot work such as an ingest)."""

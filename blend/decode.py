@@ -201,17 +201,22 @@ class TextStream(TokenStream):
 
     Detokenised incrementally, as vLLM's and HF's TextStreamer do: only the tokens since `_prefix` are decoded
     (the few before `_read` give the new ones their context: a byte-level BPE's split characters, a
-    sentencepiece's leading space), so a token costs the same at any answer length. Text that could still become
-    a stop string is held back until it cannot; a stop string is looked for only where the new text could
-    complete one."""
+    sentencepiece's leading space). Text that could still become a stop string is held back until it cannot; a
+    stop string can only end in the new text and begin in what is held back (a longer prefix of one would have
+    been held back), so only those are searched. A token costs the same at any answer length."""
 
     tokenizer: PreTrainedTokenizerBase | None = None
     stop: tuple[str, ...] = ()
-    text: str = ""
     stop_sequence: str | None = None  # the stop string that ended the answer
-    _emitted: int = 0
+    _pieces: list[str] = field(default_factory=list)  # the text released, in pieces
+    _held: str = ""   # text not yet released: it may begin a stop string
     _prefix: int = 0  # tokens[_prefix:_read] decode to the text's last piece (the new tokens' context)
-    _read: int = 0    # tokens before this are in `text`
+    _read: int = 0    # tokens before this are in the text
+
+    @property
+    def text(self) -> str:
+        """The answer's text so far (a stop string and what follows it cut)."""
+        return "".join(self._pieces) + self._held
 
     def _release(self, token: int) -> tuple[str, ...]:
         """The text `token` releases (none while held back); at a stop string, the text before it, and the
@@ -222,18 +227,20 @@ class TextStream(TokenStream):
         after = self._decode(self._prefix, len(self.tokens))
         if len(after) <= len(before) or after.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
             return ()
-        grown = len(self.text)
-        self.text += after[len(before):]
         self._prefix, self._read = self._read, len(self.tokens)
-        cut, self.stop_sequence = min(((i, s) for s in self.stop
-                                       if (i := self.text.find(s, max(0, grown - len(s) + 1))) >= 0),
-                                      default=(-1, None))
+        window = self._held + after[len(before):]
+        cut, self.stop_sequence = min(((i, s) for s in self.stop if (i := window.find(s)) >= 0), default=(-1, None))
         if cut >= 0:
-            self.text = self.text[:cut]
             self.finish_reason = "stop"
-            return self._flush()
-        safe = len(self.text) - self._held_back()
-        delta, self._emitted = self.text[self._emitted:safe], max(self._emitted, safe)
+            return self._out(window[:cut], "")
+        held = max((n for s in self.stop for n in range(min(len(s) - 1, len(window)), 0, -1)
+                    if window.endswith(s[:n])), default=0)
+        return self._out(window[:len(window) - held], window[len(window) - held:])
+
+    def _out(self, delta: str, held: str) -> tuple[str, ...]:
+        self._held = held
+        if delta:
+            self._pieces.append(delta)
         return (delta,) if delta else ()
 
     def _decode(self, start: int, stop: int) -> str:
@@ -241,17 +248,9 @@ class TextStream(TokenStream):
 
     def finish(self) -> tuple[str, ...]:
         """The text still held back (at the end of generation): a trailing partial character too."""
+        rest = ""
         if self.stop_sequence is None and self._read < len(self.tokens):
-            self.text += self._decode(self._prefix, len(self.tokens))[len(self._decode(self._prefix, self._read)):]
+            rest = self._decode(self._prefix, len(self.tokens))[len(self._decode(self._prefix, self._read)):]
             self._read = len(self.tokens)
         super().finish()
-        return self._flush()
-
-    def _flush(self) -> tuple[str, ...]:
-        delta, self._emitted = self.text[self._emitted:], max(self._emitted, len(self.text))
-        return (delta,) if delta else ()
-
-    def _held_back(self) -> int:
-        """Length of the longest text tail that is a proper prefix of a stop string."""
-        return max((n for s in self.stop for n in range(min(len(s) - 1, len(self.text)), 0, -1)
-                    if self.text.endswith(s[:n])), default=0)
+        return self._out(self._held + rest, "")

@@ -2,7 +2,8 @@
 
 A Job is the asyncio side's handle on work done in another thread: the work's items (a query's
 token ids and result, an ingest's result) reach the event loop through an asyncio.Queue fed with
-`call_soon_threadsafe`; a query's output (the engine's QueryOutput) turns them into text there. The model thread (app.serving.scheduler) runs query jobs several at a time; the
+`call_soon_threadsafe`; a query's output (the engine's QueryOutput) turns them into text there. The model thread
+(app.serving.scheduler) runs query jobs several at a time; the
 Worker here runs jobs one at a time in arrival order — the server's ingest lane (uploads and
 deletes: chunking and embedding happen there, off the model thread). Either way the queue of
 waiting jobs is bounded (a full one is the caller's 429), and a job that waited past its deadline is

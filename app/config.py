@@ -73,11 +73,12 @@ class ServerSettings(BaseModel):
     queue_size: int = Field(16, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     max_batch: int = Field(8, ge=1)  # requests decoded together (slots on the model thread)
-    prefill_slice_ms: float = Field(100.0, gt=0)  # the least prefill work between two decode steps (a chunk at least)
+    # tokens a model-thread step runs (vLLM's max_num_batched_tokens): a decode row is one, a prefill slice the
+    # tokens it runs through one layer over the model's layers; at least one slice a step
+    step_token_budget: int = Field(2048, ge=1)
     # a prefill's least piece of work: one layer over at most this many of its tokens (chunked prefill); null: a
     # whole layer
     prefill_chunk_tokens: int | None = Field(512, ge=1)
-    max_stall_ms: float = Field(1500.0, gt=0)  # the most a streaming answer waits for its next token on prefills
     degraded_wait_s: float = Field(30.0, gt=0)  # /health says degraded while a request waits this long for a token
     stuck_after_s: float = Field(120.0, gt=0)  # /health is 503 once the model thread is on one piece this long
     shutdown_grace_s: float = Field(5.0, ge=0)  # running queries may finish within this at shutdown

@@ -48,7 +48,7 @@ from app.config import load_settings  # noqa: E402
 from app.engine.query import QueryParams, QueryStats  # noqa: E402
 from app.engine.rag_engine import RagEngine  # noqa: E402
 from blend import SamplingParams, TextStream  # noqa: E402
-from blend.driver import Driver  # noqa: E402
+from blend.driver import drain  # noqa: E402
 from common import git_commit  # noqa: E402
 
 RULES = ("append", "window", "rerank")
@@ -102,24 +102,21 @@ def relevance_to(parts: Components, task: str, results: list[dict]) -> list[floa
 
 def one_turn(engine: RagEngine, messages: list[dict], mode: str, ratio: float, answer_tokens: int
              ) -> tuple[Any, Any, QueryStats, dict[str, float]]:
-    """The engine's own steps for one request, through the driver: its prefill (timed) and, unless full, its
+    """The engine's own steps for one request: its plan and prefill (timed) and, unless full, its
     after-answer storing (timed apart). Returns (plan, prefill, stats, seconds)."""
     params = QueryParams("", messages=tuple(messages), tools=(SEARCH,), retrieve=False, mode=mode,
                          ratio=ratio if mode == "blend" else None, max_tokens=answer_tokens)
     stats, seconds = QueryStats(mode=mode), {}
 
-    def program():
-        start, cpu = time.perf_counter(), time.process_time()
-        plan, loaded, prefill = yield from engine.prefill(params, answer_tokens, stats)
-        int(prefill.logits.argmax())  # the first token is chosen from these
-        seconds["prefill_s"], seconds["cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
-        start = time.perf_counter()
-        if mode != "full":  # the spans the store lacked, cut from the prefill (app.engine.planner): no compute
-            engine.planner.store(plan, loaded, prefill)
-        seconds["store_s"] = time.perf_counter() - start
-        yield plan, prefill
-
-    [(plan, prefill)] = list(Driver(engine.parts.runtime.step).run(program()))
+    start, cpu = time.perf_counter(), time.process_time()
+    plan, loaded = engine.plan(params, answer_tokens, stats)  # (off the model thread in the server)
+    prefill = drain(engine.prefill(params, plan, loaded, stats))
+    int(prefill.logits.argmax())  # the first token is chosen from these
+    seconds["prefill_s"], seconds["cpu_s"] = time.perf_counter() - start, time.process_time() - cpu
+    start = time.perf_counter()
+    if mode != "full":  # the spans the store lacked, cut from the prefill (app.engine.planner): no compute
+        engine.planner.store(plan, loaded, prefill)
+    seconds["store_s"] = time.perf_counter() - start
     return plan, prefill, stats, seconds
 
 

@@ -70,7 +70,7 @@ from app.engine.rag_engine import RagEngine  # noqa: E402
 from app.engine.usage import COMPUTED  # noqa: E402
 from app.serving.scheduler import Scheduler  # noqa: E402
 from blend import SamplingParams, TextStream  # noqa: E402
-from blend.driver import Driver  # noqa: E402
+from blend.driver import drain  # noqa: E402
 from common import git_commit  # noqa: E402
 
 INSTRUCTION = "Use the following documents to answer the question."
@@ -129,20 +129,17 @@ def one_request(engine: RagEngine, params: QueryParams) -> tuple[Any, Any, Query
     background writes (flushed, timed: they run off the model thread, before the next request here)."""
     stats, seconds = QueryStats(mode=params.mode), {}
 
-    def program():
-        start = time.perf_counter()
-        plan, loaded, prefill = yield from engine.prefill(params, params.max_tokens, stats)
-        int(prefill.logits.argmax())  # the first token is chosen from these
-        seconds["ttft_s"] = time.perf_counter() - start
-        start = time.perf_counter()
-        if params.mode != "full":  # what RagEngine.program does once the answer is out
-            engine.planner.store(plan, loaded, prefill)
-        seconds["after_answer_s"] = time.perf_counter() - start
-        yield (plan, loaded), prefill
-
     store = engine.parts.store
     dropped = store.stats().get("dropped_puts", 0)
-    [(plan, prefill)] = list(Driver(engine.parts.runtime.step).run(program()))
+    start = time.perf_counter()
+    plan, loaded = engine.plan(params, params.max_tokens, stats)  # (off the model thread in the server)
+    prefill = drain(engine.prefill(params, plan, loaded, stats))
+    int(prefill.logits.argmax())  # the first token is chosen from these
+    seconds["ttft_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    if params.mode != "full":  # what Query.finish does once the answer is out
+        engine.planner.store(plan, loaded, prefill)
+    seconds["after_answer_s"] = time.perf_counter() - start
     before = store.stats().get("write_s_total", 0.0)
     start = time.perf_counter()
     store.flush()
@@ -303,7 +300,7 @@ async def _send(scheduler: Scheduler, engine: RagEngine, params: QueryParams, an
     """One request through the scheduler: its TTFT as the client sees it (submit to first token) and the time
     its program ran on after the result (the after-answer work)."""
     start = time.perf_counter()
-    job = scheduler.submit(lambda cancelled: engine.program(params, cancelled), label="byo_rag")
+    job = scheduler.submit(lambda: engine.request(params), label="byo_rag", output=engine.output(params))
     first = result_at = None
     async for event in job:
         if first is None and isinstance(event, (str, QueryResult)):
@@ -320,8 +317,8 @@ def back_to_back(engine: RagEngine, request: Request, mode: str, ratio: float, t
     """A new prompt A; its repeat B sent when A's answer arrives; the repeat C again on an idle server. A's
     `result_s` - `ttft_s` is its storing on the model thread (with --answer-tokens 1)."""
     s = engine.settings.server
-    scheduler = Scheduler(engine.parts.runtime.step, max_batch=s.max_batch, queue_size=s.queue_size,
-                          slice_s=s.prefill_slice_ms / 1000, max_stall_s=s.max_stall_ms / 1000)
+    scheduler = Scheduler(engine.parts.runtime.advance, layers=engine.parts.blender.num_layers,
+                          max_batch=s.max_batch, queue_size=s.queue_size, step_token_budget=s.step_token_budget)
     scheduler.start()
     params = params_for(request, mode, ratio, tokens)
 

@@ -6,7 +6,8 @@ The configured model computes a `--tokens` prompt in full (no KV read: every tok
 chat the store has not seen does in the server) with Blender.chunk_tokens set to each of `--chunks` in turn
 (interleaved per repeat, so load hits each alike). Per setting: the whole prefill's seconds (median), and its
 longest and median slice (the work between two yields: what a short request sent meanwhile waits for at most,
-on top of the scheduler's prefill_slice_ms). Prints JSON on stdout (with the commit and the load average).
+a step's slices are whole chunks: app.serving.scheduler, server.step_token_budget). Prints JSON on stdout (with the
+commit and the load average).
 """
 from __future__ import annotations
 

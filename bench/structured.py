@@ -3,7 +3,7 @@
     python bench/structured.py [--n 50] [--steps 24] [--repeats 3]
 
 On the embedded SmolLM2, in process (the engine's own request program, chat without retrieval; answers run
-four at a time through one blend.driver.Driver, as the scheduler batches them):
+four at a time through blend.driver's schedule and runner, as the scheduler batches them):
 - validity: `--n` answers per case (tool_choice required, a named function, response_format json_schema), at
   temperature 0 and 0.7 (each answer its own question and seed): the calls' arguments checked with jsonschema
   against the tool's parameters, the json_schema answers against their schema;
@@ -35,7 +35,7 @@ from app.engine.query import QueryParams, QueryResult  # noqa: E402
 from app.engine.rag_engine import RagEngine  # noqa: E402
 from app.engine.tool_calls import tools_grammar  # noqa: E402
 from blend import SamplingParams  # noqa: E402
-from blend.driver import Driver, Slot  # noqa: E402
+from blend.driver import Request, Runner, schedule  # noqa: E402
 from blend.grammar import Grammars, token_masks  # noqa: E402
 from common import git_commit  # noqa: E402
 
@@ -74,11 +74,11 @@ def question(i: int) -> str:
 
 
 def answers(engine: RagEngine, case: str, temperature: float, n: int) -> list[QueryResult | Exception]:
-    """`n` answers of a case, four at a time in one driver."""
+    """`n` answers of a case, four at a time through one runner."""
     grammar, _ = CASES[case]
     out: list[QueryResult | Exception] = []
     for start in range(0, n, 4):
-        driver, results = Driver(engine.parts.runtime.step), []
+        requests, results, runner = {}, [], Runner(engine.parts.runtime.advance)
         for i in range(start, min(n, start + 4)):
             params = QueryParams(question(i), messages=({"role": "user", "content": question(i)},),
                                  tools=tuple(TOOLS) if case != "json_schema" else (), retrieve=False, mode="full",
@@ -86,11 +86,19 @@ def answers(engine: RagEngine, case: str, temperature: float, n: int) -> list[Qu
                                  tool_calls=case != "json_schema")
             box: list = []
             results.append(box)
-            driver.advance(driver.add(Slot(engine.program(params), box.append)))
-        while driver.slots:
-            if not driver.decode():
-                for slot in list(driver.slots):
-                    driver.advance(slot)
+            work, output = engine.request(params), engine.output(params)
+
+            def emit(item, output=output, box=box) -> None:
+                box.extend([item] if isinstance(item, BaseException) else output.feed(item))
+            try:
+                work.prepare()  # (off the model thread in the server)
+            except Exception as exc:  # noqa: BLE001 - this answer's error
+                box.append(exc)
+                continue
+            requests[i] = Request(work, emit, i, "prefill")
+        while any(r.phase != "done" for r in requests.values()):  # the server's steps, four requests at a time
+            runner.run(schedule(requests.values(), engine.settings.server.step_token_budget,
+                                engine.parts.blender.num_layers), requests)
         out += [next((e for e in box if isinstance(e, (QueryResult, Exception))), RuntimeError("no result"))
                 for box in results]
     return out

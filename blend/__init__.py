@@ -1,8 +1,8 @@
 """blend: CacheBlend-style KV reuse on HF transformers.
 
 Exports the model loader, the ChunkKV unit, the prompt layout, the Blender (precompute,
-selective-recompute prefill, full prefill), the DecodeRuntime (pooled, batched decode), the driver that
-runs request programs, and sampling/streaming helpers.
+selective-recompute prefill, full prefill), the DecodeRuntime (pooled, batched decode), the driver (requests
+as data, the step, its runner), and sampling/streaming helpers.
 Knows nothing about HTTP, FAISS or Redis.
 
 The exports load lazily (PEP 562): importing the engine pulls in the HF modeling code (seconds),
@@ -18,7 +18,7 @@ _EXPORTS = {
     "SamplingParams": "blend.decode", "TextStream": "blend.decode", "TokenStream": "blend.decode",
     "Blender": "blend.blender", "Prefill": "blend.blender", "PrefillStats": "blend.blender",
     "StoredSpans": "blend.cache",
-    "DecodeRuntime": "blend.runtime", "Driver": "blend.driver", "Offload": "blend.driver",
+    "DecodeRuntime": "blend.runtime", "Runner": "blend.driver", "Step": "blend.driver", "schedule": "blend.driver",
     "LoadedModel": "blend.model", "load_model": "blend.model",
     "PromptFormat": "blend.prompt",
     "RopeShifter": "blend.rope", "RopeUnsupportedError": "blend.rope",

@@ -9,10 +9,10 @@ Contract:
         the suffix is always computed fresh.
         ratio 1 reproduces full prefill, ratio 0 is full reuse (shifted KV concatenated); the ratio is of the
         cached tokens (fresh ones always run).
-    prefill_steps(...) -> Generator[None, None, Prefill]
+    prefill_steps(...) -> Generator[int, None, Prefill]
         the same prefill, resumable: it yields after each slice of work - a layer over at most
-        `chunk_tokens` of its tokens (chunked prefill, as vLLM's) - so a scheduler can run other requests
-        between the slices of a long prefill
+        `chunk_tokens` of its tokens (chunked prefill, as vLLM's) - the token-layers it ran (tokens x layers),
+        so a scheduler can run other requests between the slices of a long prefill (blend.driver)
     full_prefill(ids) -> Prefill                   the model's own forward over every token (the reference)
     teacher_force(prefill, target_ids) -> logits   the model's own forward over an answer (scoring)
 Decoding from a Prefill is blend.runtime.DecodeRuntime's (its KV pool, its step, its graphs).
@@ -49,6 +49,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from blend.attention import BLEND_ATTENTION
 from blend.backend import Backend, backend_for
 from blend.cache import BlendCache, StoredSpans
+from blend.driver import drain
 from blend.gate import judge, sliding_window, static_refusal, tolerance
 from blend.pipeline import ChunkMiss, Fresh, LayerLoader, LayerSource, as_source
 from blend.rope import RopeShifter, RopeUnsupportedError
@@ -270,9 +271,9 @@ class Blender:
     def full_prefill(self, ids: Sequence[int], *, reserve: int = 0) -> Prefill:
         """Every token through the model's own forward (its own attention, masks and head), in one piece: the
         reference. `reserve` leaves room in the cache for that many decoded tokens."""
-        return _run(self._full_steps(list(ids), reserve, [slice(0, len(ids))]))
+        return drain(self._full_steps(list(ids), reserve, [slice(0, len(ids))]))
 
-    def _full_steps(self, ids: list[int], reserve: int, chunks: list[slice]) -> Generator[None, None, Prefill]:
+    def _full_steps(self, ids: list[int], reserve: int, chunks: list[slice]) -> Generator[int, None, Prefill]:
         """The model's own forward over `ids`, a chunk of tokens at a time through the cache (each sees the ones
         before it, as in generation), yielding after each chunk."""
         clock = _Clock(self.backend)
@@ -280,7 +281,7 @@ class Blender:
         for rows in chunks:
             out = self.model(input_ids=torch.tensor([ids[rows]], device=self.device), cache=cache, use_cache=True,
                              logits_to_keep=1)
-            yield
+            yield (rows.stop - rows.start) * self.num_layers
         clock.lap("layers")
         stats = PrefillStats(len(ids), timings_ms=clock.timings)
         return Prefill(cache, out.logits[0, -1].float().cpu(), len(ids), torch.empty(0, dtype=torch.long), stats,
@@ -288,12 +289,12 @@ class Blender:
 
     def prefill(self, segments: Sequence[ChunkKV], suffix_ids: Sequence[int], ratio: float, **options) -> Prefill:
         """The whole prefill at once (see `prefill_steps` for the options)."""
-        return _run(self.prefill_steps(segments, suffix_ids, ratio, **options))
+        return drain(self.prefill_steps(segments, suffix_ids, ratio, **options))
 
     def prefill_steps(self, segments: Sequence[ChunkKV | LayerSource], suffix_ids: Sequence[int], ratio: float, *,
                       selection: str | Policy | None = None, seed: int = 0, reserve: int = 0,
                       pipeline: bool = False, recompute: Callable[[int], ChunkKV] | None = None,
-                      stored: StoredSpans | None = None) -> Generator[None, None, Prefill]:
+                      stored: StoredSpans | None = None) -> Generator[int, None, Prefill]:
         """Blend `segments` + the suffix, yielding after each slice (a layer's chunk of tokens); returns the
         Prefill. `selection` names a policy in blend.selection (default: the Blender's); `reserve` leaves room in
         the cache for that many decoded tokens (the buffer would grow anyway, by a copy).
@@ -328,7 +329,7 @@ class Blender:
     @torch.inference_mode()
     def _blend_steps(self, sources: list[LayerSource], suffix_ids: Sequence[int], ratio: float,
                      selection: str | Policy | None, seed: int, reserve: int, pipeline: bool,
-                     stored: StoredSpans | None) -> Generator[None, None, Prefill]:
+                     stored: StoredSpans | None) -> Generator[int, None, Prefill]:
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"ratio must be in [0, 1], got {ratio}")
         if not suffix_ids:
@@ -372,7 +373,7 @@ class Blender:
 
     def _blend(self, ids: torch.Tensor, segments: list[LayerSource], bounds: list[tuple[int, int]],
                cache: BlendCache, ratio: float, policy: Policy, seed: int, clock: _Clock
-               ) -> Generator[None, None, Prefill]:
+               ) -> Generator[int, None, Prefill]:
         """Steps 2-4 over the laid-out cache (its layers may still be loading)."""
         total, cached = ids.numel(), bounds[-1][1] if bounds else 0
         # 2. The exact prefix needs nothing; the rest of the cached tokens (the candidates) may be repaired.
@@ -433,7 +434,7 @@ class Blender:
         return hidden[:, index], keep, first
 
     def _layers(self, hidden: torch.Tensor, run: torch.Tensor, cache: BlendCache, start: int, stop: int,
-                probe: Callable | None = None) -> Generator[None, None, torch.Tensor]:
+                probe: Callable | None = None) -> Generator[int, None, torch.Tensor]:
         """Run decoder layers [start, stop) for the tokens at absolute positions `run` (hidden [1, T, hidden]),
         each layer a chunk of rows at a time, yielding after each chunk (a scheduler's slice boundary); returns
         the last hidden states."""
@@ -451,7 +452,7 @@ class Blender:
                 out.append(layer(hidden[:, rows], attention_mask=None, position_ids=run[None, rows], cache=cache,
                                  position_embeddings=(cos[:, rows], sin[:, rows]), attention_plan=plan,
                                  attention_probe=probe))
-                yield
+                yield rows.stop - rows.start
             hidden = out[0] if len(out) == 1 else torch.cat(out, dim=1)
         cache.round_trip_now = []
         return hidden
@@ -534,10 +535,3 @@ def _due(run: torch.Tensor, chunks: list[slice], spans: Sequence[tuple[int, int]
     return due
 
 
-def _run(steps: Generator[None, None, Prefill]) -> Prefill:
-    """A resumable prefill run to its end at once."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value

@@ -1,9 +1,10 @@
 """Sampling and streaming: next-token choice (on the model's device, a batch at a time), the decode loop, and an
-answer's tokens as they arrive (TokenStream: the end of a sequence; TextStream: text deltas with stop strings)."""
+answer's tokens as they arrive (Decoding: a sequence in the pool and where it ends; TokenStream: the ids the client
+sees; TextStream: text deltas, detokenised incrementally, with stop strings)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Sequence
+from typing import Any, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -116,8 +117,11 @@ class Decoding:
     """One request decoding in a pool slot. `length` is its cache_seqlens: the next token's position; a decode
     step moves it on only once the step's forward has succeeded. `first_token`: the answer's first token,
     chosen from the prefill's logits when the request took its slot (DecodeRuntime.start). `constraint`: the
-    grammar its tokens must follow (blend.grammar), moved on by decode_loop as the answer takes each token.
-    `logprobs`: with sampling.top_logprobs, each token's (the first one's included) as the steps chose them."""
+    grammar its tokens must follow (blend.grammar), moved on by `accept` as the answer takes each token.
+    `logprobs`: with sampling.top_logprobs, each token's (the first one's included) as the steps chose them.
+
+    `accept(token)` is the one place the end of a sequence is decided (an eos token, max_new_tokens, a complete
+    grammar): it sets `finish_reason`. `last` is the token the next step feeds."""
 
     pool: KVPool
     slot: int
@@ -128,6 +132,27 @@ class Decoding:
     constraint: Constraint | None = None
     released: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)  # each token's, in order (sampling.top_logprobs)
+    eos_ids: frozenset[int] = frozenset()
+    tokens: list[int] = field(default_factory=list)  # every token taken, an ending eos included
+    finish_reason: str | None = None  # "stop" (eos, grammar complete) | "length"
+
+    @property
+    def last(self) -> int:
+        return self.tokens[-1]
+
+    def accept(self, token: int) -> None:
+        """The answer takes `token`: the sequence ends at an eos, after max_new_tokens, or where its grammar is
+        complete (or would be cut by the tokens left: it ends at a whole call rather)."""
+        self.tokens.append(token)
+        left = self.sampling.max_new_tokens - len(self.tokens)
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+        elif left <= 0:
+            self.finish_reason = "length"
+        elif self.constraint is not None:
+            self.constraint.advance(token)
+            if self.constraint.finished or self.constraint.out_of_room(left):
+                self.finish_reason = "stop"
 
     def release(self) -> None:
         if not self.released:
@@ -135,22 +160,13 @@ class Decoding:
             self.pool.release(self.slot)
 
 
-@dataclass
-class DecodeStep:
-    """A directive of the decode loop: the next token of `sequence`, after feeding it `token` at `position`.
-    The driver (blend.driver) answers it with the next token id, from one batched step with the other rows."""
-    sequence: Decoding
-    token: int
-    position: int
-
-
 @dataclass(kw_only=True)
 class TokenStream:
-    """An answer as its tokens arrive: the one place the end of a sequence (an eos token) is recognised.
+    """An answer's tokens as they arrive, on the output side (off the model thread): what the client sees.
 
     `push(token)` returns what the client sees of that token: here the id itself, eos included (scorers read
     it); TextStream's text deltas. `finish_reason` is "stop" once an eos token was pushed (TextStream: or a
-    stop string), which ends the decode loop; `finish()` at the end returns what is left to see."""
+    stop string); later pushes release nothing. `finish()` at the end returns what is left to see."""
 
     eos_ids: frozenset[int] = frozenset()
     tokens: list[int] = field(default_factory=list)   # the answer's tokens (an ending eos not included)
@@ -163,6 +179,8 @@ class TokenStream:
         return self.tokens + ([] if self.eos is None else [self.eos])
 
     def push(self, token: int) -> tuple[Any, ...]:
+        if self.finish_reason is not None:  # decoded past its end (a stop string seen late): never shown
+            return ()
         if token in self.eos_ids:
             self.eos, self.finish_reason = token, "stop"
         else:
@@ -177,72 +195,62 @@ class TokenStream:
         return ()
 
 
-def decode_loop(sequence: Decoding, answer: TokenStream, cancelled: Callable[[], bool] = lambda: False
-                ) -> Generator[Any, int | None, None]:
-    """The one decode loop (every request's, and DecodeRuntime.generate's): the first token (chosen when the
-    sequence started), then one DecodeStep per token, whose answer is the next token. Each token goes to
-    `answer`, and what it releases is yielded; the loop ends when the answer has finished (eos, a stop string),
-    after `max_new_tokens`, or when `cancelled()` (finish reason "cancelled"), and then yields what the answer
-    still held back."""
-    token, limit = sequence.first_token, sequence.sampling.max_new_tokens
-    for step in range(limit):
-        yield from answer.push(token)
-        if answer.finish_reason is not None or step + 1 == limit:
-            break
-        if sequence.constraint is not None:
-            sequence.constraint.advance(token)
-            # the grammar is complete, or the answer ends at a whole call rather than be cut in the next
-            if sequence.constraint.finished or sequence.constraint.out_of_room(limit - step - 1):
-                answer.finish_reason = answer.finish_reason or "stop"
-                break
-        if cancelled():
-            answer.finish_reason = "cancelled"
-            break
-        token = yield DecodeStep(sequence, token, sequence.length)
-    yield from answer.finish()
-
-
 @dataclass
 class TextStream(TokenStream):
     """An answer as text: token ids -> text deltas, ending at eos or a stop string.
 
-    Text that could still become a stop string is held back until it cannot.
-    """
+    Detokenised incrementally, as vLLM's and HF's TextStreamer do: only the tokens since `_prefix` are decoded
+    (the few before `_read` give the new ones their context: a byte-level BPE's split characters, a
+    sentencepiece's leading space). Text that could still become a stop string is held back until it cannot; a
+    stop string can only end in the new text and begin in what is held back (a longer prefix of one would have
+    been held back), so only those are searched. A token costs the same at any answer length."""
 
     tokenizer: PreTrainedTokenizerBase | None = None
     stop: tuple[str, ...] = ()
-    text: str = ""
     stop_sequence: str | None = None  # the stop string that ended the answer
-    _emitted: int = 0
+    _pieces: list[str] = field(default_factory=list)  # the text released, in pieces
+    _held: str = ""   # text not yet released: it may begin a stop string
+    _prefix: int = 0  # tokens[_prefix:_read] decode to the text's last piece (the new tokens' context)
+    _read: int = 0    # tokens before this are in the text
+
+    @property
+    def text(self) -> str:
+        """The answer's text so far (a stop string and what follows it cut)."""
+        return "".join(self._pieces) + self._held
 
     def _release(self, token: int) -> tuple[str, ...]:
         """The text `token` releases (none while held back); at a stop string, the text before it, and the
         answer has finished."""
         if self.eos is not None:
             return ()
-        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if self.text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
+        before = self._decode(self._prefix, self._read)
+        after = self._decode(self._prefix, len(self.tokens))
+        if len(after) <= len(before) or after.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
             return ()
-        cut, self.stop_sequence = min(((i, s) for s in self.stop if (i := self.text.find(s)) >= 0),
-                                      default=(-1, None))
+        self._prefix, self._read = self._read, len(self.tokens)
+        window = self._held + after[len(before):]
+        cut, self.stop_sequence = min(((i, s) for s in self.stop if (i := window.find(s)) >= 0), default=(-1, None))
         if cut >= 0:
-            self.text = self.text[:cut]
             self.finish_reason = "stop"
-            return self._flush()
-        safe = len(self.text) - self._held_back()
-        delta, self._emitted = self.text[self._emitted:safe], max(self._emitted, safe)
+            return self._out(window[:cut], "")
+        held = max((n for s in self.stop for n in range(min(len(s) - 1, len(window)), 0, -1)
+                    if window.endswith(s[:n])), default=0)
+        return self._out(window[:len(window) - held], window[len(window) - held:])
+
+    def _out(self, delta: str, held: str) -> tuple[str, ...]:
+        self._held = held
+        if delta:
+            self._pieces.append(delta)
         return (delta,) if delta else ()
+
+    def _decode(self, start: int, stop: int) -> str:
+        return self.tokenizer.decode(self.tokens[start:stop], skip_special_tokens=True) if stop > start else ""
 
     def finish(self) -> tuple[str, ...]:
-        """The text still held back (at the end of generation)."""
+        """The text still held back (at the end of generation): a trailing partial character too."""
+        rest = ""
+        if self.stop_sequence is None and self._read < len(self.tokens):
+            rest = self._decode(self._prefix, len(self.tokens))[len(self._decode(self._prefix, self._read)):]
+            self._read = len(self.tokens)
         super().finish()
-        return self._flush()
-
-    def _flush(self) -> tuple[str, ...]:
-        delta, self._emitted = self.text[self._emitted:], max(self._emitted, len(self.text))
-        return (delta,) if delta else ()
-
-    def _held_back(self) -> int:
-        """Length of the longest text tail that is a proper prefix of a stop string."""
-        return max((n for s in self.stop for n in range(min(len(s) - 1, len(self.text)), 0, -1)
-                    if self.text.endswith(s[:n])), default=0)
+        return self._out(self._held + rest, "")

@@ -5,8 +5,12 @@
     step(sequences, tokens, positions) -> [B]   one token for each row in one forward: row b feeds tokens[b] at
                                                 positions[b] into its slot, samples on the device (among the
                                                 tokens its grammar allows, if it has one: blend.grammar)
-    generate(prefill, sampling, answer) -> ...  one answer alone: blend.decode.decode_loop through the driver
-                                                (blend.driver.Driver.run), in a slot released at the end
+    advance(sequences) -> [B]                   the per-token path: one step over every sequence still decoding
+                                                (each feeds its last token), each row's token accepted by its
+                                                sequence (Decoding.accept: where it ends); a failed step is retried
+                                                row by row, so only the faulty row gets its error
+    generate(prefill, sampling, answer) -> ...  one answer alone (advance, a row at a time), in a slot released at
+                                                the end
 
 The step is the device's one form, chosen by the backend when the runtime is built (blend.backend.decode_step:
 on the CPU the kernel step where its probe passes, else the model's layers; on CUDA the model's layers), over
@@ -27,7 +31,6 @@ from blend.decode import (
     Decoding,
     SamplingParams,
     TokenStream,
-    decode_loop,
     draw_noise,
     logprob_of,
     logprob_rows,
@@ -36,7 +39,6 @@ from blend.decode import (
     sampling_rows,
     token_logprobs,
 )
-from blend.driver import Driver
 from blend.grammar import Constraint, token_masks
 from blend.pool import DEFAULT_POOL_TOKENS, KVPool, PoolTooShort
 
@@ -71,9 +73,10 @@ class DecodeRuntime:
         return self.graphs.disabled
 
     def start(self, prefill: Prefill, sampling: SamplingParams = SamplingParams(),
-              constraint: Constraint | None = None) -> Decoding:
+              constraint: Constraint | None = None, eos_ids: frozenset[int] | None = None) -> Decoding:
         """A pool slot holding the prefill's cache (one copy; the prefill's own cache is left as it was) and the
-        answer's first token (the first `constraint` allows, if it has one). The caller releases it
+        answer's first token (the first `constraint` allows, if it has one), accepted (it may end the answer).
+        `eos_ids`: the tokens that end it (default the model's; none: ignore eos). The caller releases it
         (`Decoding.release`) when the request ends."""
         needed = prefill.num_tokens + sampling.max_new_tokens - 1
         if needed > self.pool.max_len:
@@ -92,19 +95,47 @@ class DecodeRuntime:
             self.pool.release(slot)
             raise
         logprobs = [] if sampling.top_logprobs is None else [logprob_of(prefill.logits, first, sampling.top_logprobs)]
-        return Decoding(self.pool, slot, prefill.num_tokens, sampling, generator, first, constraint, logprobs=logprobs)
+        sequence = Decoding(self.pool, slot, prefill.num_tokens, sampling, generator, first, constraint,
+                            logprobs=logprobs, eos_ids=self.eos_ids if eos_ids is None else eos_ids)
+        sequence.accept(first)
+        return sequence
 
     def generate(self, prefill: Prefill, sampling: SamplingParams = SamplingParams(),
                  answer: TokenStream | None = None) -> Iterator[Any]:
-        """One answer alone, through the driver: what `answer` releases for each token (default: the token ids,
-        an ending eos included). The slot is released when the answer ends or the iterator is closed."""
-        def program():
-            sequence = self.start(prefill, sampling)
-            try:
-                yield from decode_loop(sequence, answer if answer is not None else TokenStream(eos_ids=self.eos_ids))
-            finally:
-                sequence.release()
-        return Driver(self.step).run(program())
+        """One answer alone: what `answer` releases for each token (default: the token ids, an ending eos
+        included). The slot is released when the answer ends or the iterator is closed."""
+        answer = answer if answer is not None else TokenStream(eos_ids=self.eos_ids)
+        sequence = self.start(prefill, sampling, eos_ids=answer.eos_ids)
+        try:
+            yield from answer.push(sequence.last)
+            while sequence.finish_reason is None and answer.finish_reason is None:  # (or a stop string)
+                [row] = self.advance([sequence])
+                if isinstance(row, BaseException):
+                    raise row
+                yield from answer.push(row)
+            yield from answer.finish()
+        finally:
+            sequence.release()
+
+    def advance(self, sequences: Sequence[Decoding]) -> list[int | BaseException]:
+        """One batched step over `sequences` (each feeds its last token at its length), each row's new token then
+        accepted by its sequence. A step that raises moved no row on: each row is retried alone, and a row that
+        fails alone gets its error (the others their tokens)."""
+        try:
+            rows: list[int | BaseException] = list(self.step(sequences, [s.last for s in sequences],
+                                                              [s.length for s in sequences]))
+        except Exception:  # find the row at fault
+            rows = [self._alone(s) for s in sequences]
+        for sequence, row in zip(sequences, rows):
+            if not isinstance(row, BaseException):
+                sequence.accept(row)
+        return rows
+
+    def _alone(self, sequence: Decoding) -> int | BaseException:
+        try:
+            return self.step([sequence], [sequence.last], [sequence.length])[0]
+        except Exception as exc:  # noqa: BLE001 - this row's error
+            return exc
 
     @torch.inference_mode()
     def step(self, sequences: Sequence[Decoding], tokens: Sequence[int], positions: Sequence[int]) -> list[int]:

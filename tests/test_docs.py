@@ -81,7 +81,7 @@ def named_members() -> list[tuple[str, str, str]]:
 
 
 def test_the_docs_name_members() -> None:
-    assert any(cls == "Driver" for _, cls, _ in named_members())
+    assert any(cls == "Runner" for _, cls, _ in named_members())
 
 
 @pytest.mark.parametrize("doc,cls,member", named_members())

@@ -1,5 +1,5 @@
 """The query routes: ragblend's own /v1/query and OpenAI-compatible /v1/chat/completions (and /v1/models: a model
-id it does not list is a 404 model_not_found), JSON or server-sent events. Both run as a QueryRun: one program in a
+id it does not list is a 404 model_not_found), JSON or server-sent events. Both run as a QueryRun: one request in a
 slot on the model thread (app.api.openai_completions' /v1/completions too)."""
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class QueryRun:
 
     def __init__(self, svc: Service, job: Job, first: str | QueryResult, rest: AsyncIterator[str | QueryResult]):
         self.svc, self.job, self._first, self._rest = svc, job, first, rest
-        self.answered = False  # the result is out: the program's work after it (storing KV) is left to finish
+        self.answered = False  # the result is out
 
     @classmethod
     async def start(cls, svc: Service, params: QueryParams, request: Request, kind: str) -> QueryRun:
@@ -74,8 +74,8 @@ class QueryRun:
             raise
 
     async def events(self) -> AsyncIterator[str | QueryResult]:
-        """Text deltas, then the QueryResult (recorded in the metrics). The program may work on after its
-        result (storing a chat's KV, a slice at a time); the client need not wait for that."""
+        """Text deltas, then the QueryResult (recorded in the metrics): the job's token ids as its output
+        (the engine's QueryOutput) turns them into text, here on the event loop."""
         try:
             async for event in self._all():
                 if isinstance(event, QueryResult):

@@ -1,11 +1,12 @@
 """RagEngine: a request as retrieve → plan → prefill → decode → store.
 
-The engine owns the model, which is not thread-safe. `program(params)` is one request as a generator
-that blend.driver's Driver steps on the model thread (the server's scheduler, app.serving.scheduler, several at a
-time): it yields text deltas and finally a QueryResult for the client, and directives in between —
-retrieval and store reads offloaded to another thread, one slice per prefill layer, one DecodeStep per token
-(batched with the other requests'). `stream()` runs one program alone through the same driver, in one slot
-(the CLI, tests), and `answer()` collects it.
+The engine owns the model, which is not thread-safe. A request is data for blend.driver (the server's scheduler,
+app.serving.scheduler, runs several at a time): `request(params)` is its model work (`Query`: `prepare`, the plan
+and store reads, off the model thread; `prefill`, resumable a slice per layer chunk, ending in its decoding
+sequence; `finish`, storing the spans after its last token), and `output(params)` its output side (`QueryOutput`,
+off the model thread: its token ids to text deltas, stop strings, tool calls and the QueryResult). The runner
+decodes its tokens, batched with the other requests'. `stream()` runs one request alone through the same
+schedule and runner (the CLI, tests), and `answer()` collects it.
 
 The prompt is given as parts: a query's is head | passages | question (blend.prompt); a chat's is
     head (system turn) | message | message | ... | [user turn opening | passages | question]
@@ -20,6 +21,7 @@ ratio.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import cached_property
 from typing import Any, Callable, Generator, Iterator, Protocol
 
@@ -35,9 +37,9 @@ from app.engine.usage import COMPUTED
 from blend import Blender, DecodeRuntime, LoadedModel, Prefill, PromptFormat, SamplingParams, StoredSpans, TextStream
 from blend.cache import RoundTrip
 from blend.controller import Calibration
-from blend.decode import decode_loop
-from blend.driver import Driver, Offload
-from blend.grammar import GrammarError, Grammars
+from blend.decode import Decoding
+from blend.driver import run_alone
+from blend.grammar import Constraint, GrammarError, Grammars
 from blend.prompt import ChatTemplateError
 from blend.selection import get_policy
 from retrieval import Retriever
@@ -77,62 +79,29 @@ class RagEngine:
 
     def stream(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
                ) -> Iterator[str | QueryResult]:
-        """Text deltas, then the QueryResult: one request run alone, on this thread (the driver, one slot)."""
-        return Driver(self.parts.runtime.step).run(self.program(params, cancelled))
+        """Text deltas, then the QueryResult: one request run alone, on this thread (blend.driver.run_alone: the
+        server's schedule and runner, one request)."""
+        return run_alone(self.request(params), self.output(params), self.parts.runtime.advance,
+                         self.parts.blender.num_layers, cancelled)
 
-    def program(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
-                ) -> Generator[Any, Any, None]:
-        """One request for the scheduler (see the module docstring for what it yields)."""
-        parts, start = self.parts, time.perf_counter()
-        stats = QueryStats(mode=params.mode)
-        max_tokens = params.max_tokens or self.settings.limits.default_max_new_tokens
-        try:  # the answer's grammar (tool_choice, response_format: app.engine.tool_calls), compiled by the server
-            constraint = parts.grammars.constraint(params.grammar) if params.grammar else None  # before the slot
-        except GrammarError as exc:
-            raise RequestError(str(exc)) from None
-        plan, loaded, prefill = yield from self.prefill(params, max_tokens, stats)
+    def request(self, params: QueryParams) -> Query:
+        """One request's model work, for the driver (blend.driver): the server's runner, or `stream`."""
+        return Query(self, params)
 
-        # 4. Decode in a KV pool slot: one token per DecodeStep, batched by the driver with the other
-        #    requests' (blend.decode.decode_loop, the loop every answer runs). Closing the program
-        #    (done, cancelled, failed) gives the slot back.
-        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
-                                  stop=params.stop, seed=params.seed, top_logprobs=params.top_logprobs)
-        eos = frozenset() if params.ignore_eos else parts.runtime.eos_ids
-        text = TextStream(parts.tokenizer, stop=params.stop, eos_ids=eos)
-        sequence = parts.runtime.start(prefill, sampling, constraint)  # the first token is chosen here
-        stats.ttft_ms = _ms(start)
-        try:
-            yield from decode_loop(sequence, text, cancelled)
-        finally:
-            sequence.release()
-        stats.completion_tokens = len(text.tokens)
-        stats.total_ms = _ms(start)
-        answer = text.text if params.prompt_ids else text.text.strip()  # a raw prompt's continuation as it is
-        finish = text.finish_reason or "length"
-        content, calls = split_tool_calls(answer) if params.tool_calls else (answer, [])
-        sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text)
-                   for h in plan.hits]
-        explain = None
-        if params.explain_tokens:  # built after the answer: it never delays the first token
-            explain = self._explain(plan, prefill, params.explain_tokens)
-        # 5. Store the spans the store lacked, cut from the prefill (no compute): every key in kv_keys is stored.
-        if params.mode != "full" and finish != "cancelled":
-            self.planner.store(plan, loaded, prefill)
-        uses = self.planner.key_uses(plan) if params.mode != "full" else []
-        logprobs = sequence.logprobs[:len(text.tokens)] if params.top_logprobs is not None else None  # (no eos)
-        yield QueryResult(content, sources, stats, finish, explain, uses, calls, text.stop_sequence, logprobs)
+    def output(self, params: QueryParams) -> QueryOutput:
+        """One request's output side: its token ids to text deltas and its QueryResult, off the model thread."""
+        eos = frozenset() if params.ignore_eos else self.parts.runtime.eos_ids
+        return QueryOutput(params, TextStream(self.parts.tokenizer, stop=params.stop, eos_ids=eos))
 
     @cached_property
     def planner(self) -> Planner:
         return Planner(self.parts.kv_cache, self.settings.planner, pipeline=self.settings.blend.pipeline)
 
-    def prefill(self, params: QueryParams, max_tokens: int, stats: QueryStats
-                ) -> Generator[Any, Any, tuple[Plan, list[Loaded], Prefill]]:
-        """Steps 1-3 of a request: its plan, the KV read, and its prefill (the benchmarks score the prefill)."""
+    def prefill(self, params: QueryParams, plan: Plan, loaded: list[Loaded], stats: QueryStats
+                ) -> Generator[int | None, None, Prefill]:
+        """Steps 2-3 of a request, on the model thread: its prefill from its plan and the KV read (step 1, `plan`,
+        off the model thread); the benchmarks score the prefill. Yields after each slice (its token-layers)."""
         parts = self.parts
-        # 1. Off the model thread: retrieve, cut the prompt into spans, read their KV from the store.
-        plan, loaded = yield Offload(lambda: self._plan(params, max_tokens, stats))
-
         # 2. Prefill, a slice per layer chunk (server.prefill_chunk_tokens): the spans read (RoPE-shifted,
         #    blended), the others computed in it.
         t = time.perf_counter()
@@ -165,7 +134,7 @@ class RagEngine:
         if params.mode == "blend" and prefill.stats.fallback is None:  # live compute cost, for the controller
             tokens = (stats.prompt_tokens - stats.cached_tokens) * parts.blender.num_layers  # all but what was read
             parts.loading.observe(tokens, (stats.prefill_ms - stats.load_wait_ms) / 1000)
-        return plan, loaded, prefill
+        return prefill
 
     def _fresh(self, read: Loaded):
         """A span whose stored KV failed to load mid-prefill (damaged, gone), or that the loading controller finds
@@ -176,13 +145,15 @@ class RagEngine:
     # ---- the plan, off the model thread ------------------------------------------------------------
 
     def lookup(self, params: QueryParams) -> Plan:
-        """The request's plan as its program would make it, each span's source and tier saying where its KV is
+        """The request's plan as its Query would make it, each span's source and tier saying where its KV is
         (entries' headers read, no KV, nothing computed): POST /v1/cache/lookup."""
         max_tokens = params.max_tokens or self.settings.limits.default_max_new_tokens
-        return self._plan(params, max_tokens, QueryStats(mode=params.mode), read=False)[0]
+        return self.plan(params, max_tokens, QueryStats(mode=params.mode), read=False)[0]
 
-    def _plan(self, params: QueryParams, max_tokens: int, stats: QueryStats, read: bool = True
-              ) -> tuple[Plan, list[Loaded]]:
+    def plan(self, params: QueryParams, max_tokens: int, stats: QueryStats, read: bool = True
+             ) -> tuple[Plan, list[Loaded]]:
+        """Step 1 of a request, off the model thread: retrieve, cut the prompt into spans, read their KV from the
+        store (with `read`; else only where each span's KV is)."""
         parts, t = self.parts, time.perf_counter()
         hits = parts.retriever.search(params.retrieval_query or params.question,
                                       params.top_k or self.settings.retrieval.top_k,
@@ -296,6 +267,87 @@ class RagEngine:
         policy = get_policy(prefill.stats.selection or b.selection)
         detail = f" (the {b.deviation}s at layer {b.check_layer})" if policy.deviation else ""
         return f"{policy.name}: {policy.doc}{detail}"
+
+
+class Query:
+    """One request's model work (blend.driver.Work): its plan off the model thread, then its prefill and the
+    decoding sequence it starts, then the spans the store lacked, stored after its last token."""
+
+    def __init__(self, engine: RagEngine, params: QueryParams):
+        self.engine, self.params, self.start = engine, params, time.perf_counter()
+        self.stats = QueryStats(mode=params.mode)
+        self.max_tokens = params.max_tokens or engine.settings.limits.default_max_new_tokens
+        self.plan: Plan | None = None
+        self.loaded: list[Loaded] = []
+        self.prefilled: Prefill | None = None
+        self.constraint: Constraint | None = None
+
+    def prepare(self) -> None:
+        # 1. Off the model thread: the answer's grammar (tool_choice, response_format: app.engine.tool_calls;
+        #    the server hands it in compiled), then retrieve, cut the prompt into spans, read their KV.
+        grammar = self.params.grammar
+        try:
+            self.constraint = self.engine.parts.grammars.constraint(grammar) if grammar else None
+        except GrammarError as exc:
+            raise RequestError(str(exc)) from None
+        self.plan, self.loaded = self.engine.plan(self.params, self.max_tokens, self.stats)
+
+    def prefill(self) -> Generator[int | None, None, Decoding]:
+        engine, params, parts, constraint = self.engine, self.params, self.engine.parts, self.constraint
+        # 2-3. The prefill, a slice per layer chunk.
+        self.prefilled = yield from engine.prefill(params, self.plan, self.loaded, self.stats)
+        # 4. Decode in a KV pool slot (the runner gives it back when the request ends): the first token is chosen
+        #    here, the others by the runner's batched steps (DecodeRuntime.advance).
+        sampling = SamplingParams(max_new_tokens=self.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                                  stop=params.stop, seed=params.seed, top_logprobs=params.top_logprobs)
+        eos = frozenset() if params.ignore_eos else parts.runtime.eos_ids
+        sequence = parts.runtime.start(self.prefilled, sampling, constraint, eos)
+        self.stats.ttft_ms = _ms(self.start)
+        return sequence
+
+    def finish(self, sequence: Decoding, reason: str) -> QueryResult:
+        """After the last token: the result as the model thread knows it (its answer, calls, stop string and token
+        count are the output side's: QueryOutput)."""
+        engine, params, plan = self.engine, self.params, self.plan
+        self.stats.total_ms = _ms(self.start)
+        sources = [Source(h.chunk.doc_id, h.chunk.id, h.title, round(float(h.score), 4), h.chunk.text)
+                   for h in plan.hits]
+        explain = None
+        if params.explain_tokens:  # built after the answer: it never delays the first token
+            explain = engine._explain(plan, self.prefilled, params.explain_tokens)
+        # 5. Store the spans the store lacked, cut from the prefill (no compute): every key in kv_keys is stored.
+        if params.mode != "full":
+            engine.planner.store(plan, self.loaded, self.prefilled)
+        uses = engine.planner.key_uses(plan) if params.mode != "full" else []
+        logprobs = sequence.logprobs if params.top_logprobs is not None else None
+        return QueryResult("", sources, self.stats, reason, explain, uses, logprobs=logprobs)
+
+
+class QueryOutput:
+    """A query's output side (blend.driver.Output), off the model thread: its token ids become text deltas
+    (TextStream: incremental, held back where a stop string may begin); the model thread's last record becomes
+    the QueryResult with the answer, its tool calls, the stop string and the tokens shown."""
+
+    def __init__(self, params: QueryParams, text: TextStream):
+        self.params, self.text = params, text
+
+    @property
+    def stopped(self) -> bool:
+        return self.text.stop_sequence is not None
+
+    def feed(self, item: list[int] | QueryResult) -> list[str | QueryResult]:
+        if isinstance(item, QueryResult):
+            return [*self.text.finish(), self._result(item)]
+        return [delta for token in item for delta in self.text.push(token)]
+
+    def _result(self, done: QueryResult) -> QueryResult:
+        text, params = self.text, self.params
+        answer = text.text if params.prompt_ids else text.text.strip()  # a raw prompt's continuation as it is
+        content, calls = split_tool_calls(answer) if params.tool_calls else (answer, [])
+        done.stats.completion_tokens = len(text.tokens)  # (no eos; none decoded past a stop string)
+        logprobs = None if done.logprobs is None else done.logprobs[:len(text.tokens)]
+        return replace(done, answer=content, tool_calls=calls, finish_reason="stop" if self.stopped else
+                       done.finish_reason, stop_sequence=text.stop_sequence, logprobs=logprobs)
 
 
 def within_chars(indexed: list[tuple[int, dict]], limit: int | None, keep: int) -> int:

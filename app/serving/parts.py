@@ -4,7 +4,7 @@ the model thread. The routes receive these parts; nothing else reaches into them
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import cached_property
 from typing import Any, Protocol
@@ -15,6 +15,7 @@ from app.engine.ingest import IngestCancelled, Ingestor
 from app.engine.kv import ChunkKVCache
 from app.serving.scheduler import Scheduler
 from app.serving.worker import Worker
+from blend.driver import Output, Work
 from retrieval import Retriever
 from store import TieredStore
 
@@ -24,7 +25,9 @@ class Engine(Protocol):
 
     parts: Components
 
-    def program(self, params: Any, cancelled: Callable[[], bool]) -> Generator[Any, Any, None]: ...
+    def request(self, params: Any) -> Work: ...
+
+    def output(self, params: Any) -> Output: ...
 
 
 class Serving:
@@ -35,8 +38,8 @@ class Serving:
     def __init__(self, settings: Settings, engine: Engine, lane: Worker):
         parts, s = engine.parts, settings.server
         self.engine, self._parts, self._lane, self._limits = engine, parts, lane, settings.limits
-        self.scheduler = Scheduler(parts.runtime.step, max_batch=s.max_batch, queue_size=s.queue_size,
-                                   slice_s=s.prefill_slice_ms / 1000, max_stall_s=s.max_stall_ms / 1000)
+        self.scheduler = Scheduler(parts.runtime.advance, layers=parts.blender.num_layers, max_batch=s.max_batch,
+                                   queue_size=s.queue_size, step_token_budget=s.step_token_budget)
         self.model_name = parts.llm.name
         self.blend_disabled: str | None = getattr(parts.blender, "unsupported", None)  # the model gate's reason
 
@@ -102,7 +105,7 @@ class ModelThreadKV:
             return key
         try:
             return self.scheduler.run_on_model(lambda: self.kv.ensure(ids, collection),
-                                               label="upload: chunk KV precompute",
+                                               label="upload: chunk KV precompute", cost=len(ids),
                                                cancelled=self.cancelled)
         except concurrent.futures.CancelledError:
             raise IngestCancelled("upload cancelled") from None

@@ -1,33 +1,26 @@
-"""The scheduler: one thread owns the model and interleaves every request's work on it.
+"""The scheduler: one thread owns the model and runs every request's work on it, a step at a time.
 
-A request is a program (RagEngine.program) that blend.driver's Driver steps on the model thread: it yields
-text deltas and its result for the client, and directives between them (Offload, None for a slice of model
-work, DecodeStep; blend.driver). The Driver does the stepping - advancing a program to its next directive, one
-batched decode step for every request waiting on a token, the row-by-row retry of a step that failed; this
-module adds what a server needs around it: the model thread, the queue and admission, the offload pool
-(`ragblend-prep`), slice budgets, model tasks (other threads hand the model thread whole functions with
-`run_on_model`: an upload's chunk precompute), /health and Retry-After.
+Requests are data (blend.driver.Request: phase, prefill work served, decoding sequence); each round the model
+thread admits queued requests into free slots, builds a step from their states (blend.driver.schedule: which
+requests end, which decode rows run, which prefill slices, within `server.step_token_budget` tokens) and runs it
+(blend.driver.Runner): the step's sampled ids go to each request's job once per step, and everything after them
+(detokenising, stop strings, tool calls, events) happens on the event loop (Job's output: the engine's
+QueryOutput). This module adds what a server needs around it: the model thread, the queue and admission, the
+offload pool (`ragblend-prep`) that runs each request's `prepare` (retrieval, store reads), model tasks (other
+threads hand the model thread whole functions with `run_on_model`: an upload's chunk precompute), /health and
+Retry-After.
 
 Each request holds a slot from admission to its last token; at most `max_batch` slots, the decode KV pool's
-slots (blend.pool: the server sizes both from server.max_batch; a request takes its pool slot when its
-prefill ends and gives it back when its program closes, cancelled or done). The loop:
-    1. admit queued requests into free slots; end cancelled ones at once (their slot is free)
-    2. run one slice: the least served request that is not decoding (the one whose prefill slices have had
-       the least model time so far) advances until it yields or the slice budget is spent; if none needs it,
-       one model task may run instead: always when no request is in flight, else only to keep tasks at
-       TASK_SHARE of the thread's time (requests before tasks, so a query waits about one chunk's precompute
-       behind an upload, and its tokens keep flowing)
-    3. one batched decode step for every request waiting on logits, each then resumed with its row
-Least served first (least attained service): a request's size is not known ahead, but a new one has had
-none, so a short query sent during a long chat's prefill runs its prefill next, and its first token comes
-after one chunk of the long one (a slice ends early, at a chunk's end, when a new request waits or is ready;
-blend.blender cuts a layer into server.prefill_chunk_tokens chunks), not after all of it; long prefills beside
-one another take turns. (Oldest first made a 4-token query wait for a 40-message chat's whole prefill: 94x its
-TTFT alone; see BENCHMARKS.)
-Prefill first (vLLM's and SGLang's default order): a request still prefilling adds a row to every later
-step, so its prefill runs before the streams already answering get their next token, but for at most
-`max_stall_s` between two of their tokens (plus the rest of the layer it is in): a long prompt is cut into
-slices, one decode step after each.
+slots (blend.pool: the server sizes both from server.max_batch; a request takes its pool slot when its prefill
+ends and gives it back when it ends, cancelled or done). A round:
+    1. admit queued requests into free slots (their `prepare` starts on the offload pool); note which ones their
+       client left (cancelled) or their output side stopped (a stop string)
+    2. the step: blend.driver.schedule, a pure function of the requests' states (least attained service, so a
+       newcomer's first slice runs in the next step and a short request first; every decode row each step)
+    3. a model task before the step when `task_due`, a rule over state: always when no request uses the model
+       thread, else once the requests' work since the last task is (1 / TASK_SHARE - 1) times that task's cost
+       (a chunk's precompute: a query waits about one chunk behind an upload, and its tokens keep flowing)
+    4. run the step
 An error in one request (bad input, a corrupt chunk) ends that request only.
 """
 from __future__ import annotations
@@ -41,13 +34,13 @@ import time
 from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import count
 from typing import Any, Callable, Iterator
 
 from app.serving.worker import END, Job, QueueFull, WorkerStopped
-from blend.decode import DecodeStep
-from blend.driver import DecodeFn, Driver, Offload, Program, Slot
+from blend.driver import Advance, Output, Request, Runner, Step, Work, schedule
 
-__all__ = ["DecodeStep", "Offload", "Scheduler"]
+__all__ = ["Scheduler", "task_due"]
 log = logging.getLogger("ragblend.scheduler")
 
 Cancelled = Callable[[], bool]
@@ -55,15 +48,10 @@ TASK_SHARE = 0.25  # while requests are in flight, model tasks (upload chunks) g
 
 
 @dataclass(eq=False)
-class _Request(Slot):
-    """A request's program in its slot, with the job that carries its events to its client."""
+class _Request(Request):
+    """A request's state, with the job that carries its token ids and result to its client."""
     job: Job | None = None
     admitted: float = field(default_factory=time.monotonic)
-    served_s: float = 0.0  # model time its prefill slices have had: the next slice goes to the least served
-    answered: bool = False  # has reached decoding (its first token is out): no longer waiting
-
-    def cancelled(self) -> bool:
-        return self.job.cancelled.is_set()
 
     @property
     def label(self) -> str:
@@ -74,20 +62,26 @@ class _Request(Slot):
 class _Task:
     fn: Callable[[], Any]
     label: str
+    cost: int  # tokens it runs through every layer (a chunk's precompute: the chunk's tokens)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    submitted: float = field(default_factory=time.monotonic)
+
+
+def task_due(in_flight: bool, work_since: int, last_cost: int, share: float = TASK_SHARE) -> bool:
+    """Whether a waiting model task runs before this step: always when no request uses the model thread, else
+    once the requests' work since the last task (token-layers) has reached (1 / share - 1) times its cost."""
+    return not in_flight or work_since * share >= last_cost * (1 - share)
 
 
 class Scheduler:
-    def __init__(self, decode_step: DecodeFn, *, max_batch: int, queue_size: int, slice_s: float = 0.1,
-                 max_stall_s: float = 1.5, offload_threads: int = 1):
-        self.max_batch, self.queue_size, self.slice_s = max_batch, queue_size, slice_s
-        self.max_stall_s = max_stall_s
+    def __init__(self, advance: Advance, *, layers: int, max_batch: int, queue_size: int,
+                 step_token_budget: int = 2048, offload_threads: int = 1):
+        self.max_batch, self.queue_size, self.layers, self.budget = max_batch, queue_size, layers, step_token_budget
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()   # guarded by _cond
         self._tasks: deque[_Task] = deque()   # guarded by _cond
-        # the requests in flight: the driver's slots, the model thread's own
-        self._driver = Driver(decode_step, offload=self._offload_call, on_finish=self._finished)
+        self._requests: dict[int, _Request] = {}  # in flight, by id: the model thread's own
+        self._ids = count()
+        self._runner = Runner(advance, on_end=self._finished)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ragblend-model", daemon=True)
         self._offload = concurrent.futures.ThreadPoolExecutor(offload_threads, thread_name_prefix="ragblend-prep")
@@ -95,7 +89,8 @@ class Scheduler:
         self._decode_steps: Counter[int] = Counter()  # batched steps by their number of rows (step_totals)
         self._decode_seconds: Counter[int] = Counter()  # ... and the seconds they took
         self._request_s = 1.0  # moving average of a request's time in its slot, for Retry-After
-        self._next_task_at = 0.0  # while requests are in flight, no model task before this (monotonic)
+        self._work_since_task = 0  # token-layers of request work since the last model task (task_due)
+        self._last_task_cost = 0
 
     # ---- any thread ------------------------------------------------------------------------------
 
@@ -109,19 +104,21 @@ class Scheduler:
 
     @property
     def _slots(self) -> list[_Request]:
-        return self._driver.slots
+        return list(self._requests.copy().values())  # (a copy: other threads read it while the model thread runs)
 
     @property
     def active(self) -> int:
-        return len(self._slots)
+        return len(self._requests)
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free for one more waiting request: an estimate for Retry-After."""
         return min(60, max(1, math.ceil(self._request_s * (self.waiting + 1) / self.max_batch)))
 
-    def submit(self, work: Callable[[Cancelled], Program], label: str = "") -> Job:
-        """Queue a request (call from the event loop); QueueFull / WorkerStopped if it cannot wait."""
-        job = Job(work, asyncio.get_running_loop(), label)
+    def submit(self, work: Callable[[], Work], label: str = "", output: Output | None = None) -> Job:
+        """Queue a request (call from the event loop): `work()` makes its model work when it is admitted; `output`
+        turns its token ids into what its client sees (on the event loop, as the job is iterated). QueueFull /
+        WorkerStopped if it cannot wait."""
+        job = Job(work, asyncio.get_running_loop(), label, output)
         with self._cond:
             if self._stopping:
                 raise WorkerStopped
@@ -132,11 +129,13 @@ class Scheduler:
             self._cond.notify()
         return job
 
-    def run_on_model(self, fn: Callable[[], Any], *, label: str, cancelled: Cancelled | None = None) -> Any:
-        """Run `fn()` on the model thread between other work and return its result (blocking; never call
-        it from the model thread). concurrent.futures.CancelledError if `cancelled()` turns true before
-        it started; WorkerStopped if the scheduler stops first."""
-        task = self._add_task(fn, label)
+    def run_on_model(self, fn: Callable[[], Any], *, label: str, cost: int = 0,
+                     cancelled: Cancelled | None = None) -> Any:
+        """Run `fn()` on the model thread between steps and return its result (blocking; never call it from the
+        model thread). `cost`: the tokens it runs through every layer (task_due weighs it). CancelledError
+        (concurrent.futures) if `cancelled()` turns true before it started; WorkerStopped if the scheduler stops
+        first."""
+        task = self._add_task(fn, label, cost)
         while True:
             try:
                 return task.future.result(timeout=0.1)
@@ -144,8 +143,8 @@ class Scheduler:
                 if cancelled is not None and cancelled():
                     task.future.cancel()  # a no-op once it runs: then it finishes (one chunk) and we return
 
-    def _add_task(self, fn: Callable[[], Any], label: str) -> _Task:
-        task = _Task(fn, label)
+    def _add_task(self, fn: Callable[[], Any], label: str, cost: int) -> _Task:
+        task = _Task(fn, label, cost)
         with self._cond:
             if self._stopping:
                 raise WorkerStopped
@@ -157,7 +156,7 @@ class Scheduler:
         """How long the longest-waiting request has waited for its first token (queued or prefilling)."""
         with self._cond:
             since = [job.submitted for job in self._waiting if job.waiting]
-        since += [slot.job.submitted for slot in list(self._slots) if not slot.answered]
+        since += [r.job.submitted for r in self._slots if r.phase in ("prepare", "prefill")]
         return max((time.monotonic() - t for t in since), default=0.0)
 
     def snapshot(self) -> dict[str, Any]:
@@ -173,7 +172,7 @@ class Scheduler:
             "queue_depth": self.waiting,
             "oldest_wait_s": round(self.oldest_wait_s(), 3),
             "active_slots": len(slots),
-            "decoding": sum(1 for s in slots if s.state == "decode"),
+            "decoding": sum(1 for r in slots if r.phase == "decode"),
             "max_batch": self.max_batch,
             "model_tasks_waiting": tasks,
         }
@@ -229,125 +228,94 @@ class Scheduler:
         while True:
             with self._cond:
                 self._admit()
-                if self._stopping and not self._slots and not self._tasks:
+                if self._stopping and not self._requests and not self._tasks:
                     return
-                if not self._runnable():
-                    self._cond.wait(self._idle_wait())
+                for request in self._requests.values():
+                    request.halt = request.halt or request.job.halt()
+                step = schedule(self._requests.values(), self.budget, self.layers)
+                in_flight = any(r.phase in ("prefill", "decode") for r in self._requests.values())
+                task = bool(self._tasks) and task_due(in_flight, self._work_since_task, self._last_task_cost)
+                if not step and not task:
+                    self._cond.wait(1.0)
                     continue
             try:
-                self._end_cancelled()
-                if not self._prefill_slice() and self._task_due():
+                if task:
                     self._run_task()
-                self._decode()
+                if step:
+                    self._step(step)
             except Exception as exc:  # a bug here must not kill the model thread: fail what was running
                 log.exception("scheduler step failed")
-                for slot in list(self._slots):
-                    slot.job.post(exc)
-                    self._driver.finish(slot)
+                for request in self._slots:
+                    request.emit(exc)
+                    self._runner.close(request)
 
     def _admit(self) -> None:
         # under _cond
-        while self._waiting and len(self._slots) < self.max_batch:
+        while self._waiting and len(self._requests) < self.max_batch:
             job = self._waiting.popleft()
             if not job.claim():
                 continue
             try:
-                program = job.work(job.cancelled.is_set)
+                work = job.work()
             except Exception as exc:
                 job.post(exc)
                 job.post(END)
                 continue
-            self._driver.add(_Request(program, job.post, job=job))
+            request = _Request(work, job.post, next(self._ids), job=job)
+            self._requests[request.id] = request
+            self._prepare(request)
 
-    def _runnable(self) -> bool:
-        # under _cond
-        return (bool(self._tasks) and self._task_due()) or \
-            any(s.state != "offload" or s.cancelled() for s in self._slots)
+    def _prepare(self, request: _Request) -> None:
+        """The request's `prepare` on the offload pool; then its prefill is ready for a step."""
+        def done(future: concurrent.futures.Future) -> None:
+            with self._cond:
+                if request.phase == "prepare":  # (not ended meanwhile)
+                    error = WorkerStopped() if future.cancelled() else future.exception()
+                    if error is not None:
+                        request.emit(error)
+                        request.halt = "cancelled"  # ended by the next step; its error is out
+                    request.phase = "prefill"
+                self._cond.notify()
+        try:
+            self._offload.submit(request.work.prepare).add_done_callback(done)
+        except RuntimeError:  # the executor is shut down: we are stopping
+            request.emit(WorkerStopped())
+            request.halt = "cancelled"
 
-    def _task_due(self) -> bool:
-        return not self._slots or time.monotonic() >= self._next_task_at
+    def _step(self, step: Step) -> None:
+        before = self._runner.prefilled
+        with self._working(self._describe(step)):
+            self._runner.run(step, self._requests)
+        rows, seconds = self._runner.last_decode if step.decode else (0, 0.0)
+        if rows:
+            self._decode_steps[rows] += 1
+            self._decode_seconds[rows] += seconds
+        self._work_since_task += self._runner.prefilled - before + rows * self.layers
 
-    def _idle_wait(self) -> float:
-        return max(0.001, min(1.0, self._next_task_at - time.monotonic())) if self._tasks else 1.0
-
-    def _end_cancelled(self) -> None:
-        for slot in [s for s in self._slots if s.cancelled()]:
-            self._driver.finish(slot)
-
-    def _prefill_slice(self) -> bool:
-        """Advance the least served request that is neither decoding nor offloaded, for up to one slice.
-
-        While streams are answering, a slice may last until they have waited `max_stall_s` for their next
-        token (the step after it included), at least `slice_s`: the prefill joins their batch as early as
-        that allows. A prefill crawling at a share of the thread instead would leave every step until it
-        joins a row short, and the last stream to join decoding alone at the end."""
-        slot = min((s for s in self._slots if s.state == "ready"), key=lambda s: s.served_s, default=None)
-        if slot is None:
-            return False
-        streaming = any(s.state == "decode" for s in self._slots)
-        budget = max(self.slice_s, self.max_stall_s - self._driver.last_step_s) if streaming else self.slice_s
-        start = time.monotonic()
-        with self._working(slot.label):
-            while self._driver.advance(slot) and time.monotonic() < start + budget \
-                    and not self._newcomer_ready(slot):
-                pass
-        slot.served_s += time.monotonic() - start
-        return True
-
-    def _newcomer_ready(self, slot: _Request) -> bool:
-        """Whether a new request waits for a free slot (admitted, it starts its plan off this thread), or one that
-        has had no slice yet is ready (its plan done): the slice ends at this piece of work (a layer's chunk), not
-        at its budget, and the newcomer goes next. (Requests already served take turns a slice at a time.)"""
-        if self._waiting and len(self._slots) < self.max_batch:  # read without the lock: a hint, checked in _admit
-            return True
-        return any(s is not slot and s.state == "ready" and s.served_s == 0.0 for s in self._slots)
+    def _describe(self, step: Step) -> str:
+        """What the step runs, for /health: the request whose prefill it advances, else its decode rows (never a
+        client's text: a request's label is its kind)."""
+        if step.prefill:
+            return self._requests[step.prefill[0].request].label
+        return f"decode step ({len(step.decode)} rows)" if step.decode else "ending requests"
 
     def _run_task(self) -> None:
         with self._cond:
             task = self._tasks.popleft() if self._tasks else None
         if task is None or not task.future.set_running_or_notify_cancel():
             return
-        start = time.monotonic()
         with self._working(task.label):
             try:
                 task.future.set_result(task.fn())
             except BaseException as exc:  # the caller gets it
                 task.future.set_exception(exc)
-        end = time.monotonic()
-        self._next_task_at = end + (end - start) * (1 / TASK_SHARE - 1)
+        self._work_since_task, self._last_task_cost = 0, task.cost * self.layers
 
-    def _decode(self) -> None:
-        waiting = self._driver.waiting()
-        rows = len(waiting)
-        if not rows:
-            return
-        for slot in waiting:
-            slot.answered = True
-        with self._working(f"decode step ({rows} rows)"):
-            self._driver.decode()
-        self._decode_steps[rows] += 1
-        self._decode_seconds[rows] += self._driver.last_step_s
-
-    def _offload_call(self, slot: Slot, fn: Callable[[], Any]) -> None:
-        def done(future: concurrent.futures.Future) -> None:
-            with self._cond:
-                if future.cancelled():
-                    slot.error = WorkerStopped()
-                elif future.exception() is not None:
-                    slot.error = future.exception()
-                else:
-                    slot.value = future.result()
-                slot.state = "ready"
-                self._cond.notify()
-        try:
-            self._offload.submit(fn).add_done_callback(done)
-        except RuntimeError:  # the executor is shut down: we are stopping
-            slot.state, slot.error = "ready", WorkerStopped()
-
-    def _finished(self, slot: _Request) -> None:
-        """The driver ended `slot`'s program (its cleanup ran on this thread): its client's stream ends."""
-        self._request_s = 0.8 * self._request_s + 0.2 * (time.monotonic() - slot.admitted)
-        slot.job.post(END)
+    def _finished(self, request: _Request) -> None:
+        """The runner ended `request` (on this thread): its slot is free, its client's stream ends."""
+        self._requests.pop(request.id, None)
+        self._request_s = 0.8 * self._request_s + 0.2 * (time.monotonic() - request.admitted)
+        request.job.post(END)
 
     @contextmanager
     def _working(self, label: str) -> Iterator[None]:

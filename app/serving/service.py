@@ -208,7 +208,7 @@ class Service:
             params = replace(params, grammar=await self.compile_grammar(params.grammar))
         log.debug("request queued", extra={"kind": kind, "question": params.question[:200]})
         return await self._started(lambda: scheduler.submit(
-            lambda cancelled: engine.program(params, cancelled), label=kind), scheduler.retry_after)
+            lambda: engine.request(params), label=kind, output=engine.output(params)), scheduler.retry_after)
 
     async def compile_grammar(self, grammar: str) -> Grammar:
         """A request's grammar, compiled before it takes a slot, so that the model thread never waits for one: a

@@ -1,8 +1,9 @@
 """Jobs handed from the event loop to a thread, and a worker thread that runs them one at a time.
 
 A Job is the asyncio side's handle on work done in another thread: the work's items (a query's
-deltas and result, an ingest's result) reach the event loop through an asyncio.Queue fed with
-`call_soon_threadsafe`. The model thread (app.serving.scheduler) runs query jobs several at a time; the
+token ids and result, an ingest's result) reach the event loop through an asyncio.Queue fed with
+`call_soon_threadsafe`; a query's output (the engine's QueryOutput) turns them into text there. The model thread
+(app.serving.scheduler) runs query jobs several at a time; the
 Worker here runs jobs one at a time in arrival order — the server's ingest lane (uploads and
 deletes: chunking and embedding happen there, off the model thread). Either way the queue of
 waiting jobs is bounded (a full one is the caller's 429), and a job that waited past its deadline is
@@ -16,6 +17,8 @@ import queue
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterable
+
+from blend.driver import Output
 
 Cancelled = Callable[[], bool]
 Work = Callable[[Cancelled], Iterable[Any]]
@@ -36,11 +39,14 @@ class WorkerStopped(Exception):
 
 
 class Job:
-    """One unit of work; iterate it (async) for the items its work yields."""
+    """One unit of work; iterate it (async) for the items its work yields, or, with an `output`
+    (blend.driver.Output: a query's), for what the output makes of them, on the event loop."""
 
-    def __init__(self, work: Work, loop: asyncio.AbstractEventLoop, label: str = ""):
-        self.work, self.loop, self.label = work, loop, label
+    def __init__(self, work: Callable[..., Any], loop: asyncio.AbstractEventLoop, label: str = "",
+                 output: Output | None = None):
+        self.work, self.loop, self.label, self.output = work, loop, label, output
         self.cancelled = threading.Event()  # set by the caller: the client went away
+        self.stopped = threading.Event()  # set by its output: a stop string ended the answer
         self.submitted = time.monotonic()
         self.started: float | None = None
         self._events: asyncio.Queue[Any] = asyncio.Queue()
@@ -57,6 +63,10 @@ class Job:
             self._state, self.started = "running", time.monotonic()
         self.post(STARTED)
         return True
+
+    def halt(self) -> str | None:
+        """Why the model thread should end this job's request now: "cancelled", "stop" (its output), or None."""
+        return "cancelled" if self.cancelled.is_set() else "stop" if self.stopped.is_set() else None
 
     @property
     def waiting(self) -> bool:
@@ -99,7 +109,14 @@ class Job:
         while (item := await self._events.get()) is not END:
             if isinstance(item, BaseException):
                 raise item
-            yield item
+            if self.output is None:
+                yield item
+                continue
+            events = self.output.feed(item)
+            if self.output.stopped:  # the model thread ends the request at its next step
+                self.stopped.set()
+            for event in events:
+                yield event
 
     async def result(self) -> Any:
         """The last item (for one-shot work such as an ingest)."""

@@ -152,68 +152,123 @@ def split_words(texts: list[str], add_special_tokens: bool = False, **_) -> dict
 
 
 class StubEngine:
-    """Stands in for RagEngine: each query emits `max_tokens` deltas, one per `step_s`, each after
-    `gate` opens; it records what it saw (calls, deltas emitted, whether a query stopped early).
-    With `slices`, its program asks for a decode step between deltas, as a real query does, so the
-    scheduler batches several queries; `batches` records each step's batch size."""
+    """Stands in for RagEngine: each query's answer is `max_tokens` tokens ("ok " each), one per decode step, each
+    taking `step_s` after `gate` opens; it records what it saw (calls, tokens emitted, whether a query stopped
+    early, the requests in flight at once and their peak). Its queries run through the real scheduler and
+    runner (blend.driver): `batches` records each decode step's rows."""
 
-    def __init__(self, settings: Settings, step_s: float = 0.0, slices: bool = False):
-        self.settings, self.step_s, self.slices = settings, step_s, slices
+    def __init__(self, settings: Settings, step_s: float = 0.0):
+        self.settings, self.step_s = settings, step_s
         self.gate = threading.Event()
         self.gate.set()
         self.started = threading.Semaphore(0)
         self.calls = 0
         self.cancelled = threading.Event()
         self.emitted = 0
+        self.active = self.peak = 0
         self.batches: list[int] = []
         self.parts = SimpleNamespace(llm=SimpleNamespace(name="stub"), tokenizer=split_words, kv_cache=None,
                                      ingestor=None, retriever=None, store=SimpleNamespace(stats=lambda: {"tiers": {}}),
-                                     blender=SimpleNamespace(unsupported=None),
-                                     runtime=SimpleNamespace(step=self.decode_step),
+                                     blender=SimpleNamespace(unsupported=None, num_layers=1),
+                                     runtime=SimpleNamespace(advance=self.advance),
                                      close=lambda: None)
 
-    def decode_step(self, caches, tokens, positions) -> list[None]:
-        self.batches.append(len(caches))
-        return [None] * len(caches)
+    def token(self) -> int:
+        """One token's work on the model thread: wait for the gate, take `step_s`."""
+        assert self.gate.wait(30), "gate never opened"
+        time.sleep(self.step_s)
+        self.emitted += 1
+        return 0
 
-    def program(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False):
-        from app.serving.scheduler import DecodeStep
+    def advance(self, sequences) -> list[int]:
+        self.batches.append(len(sequences))
+        for sequence in sequences:
+            sequence.accept(self.token())
+        return [0] * len(sequences)
 
-        for event in self.stream(params, cancelled):
-            yield event
-            if self.slices and isinstance(event, str):
-                yield DecodeStep(None, 0, 0)
+    def request(self, params: QueryParams) -> StubQuery:
+        return StubQuery(self, params)
+
+    def output(self, params: QueryParams) -> StubOutput:
+        return StubOutput()
 
     def stream(self, params: QueryParams, cancelled: Callable[[], bool] = lambda: False
                ) -> Iterator[str | QueryResult]:
-        self.calls += 1
-        self.started.release()
-        text, finished = "", False
-        try:
-            for _ in range(params.max_tokens or 4):
-                assert self.gate.wait(30), "gate never opened"
-                if cancelled():
-                    return
-                time.sleep(self.step_s)
-                self.emitted += 1
-                text += "ok "
-                yield "ok "
-            finished = True
-        finally:  # stopped early: by `cancelled()` or by the worker closing this generator
-            if not finished:
-                self.cancelled.set()
-        stats = QueryStats(mode=params.mode, ttft_ms=1.0, total_ms=2.0, prompt_tokens=10, cached_tokens=6,
-                           completion_tokens=params.max_tokens or 4, store_hits={"memory": 1})
-        yield QueryResult(text.strip(), [Source("d", 1, "t", 0.5, "passage")], stats, "length")
+        from blend.driver import run_alone
+        return run_alone(self.request(params), self.output(params), self.advance, 1, cancelled)
+
+
+class StubSequence:
+    """A stub query's decoding: `n` tokens, then "length"; released by the runner (early: the query stopped)."""
+
+    def __init__(self, engine: StubEngine, n: int):
+        self.engine, self.n, self.tokens, self.finish_reason, self.released = engine, n, [], None, False
+
+    @property
+    def last(self) -> int:
+        return self.tokens[-1]
+
+    def accept(self, token: int) -> None:
+        self.tokens.append(token)
+        if len(self.tokens) == self.n:
+            self.finish_reason = "length"
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.engine.active -= 1
+            if self.finish_reason is None:
+                self.engine.cancelled.set()
+
+
+class StubQuery:
+    """A stub query's model work (blend.driver.Work)."""
+
+    def __init__(self, engine: StubEngine, params: QueryParams):
+        self.engine, self.params = engine, params
+
+    def prepare(self) -> None:
+        self.engine.calls += 1
+        self.engine.started.release()
+
+    def prefill(self):
+        engine = self.engine
+        engine.active += 1
+        engine.peak = max(engine.peak, engine.active)
+        sequence = StubSequence(engine, self.params.max_tokens or 4)
+        sequence.accept(engine.token())  # the first token, from the "prefill"
+        return sequence
+        yield  # (a generator: no prefill slices)
+
+    def finish(self, sequence: StubSequence, reason: str) -> QueryResult:
+        stats = QueryStats(mode=self.params.mode, ttft_ms=1.0, total_ms=2.0, prompt_tokens=10, cached_tokens=6,
+                           completion_tokens=len(sequence.tokens), store_hits={"memory": 1})
+        return QueryResult("", [Source("d", 1, "t", 0.5, "passage")], stats, reason)
+
+
+class StubOutput:
+    """A stub query's output side: each token is "ok "; the result carries the text."""
+
+    stopped = False
+
+    def __init__(self):
+        self.text = ""
+
+    def feed(self, item) -> list[str | QueryResult]:
+        if isinstance(item, QueryResult):
+            item.answer = self.text.strip()
+            return [item]
+        self.text += "ok " * len(item)
+        return ["ok "] * len(item)
 
 
 @pytest.fixture
 def stub_app(tmp_path: Path) -> Callable[..., tuple[FastAPI, StubEngine]]:
-    """make(step_s=0, slices=False, **sections) -> (app, its StubEngine)."""
+    """make(step_s=0, **sections) -> (app, its StubEngine)."""
     from app.api.server import create_app
 
-    def make(step_s: float = 0.0, slices: bool = False, **sections: dict[str, Any]) -> tuple[FastAPI, StubEngine]:
-        engine = StubEngine(make_settings(tmp_path, **sections), step_s, slices)
+    def make(step_s: float = 0.0, **sections: dict[str, Any]) -> tuple[FastAPI, StubEngine]:
+        engine = StubEngine(make_settings(tmp_path, **sections), step_s)
         return create_app(engine.settings, engine), engine
     return make
 

@@ -179,9 +179,9 @@ def test_a_message_seen_before_at_a_new_position_is_read_from_the_store_and_blen
 def test_retrieval_off_gives_a_prompt_without_passages(server_engine, corpus):
     question = corpus.questions[0][0]
     messages = ({"role": "user", "content": question},)
-    off, _ = server_engine._plan(QueryParams(question, messages=messages, retrieve=False, top_k=2), 8,
+    off, _ = server_engine.plan(QueryParams(question, messages=messages, retrieve=False, top_k=2), 8,
                                  QueryStats(mode="blend"))
-    on, _ = server_engine._plan(QueryParams(question, messages=messages, top_k=2), 8, QueryStats(mode="blend"))
+    on, _ = server_engine.plan(QueryParams(question, messages=messages, top_k=2), 8, QueryStats(mode="blend"))
     assert [s.kind for s in off.spans] == ["head", "message"] and off.hits == ()
     assert [s.kind for s in on.spans] == ["head", "opening", "passage", "passage"] and len(on.hits) == 2
     assert list(off.suffix) == server_engine.parts.prompt.chat.layout(list(messages)).tail  # the assistant's opening
@@ -193,10 +193,10 @@ def test_retrieval_off_gives_a_prompt_without_passages(server_engine, corpus):
 def test_the_context_keeps_the_newest_messages_that_fit(server_engine, monkeypatch):
     nonce = uuid.uuid4().hex
     messages = trace(nonce, [0, 1, 2])
-    everything, _ = server_engine._plan(QueryParams("", messages=messages, retrieve=False), 8, QueryStats(mode="blend"))
+    everything, _ = server_engine.plan(QueryParams("", messages=messages, retrieve=False), 8, QueryStats(mode="blend"))
     total = everything.prompt_tokens
     monkeypatch.setattr(server_engine, "_context_limit", lambda: total + 8 - 20)  # the task message goes
-    squeezed, _ = server_engine._plan(QueryParams("", messages=messages, retrieve=False), 8, QueryStats(mode="blend"))
+    squeezed, _ = server_engine.plan(QueryParams("", messages=messages, retrieve=False), 8, QueryStats(mode="blend"))
     assert squeezed.dropped >= 1 and sorted({s.message for s in squeezed.spans[1:]}) == list(range(squeezed.dropped, 7))
     assert squeezed.prompt_tokens + 8 <= total + 8 - 20
 

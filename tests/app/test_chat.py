@@ -149,7 +149,7 @@ def test_oldest_turns_are_dropped_when_the_context_is_full(lighthouses, server_e
     assert squeezed.usage.prompt_tokens + 8 <= limit
     # The layout the engine chose: the system message and the question stay, with the newest messages.
     params = QueryParams(turns[-1]["content"], top_k=1, messages=tuple(turns))
-    plan, _ = server_engine._plan(params, 8, QueryStats(mode="blend"))
+    plan, _ = server_engine.plan(params, 8, QueryStats(mode="blend"))
     prompt = server_engine.parts.prompt
     kinds = [s.kind for s in plan.spans]
     assert kinds[0] == "head" and kinds[-2:] == ["opening", "passage"] and set(kinds[1:-2]) == {"message"}
@@ -179,7 +179,7 @@ def test_a_conversation_far_over_the_context_keeps_the_newest_messages_that_fit(
 
     params = QueryParams(turns[-1]["content"], top_k=1, messages=tuple(turns))
     monkeypatch.setattr(template, "layout", counting)
-    plan, _ = server_engine._plan(params, 16, QueryStats(mode="blend"))
+    plan, _ = server_engine.plan(params, 16, QueryStats(mode="blend"))
     kept = plan.prompt_tokens + 16
     limit = server_engine._context_limit()
     messages = [s for s in plan.spans if s.kind == "message"]

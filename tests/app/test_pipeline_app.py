@@ -19,7 +19,7 @@ def test_pipelined_and_whole_loading_answer_alike_and_a_damaged_layer_is_recompu
     assert (b.answer, b.stats.recomputed_tokens) == (a.answer, a.stats.recomputed_tokens)
 
     # Damage layer 5 of the first passage on disk: the pipelined prefill finds it mid-way, recomputes it.
-    plan, _ = whole._plan(params, 8, QueryStats("blend"))
+    plan, _ = whole.plan(params, 8, QueryStats("blend"))
     passage = next(s for s in plan.spans if s.kind == "passage")
     path = piped.parts.store.tiers[0]._cache.peek_file(piped.parts.kv_cache.key(passage.ids))
     data = bytearray(open(path, "rb").read())

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import random
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -94,13 +93,11 @@ def test_part_boundaries_are_hard_cuts_and_tiny_messages_merge():
     assert [s.kind for s in cut] == ["head", "message", "passage", "passage"] and cut[2].ids == passage.ids
 
 
-def test_hostile_prompts_are_linear_and_capped():
+def test_hostile_prompts_are_capped():
     p = planner(max_spans=64)
     paragraph = text(7, 40)
     for ids in (paragraph * 1000, text(8, 40_000), (13, 198) * 10_000):
-        start = time.perf_counter()
-        spans = p.cut([Part("head", HEAD), message(ids)])
-        assert time.perf_counter() - start < 5  # linear: tens of milliseconds
+        spans = p.cut([Part("head", HEAD), message(ids)])  # (no clock here: its cost is bench/'s to show)
         assert len(spans) <= 64 and sum(len(s.ids) for s in spans) == len(HEAD) + len(ids)
     many = p.cut([Part("head", HEAD), *(message((i,), i) for i in range(10_000))])
     assert len(many) <= 64

@@ -1,66 +1,52 @@
-"""The scheduler on its own, with programs the test writes: slots join and leave a batched step at any
-time, one request's error reaches only that request, a cancelled request frees its slot at once, a
-query waits at most one model task (an upload's chunk) behind an upload, and stop() is bounded."""
+"""The scheduler on its own thread, with request work the test writes: requests join and leave a batched step at
+any time, one request's error reaches only that request, a cancelled request frees its slot at once, `prepare`
+runs off the model thread, a query waits at most one model task (an upload's chunk) behind an upload, and stop()
+is bounded. Which step runs is blend.driver.schedule's (tests/blend/test_driver.py, as a pure function of state);
+here the assertions are on what each request gets and on the order of events, never on time."""
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
-from app.serving.scheduler import DecodeStep, Offload, Scheduler
+from app.serving.scheduler import Scheduler, task_due
 from app.serving.worker import QueueFull, WorkerStopped
-from blend.driver import Driver
-
-
-class Row:
-    """A fake cache: the tokens appended to it, and whether decoding it must fail."""
-
-    def __init__(self, name: str, poison: bool = False):
-        self.name, self.poison, self.tokens = name, poison, []
+from tests.blend.test_driver import Sequence, Work
 
 
 class Decoder:
-    """decode_step for Rows: logits = the row's token + 1 (so each row counts up on its own). As the real step, a
-    step that fails moves no row on."""
+    """DecodeRuntime.advance for the tests' Sequences: each row's next token is its last + 1; `batches` records
+    each step's rows (their first tokens); a poisoned row gets its own error."""
 
-    def __init__(self, step_s: float = 0.01):
-        self.batches: list[list[str]] = []
-        self.spans: list[tuple[float, float]] = []  # (start, end) of each step, time.monotonic()
-        self.step_s = step_s
+    def __init__(self):
+        self.batches: list[list[int]] = []
 
-    def __call__(self, caches, tokens, positions):
-        self.batches.append([c.name for c in caches])
-        start = time.monotonic()
-        time.sleep(self.step_s)  # a forward takes time: requests arriving meanwhile join the next step
-        self.spans.append((start, time.monotonic()))
-        if any(c.poison for c in caches):
-            raise RuntimeError("corrupt row")
-        for cache, token in zip(caches, tokens):
-            cache.tokens.append(token)
-        return [token + 1 for token in tokens]
+    def __call__(self, sequences):
+        self.batches.append([s.tokens[0] for s in sequences])
+        rows = []
+        for s in sequences:
+            if s.poison:
+                rows.append(RuntimeError("corrupt row"))
+            else:
+                s.accept(s.last + 1)
+                rows.append(s.last)
+        return rows
 
 
-def counting(name: str, n: int, *, first: int = 0, poison: bool = False, prefill_slices: int = 0, log=None,
-             slice_s: float = 0.0, slice_times=None):
-    """A program: some prefill slices (each taking `slice_s`; their end times go to `slice_times`), then n
-    tokens counting up from `first`, one decode step each."""
-    def program(cancelled):
-        cache, token = Row(name, poison), first
-        for _ in range(prefill_slices):
-            time.sleep(slice_s)
-            if log is not None:
-                log.append(("slice", name))
-            if slice_times is not None:
-                slice_times.append(time.monotonic())
-            yield None
-        for step in range(n):
-            yield f"{name}:{token}"
-            if step + 1 < n:
-                token = yield DecodeStep(cache, token, len(cache.tokens))
-        yield f"{name}:done"
-    return program
+class Text:
+    """An output side: token ids as "n" strings; a stop once `stop_at` is seen."""
+
+    def __init__(self, stop_at: int | None = None):
+        self.stop_at, self.stopped = stop_at, False
+
+    def feed(self, item):
+        if not isinstance(item, list):
+            return [item]
+        if self.stopped:
+            return []
+        self.stopped = self.stop_at in item
+        return [str(token) for token in item]
 
 
 async def collect(job) -> list:
@@ -84,9 +70,17 @@ def decoder():
 
 
 def make(decoder, **options) -> Scheduler:
-    scheduler = Scheduler(decoder, **{"max_batch": 4, "queue_size": 8, **options})
+    scheduler = Scheduler(decoder, **{"layers": 4, "max_batch": 4, "queue_size": 8, **options})
     scheduler.start()
     return scheduler
+
+
+def submit(scheduler: Scheduler, work: Work, stop_at: int | None = None):
+    return scheduler.submit(lambda: work, label=work.name, output=Text(stop_at))
+
+
+def counted(first: int, n: int, reason: str = "length", name: str | None = None) -> list:
+    return [str(first + i) for i in range(n)] + [f"{name}:{reason}"]
 
 
 def test_requests_joining_and_leaving_each_get_their_own_tokens(decoder):
@@ -95,201 +89,138 @@ def test_requests_joining_and_leaving_each_get_their_own_tokens(decoder):
     async def main():
         jobs = []
         for name, n, first in [("a", 8, 0), ("b", 3, 100), ("c", 6, 200)]:
-            jobs.append(asyncio.create_task(collect(scheduler.submit(counting(name, n, first=first)))))
-            await asyncio.sleep(0.01)
+            jobs.append(asyncio.create_task(collect(submit(scheduler, Work(name, 2, n, first=first)))))
+            await asyncio.sleep(0)
         return await asyncio.gather(*jobs)
 
     a, b, c = run(main())
     assert scheduler.stop()
-    assert a == [f"a:{i}" for i in range(8)] + ["a:done"]
-    assert b == [f"b:{100 + i}" for i in range(3)] + ["b:done"]
-    assert c == [f"c:{200 + i}" for i in range(6)] + ["c:done"]
+    assert a == counted(0, 8, name="a") and b == counted(100, 3, name="b") and c == counted(200, 6, name="c")
     assert max(len(batch) for batch in decoder.batches) >= 2  # shared steps
     assert sum(len(batch) for batch in decoder.batches) == 7 + 2 + 5  # one row per token after the first
 
 
-def stream_and_join(max_stall_s: float, slices: int, slice_s: float):
-    """Stream "a" (80 tokens, 40 ms steps); once it decodes, "b" joins with `slices` prefill slices.
-    Returns the decoder and the times b's slices ended."""
-    decoder, slice_times = Decoder(step_s=0.04), []
-    scheduler = make(decoder, slice_s=0.001, max_stall_s=max_stall_s)
-
+def test_a_stop_from_the_output_side_ends_the_request_with_its_record(decoder):
+    """The output saw a stop string at token 3: the model thread ends the request at its next step (its record
+    says "stop"); tokens it decoded meanwhile are never shown."""
+    scheduler = make(decoder)
     async def main():
-        streaming = asyncio.create_task(collect(scheduler.submit(counting("a", 80))))
-        await asyncio.sleep(0.2)  # "a" is decoding
-        joining = collect(scheduler.submit(counting("b", 4, prefill_slices=slices, slice_s=slice_s,
-                                                    slice_times=slice_times)))
-        return await asyncio.gather(streaming, joining)
+        return await collect(submit(scheduler, Work("s", 1, 1000), stop_at=3))
 
-    a, b = run(main())
-    assert scheduler.stop()
-    assert a[-1] == "a:done" and b[-1] == "b:done"
-    assert any(len(batch) == 2 for batch in decoder.batches)  # b joined a's steps
-    return decoder, slice_times
-
-
-def test_a_prefill_runs_before_the_streams_next_token_when_it_fits_the_stall_bound():
-    """Prefill first: b's whole prefill (0.3 s) runs between two of a's steps, not a slice per token."""
-    decoder, slice_times = stream_and_join(max_stall_s=2.0, slices=60, slice_s=0.005)
-    first, last = slice_times[0], slice_times[-1]
-    assert not [span for span in decoder.spans if first <= span[0] <= last]
-
-
-def test_a_long_prefill_is_cut_so_streams_wait_at_most_the_stall_bound():
-    """A prefill longer than max_stall_s runs in slices of about max_stall_s less a step, a step after each."""
-    max_stall_s, slice_s = 0.15, 0.01
-    decoder, slice_times = stream_and_join(max_stall_s=max_stall_s, slices=60, slice_s=slice_s)
-    first, last = slice_times[0], slice_times[-1]
-    during = [span for span in decoder.spans if first <= span[0] <= last]  # a's steps amid b's prefill
-    assert len(during) >= 2
-    # Each step starts at least max_stall_s after the one before (the slice fills the stall bound) ...
-    for before, after in zip(during, during[1:]):
-        assert after[0] - before[0] >= 0.95 * max_stall_s, (before, after)
-    # ... and no more of b's slices run between two steps than fit in that bound (a slow machine fits fewer).
-    ends = [end for _, end in during]
-    most = int(max_stall_s / slice_s) + 1
-    for before, after in zip(ends, ends[1:]):
-        assert sum(1 for t in slice_times if before <= t <= after) <= most
-
-
-@pytest.mark.parametrize("slice_s", [0.001, 5.0])
-def test_a_short_request_sent_during_a_long_prefill_gets_its_first_token_first(decoder, slice_s):
-    """Least served first: the long prefill (200 slices) started first, yet the short one's prefill runs in
-    the next slice and its first token comes out before the long one's (order, not wall-clock). With a slice
-    budget longer than the whole long prefill (5 s), the long one's slice ends at the piece of work where the
-    short one is ready."""
-    scheduler, log, firsts = make(decoder, slice_s=slice_s), [], []
-
-    async def main():
-        async def first_token(job, name):
-            await job.wait_started(30)
-            async for _ in job:
-                firsts.append(name)
-                break
-            async for _ in job:
-                pass
-        long = asyncio.create_task(first_token(scheduler.submit(counting("long", 3, prefill_slices=200,
-                                                                         slice_s=0.002, log=log)), "long"))
-        while ("slice", "long") not in log:
-            await asyncio.sleep(0.005)
-        short = first_token(scheduler.submit(counting("short", 3, prefill_slices=3, slice_s=0.002, log=log)),
-                            "short")
-        await asyncio.gather(long, short)
-
-    run(main())
-    assert scheduler.stop()
-    assert firsts == ["short", "long"]
-    last_short = max(i for i, entry in enumerate(log) if entry == ("slice", "short"))
-    assert sum(1 for entry in log[:last_short] if entry == ("slice", "long")) < 100  # long's prefill went on after
+    assert run(main()) == ["0", "1", "2", "3", "s:stop"]
+    assert scheduler.stop() and scheduler.active == 0
 
 
 def test_with_chunked_prefill_a_short_request_is_answered_inside_the_long_prompts_first_layer(decoder):
-    """Chunked prefill (real Blender, tiny model, chunks of 8): the long prompt's first layer is 8 slices. A short
-    request sent after the first of them runs its whole prefill, and its first token is chosen, before the long
-    prompt's first layer is done (order of events; with whole layers as slices, the layer ends first)."""
+    """Chunked prefill (real Blender, tiny model, chunks of 8) and the smallest budget (a slice a step): the long
+    prompt's first layer is 8 slices. A short request sent after the first of them runs its whole prefill, and
+    its first token is chosen, before the long prompt's first layer is done (order of events)."""
     from blend import Blender
     from tests.blend.conftest import random_ids, tiny_model
 
     blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama", chunk_tokens=8)
     log, sent = [], threading.Event()
 
-    def prefill(name: str, ids: list[int]):
-        slices_per_layer = -(-len(ids) // blender.chunk_tokens)
+    class Prefill(Work):
+        def __init__(self, name: str, ids: list[int]):
+            super().__init__(name, 0, 1, log=log)
+            self.ids = ids
 
-        def program(cancelled):
-            steps, slices = blender.prefill_steps([], ids, 1.0), 0
+        def prefill(self):
+            steps, slices = blender.prefill_steps([], self.ids, 1.0), 0
+            per_layer = -(-len(self.ids) // blender.chunk_tokens)
             while True:
                 try:
-                    next(steps)
+                    cost = next(steps)
                 except StopIteration as done:
-                    log.append((name, "first token", int(done.value.logits.argmax())))
-                    yield name
-                    return
+                    log.append((self.name, "first token"))
+                    sequence = Sequence(1)
+                    sequence.accept(int(done.value.logits.argmax()))
+                    return sequence
                 slices += 1
-                if slices % slices_per_layer == 0:
-                    log.append((name, "layer done"))
-                if name == "long" and slices == 1:
-                    log.append((name, "first slice"))
+                if slices % per_layer == 0:
+                    log.append((self.name, "layer done"))
+                if self.name == "long" and slices == 1:
+                    log.append((self.name, "first slice"))
                     sent.wait(30)  # the short request comes while the long prompt's first layer is under way
-                yield None
-        return program
+                yield cost
 
-    scheduler = make(decoder, slice_s=0.0001)
+    scheduler = make(decoder, layers=blender.num_layers, step_token_budget=1)
 
     async def main():
-        long = asyncio.create_task(collect(scheduler.submit(prefill("long", random_ids(64, 1)))))
+        long = asyncio.create_task(collect(submit(scheduler, Prefill("long", random_ids(64, 1)))))
         while ("long", "first slice") not in log:
             await asyncio.sleep(0.005)
-        short = scheduler.submit(prefill("short", random_ids(6, 2)))
+        short = submit(scheduler, Prefill("short", random_ids(6, 2)))
         sent.set()
         return await asyncio.gather(long, collect(short))
 
-    assert run(main()) == [["long"], ["short"]]
+    long, short = run(main())
+    assert long[-1] == "long:length" and short[-1] == "short:length"
     assert scheduler.stop()
     events = [entry[:2] for entry in log]
     assert events.index(("short", "first token")) < events.index(("long", "layer done")), events
+
+
+class Held(Work):
+    """Work whose prefill waits on `gate` (it holds the model thread)."""
+
+    def __init__(self, name: str, gate: threading.Event):
+        super().__init__(name, 0, 1)
+        self.gate = gate
+
+    def prefill(self):
+        assert self.gate.wait(30)
+        return (yield from super().prefill())
 
 
 def test_max_batch_bounds_the_slots_and_the_queue_bounds_the_wait(decoder):
     scheduler = make(decoder, max_batch=2, queue_size=1)
     gate = threading.Event()
 
-    def held(cancelled):
-        assert gate.wait(30)
-        yield "held"
-
     async def main():
-        first = scheduler.submit(held)
+        first = submit(scheduler, Held("held", gate))
         await first.wait_started(10)
-        second = scheduler.submit(counting("x", 2))  # a free slot, but the model thread is held: it waits
+        second = submit(scheduler, Work("x", 0, 2))  # a free slot, but the model thread is held: it waits
         with pytest.raises(QueueFull):
-            scheduler.submit(counting("y", 2))
+            submit(scheduler, Work("y", 0, 2))
         gate.set()
         return await collect(second)
 
-    assert run(main()) == ["x:0", "x:1", "x:done"]
+    assert run(main()) == counted(0, 2, name="x")
     assert scheduler.stop()
     assert all(len(batch) <= 2 for batch in decoder.batches)
 
 
 def test_an_error_reaches_only_its_request(decoder):
-    """A program that raises, and a row whose decode step raises (the batch is retried row by row):
-    the other requests' tokens are exactly those they get alone."""
+    """A prepare that raises, a prefill that raises, and a row whose decode step fails: the other requests'
+    tokens are exactly those they get alone."""
     scheduler = make(decoder)
 
-    def broken(cancelled):
-        yield "broken:0"
-        yield None
-        raise ValueError("bad input")
+    class Unplannable(Work):
+        def prepare(self):
+            raise ValueError("no such collection")
 
     async def main():
-        jobs = [scheduler.submit(counting("a", 6)), scheduler.submit(broken),
-                scheduler.submit(counting("p", 6, poison=True)), scheduler.submit(counting("b", 5, first=50))]
+        jobs = [submit(scheduler, Work("a", 2, 6)), submit(scheduler, Unplannable("u", 1, 3)),
+                submit(scheduler, Work("bad", 4, 3, fail_at=2)), submit(scheduler, Work("p", 1, 6, poison=True)),
+                submit(scheduler, Work("b", 1, 5, first=50))]
         return await asyncio.gather(*(collect(j) for j in jobs))
 
-    a, bad, poisoned, b = run(main())
+    a, unplannable, bad, poisoned, b = run(main())
     assert scheduler.stop()
-    assert a == [f"a:{i}" for i in range(6)] + ["a:done"]
-    assert b == [f"b:{50 + i}" for i in range(5)] + ["b:done"]
-    assert bad[0] == "broken:0" and isinstance(bad[-1], ValueError)
-    assert poisoned[0] == "p:0" and isinstance(poisoned[-1], RuntimeError) and len(poisoned) == 2
+    assert a == counted(0, 6, name="a") and b == counted(50, 5, name="b")
+    assert len(unplannable) == 1 and isinstance(unplannable[0], ValueError)
+    assert len(bad) == 1 and isinstance(bad[0], ValueError)
+    assert poisoned[0] == "0" and isinstance(poisoned[-1], RuntimeError) and len(poisoned) == 2
 
 
 def test_a_cancelled_request_frees_its_slot_at_once(decoder):
-    scheduler = make(decoder, max_batch=2)
-    closed = threading.Event()
-
-    def endless(cancelled):
-        cache, token = Row("e"), 0
-        try:
-            while True:
-                yield f"e:{token}"
-                token = yield DecodeStep(cache, token, len(cache.tokens))
-        finally:
-            closed.set()
+    scheduler = make(decoder, max_batch=1)
+    endless = Work("e", 0, 10**9)
 
     async def main():
-        job = scheduler.submit(endless)
+        job = submit(scheduler, endless)
         await job.wait_started(10)
         seen = 0
         async for _ in job:
@@ -297,96 +228,89 @@ def test_a_cancelled_request_frees_its_slot_at_once(decoder):
             if seen == 5:
                 job.cancel()
                 break
-        other = await collect(scheduler.submit(counting("a", 4)))
-        return other
+        return await collect(submit(scheduler, Work("a", 1, 4)))
 
-    assert run(main()) == ["a:0", "a:1", "a:2", "a:3", "a:done"]
-    assert closed.wait(5) and scheduler.active == 0
+    assert run(main()) == counted(0, 4, name="a")
+    assert scheduler.active == 0
     assert scheduler.stop()
 
 
+def test_model_tasks_take_their_share_by_state():
+    """A model task runs whenever no request uses the model thread; beside requests, once the requests' work
+    since the last task is three times its cost (TASK_SHARE 25%)."""
+    assert task_due(in_flight=False, work_since=0, last_cost=10**6)
+    assert not task_due(in_flight=True, work_since=2999, last_cost=1000)
+    assert task_due(in_flight=True, work_since=3000, last_cost=1000)
+
+
 def test_a_query_waits_at_most_one_model_task_behind_an_upload(decoder):
-    """An upload hands the model thread one chunk at a time; a query arriving meanwhile runs all its
-    prefill slices before the next chunk."""
-    scheduler = make(decoder)
+    """An upload hands the model thread one chunk at a time; a query arriving meanwhile runs its prefill slices
+    before the next chunk, and the upload still finishes."""
+    scheduler = make(decoder, step_token_budget=10**6)  # the query's whole prefill in one step
     timeline: list[tuple[str, str]] = []
 
     def upload() -> None:
         for i in range(30):
-            scheduler.run_on_model(lambda i=i: (timeline.append(("chunk", str(i))), time.sleep(0.02)),
-                                   label="upload: chunk")
+            scheduler.run_on_model(lambda i=i: timeline.append(("chunk", str(i))), label="upload: chunk", cost=500)
 
     async def main():
         thread = threading.Thread(target=upload)
         thread.start()
         while len(timeline) < 5:
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.001)
         timeline.append(("submitted", "q"))
-        items = await collect(scheduler.submit(counting("q", 3, prefill_slices=10, log=timeline)))
-        timeline.append(("answered", "q"))
+        items = await collect(submit(scheduler, Work("q", 10, 3, log=timeline)))
         await asyncio.to_thread(thread.join)
         return items
 
-    assert run(main())[-1] == "q:done"
+    assert run(main()) == counted(0, 3, name="q")
     assert scheduler.stop()
     submitted = timeline.index(("submitted", "q"))
-    first_slice = timeline.index(("slice", "q"))
-    assert sum(1 for kind, _ in timeline[submitted:first_slice] if kind == "chunk") <= 1
-    slices = [i for i, event in enumerate(timeline) if event == ("slice", "q")]
+    slices = [i for i, event in enumerate(timeline) if event == ("q", "slice")]
+    assert sum(1 for kind, _ in timeline[submitted:slices[0]] if kind == "chunk") <= 1
     assert not any(kind == "chunk" for kind, _ in timeline[slices[0]:slices[-1]])  # nothing between its slices
     assert sum(1 for kind, _ in timeline if kind == "chunk") == 30  # and the upload finished
 
 
-def test_offload_runs_off_the_model_thread(decoder):
+def test_prepare_runs_off_the_model_thread(decoder):
     scheduler = make(decoder)
     threads = []
 
-    def program(cancelled):
-        value = yield Offload(lambda: threads.append(threading.current_thread().name) or 41)
-        threads.append(threading.current_thread().name)
-        yield value + 1
+    class Noting(Work):
+        def prepare(self):
+            threads.append(threading.current_thread().name)
+
+        def prefill(self):
+            threads.append(threading.current_thread().name)
+            return (yield from super().prefill())
 
     async def main():
-        return await collect(scheduler.submit(program))
+        return await collect(submit(scheduler, Noting("n", 1, 1)))
 
-    assert run(main()) == [42]
+    assert run(main()) == counted(0, 1, name="n")
     assert scheduler.stop()
     assert threads[0].startswith("ragblend-prep") and threads[1] == "ragblend-model"
-    # The same program alone, through the same driver, without a scheduler: its offload runs inline
-    threads.clear()
-    assert list(Driver(decoder).run(program(lambda: False))) == [42]
-    assert threads == [threading.current_thread().name] * 2
 
 
 def test_stop_fails_waiting_work_and_is_bounded(decoder):
     """Waiting requests get WorkerStopped at once, a running one is cancelled after the grace period,
     and nothing new is accepted."""
     scheduler = make(decoder, max_batch=1)
-    stopping, during_grace = threading.Event(), []
-
-    def endless(cancelled):
-        cache, token = Row("s"), 0
-        while True:
-            time.sleep(0.01)
-            if stopping.is_set():
-                during_grace.append(token)
-            yield f"s:{token}"
-            token = yield DecodeStep(cache, token, len(cache.tokens))
+    endless = Work("s", 0, 10**9)
 
     async def main():
-        running = scheduler.submit(endless)
+        running = submit(scheduler, endless)
         await running.wait_started(10)
-        queued = scheduler.submit(counting("q", 2))
-        stopping.set()
+        queued = submit(scheduler, Work("q", 0, 2))
         stopped = await asyncio.to_thread(scheduler.stop, 0.3, 5.0)
         with pytest.raises(WorkerStopped):
             await collect_raising(queued)
         with pytest.raises(WorkerStopped):
-            scheduler.submit(counting("late", 1))
+            submit(scheduler, Work("late", 0, 1))
         return stopped
 
-    # The running request went on during the grace, then was cancelled: the model thread ended.
-    assert run(main()) and during_grace
+    assert run(main())  # the running request went on during the grace, then was cancelled: the thread ended
+    assert len(decoder.batches) > 1
     with pytest.raises(WorkerStopped):
         scheduler.run_on_model(lambda: None, label="late")
 

@@ -65,32 +65,17 @@ def test_queue_wait_past_timeout_answers_503_and_never_runs(stub_app):
 @pytest.mark.parametrize("max_batch", [1, 3])
 def test_at_most_max_batch_requests_in_flight(stub_app, max_batch):
     """Requests that hand the model thread back between tokens interleave, up to max_batch at a time."""
-    app, engine = stub_app(step_s=0.01, slices=True, server={"max_batch": max_batch})
-    active, peak, lock = 0, 0, threading.Lock()
-    stream = engine.stream
-
-    def counting(params, cancelled):
-        nonlocal active, peak
-        with lock:
-            active += 1
-            peak = max(peak, active)
-        try:
-            yield from stream(params, cancelled)
-        finally:
-            with lock:
-                active -= 1
-
-    engine.stream = counting
+    app, engine = stub_app(step_s=0.01, server={"max_batch": max_batch})
     body = {**QUERY, "max_tokens": 6}
     with TestClient(app) as client, ThreadPoolExecutor(6) as pool:
         responses = list(pool.map(lambda _: client.post("/v1/query", json=body), range(6)))
     assert [r.status_code for r in responses] == [200] * 6
     assert all(r.json()["answer"] == "ok ok ok ok ok ok" for r in responses)
-    assert peak == max_batch and max(engine.batches) == max_batch
+    assert engine.peak == max_batch and max(engine.batches) == max_batch
 
 
 def test_client_disconnect_stops_generation(stub_app, serve_live):
-    app, engine = stub_app(step_s=0.02, slices=True)
+    app, engine = stub_app(step_s=0.02)
     with serve_live(app) as live, httpx.Client(base_url=live.url, timeout=10) as http:
         body = {"question": "long?", "max_tokens": 500, "stream": True}  # ~10 s if never stopped
         with http.stream("POST", "/v1/query", json=body) as response:
@@ -151,7 +136,7 @@ def test_usage_and_metrics_from_stub(stub_app, stream):
 
 def test_non_streaming_client_that_leaves_frees_its_slot(stub_app, serve_live):
     """A plain (non-SSE) request whose client disconnects is cancelled too: its slot frees at once."""
-    app, engine = stub_app(step_s=0.02, slices=True, server={"max_batch": 1})
+    app, engine = stub_app(step_s=0.02, server={"max_batch": 1})
     with serve_live(app) as live:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{live.url}/v1/query", json={"question": "long?", "max_tokens": 500}, timeout=0.5)

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from blend import Blender, DecodeRuntime, SamplingParams
 from blend.batch import LayerStep, bucket, buckets
-from blend.decode import TokenStream, decode_loop, draw_noise, sample_next, sample_rows, sampling_rows
+from blend.decode import draw_noise, sample_next, sample_rows, sampling_rows
 from blend.graphs import StepGraphs
 from blend.pool import KVPool, PoolFull, PoolTooShort
 from tests.blend.conftest import TEST_DEVICE, generate, random_ids, runtime, tiny_model
@@ -82,21 +82,16 @@ def test_batched_rows_equal_each_request_alone_joining_and_leaving(tiny_blender)
     for step in range(STEPS + 12):
         for i, s in enumerate(starts):
             if s == step:
-                seq = decoder.start(tiny_blender.full_prefill(PROMPTS[i]), SamplingParams(lengths[i]))
-                loop = decode_loop(seq, TokenStream())
-                active.append((i, seq, loop, [next(loop)]))
+                seq = decoder.start(tiny_blender.full_prefill(PROMPTS[i]), SamplingParams(lengths[i]),
+                                    eos_ids=frozenset())
+                active.append((i, seq))
                 slots_seen[i] = seq.slot
-        for row in [r for r in active if len(r[3]) == lengths[r[0]]]:
-            done[row[0]] = row[3]
+        for row in [r for r in active if r[1].finish_reason is not None]:
+            done[row[0]] = row[1].tokens
             row[1].release()
             active.remove(row)
-        if not active:
-            continue
-        requests = [next(loop) for _, _, loop, _ in active]  # each loop asks for its next token
-        following = decoder.step([r.sequence for r in requests], [r.token for r in requests],
-                                 [r.position for r in requests])
-        for (_, _, loop, tokens), token in zip(active, following):
-            tokens.append(loop.send(token))
+        if active:
+            decoder.advance([seq for _, seq in active])  # one batched step; each row accepts its token
     assert sorted(done) == [0, 1, 2, 3, 4]
     for i, tokens in done.items():
         assert tokens == alone[i][: lengths[i]], f"request {i}"
@@ -105,16 +100,10 @@ def test_batched_rows_equal_each_request_alone_joining_and_leaving(tiny_blender)
 
 
 def decoded_together(decoder: DecodeRuntime, sequences, n: int) -> list[list[int]]:
-    """`n` tokens of each sequence, every step one batched DecodeRuntime.step over all of them."""
-    loops = [decode_loop(s, TokenStream()) for s in sequences]
-    tokens = [[next(loop)] for loop in loops]
+    """`n` tokens of each sequence, every step one batched DecodeRuntime.advance over all of them."""
     for _ in range(n - 1):
-        requests = [next(loop) for loop in loops]
-        following = decoder.step([r.sequence for r in requests], [r.token for r in requests],
-                                 [r.position for r in requests])
-        for loop, got, token in zip(loops, tokens, following):
-            got.append(loop.send(token))
-    return tokens
+        decoder.advance(sequences)
+    return [s.tokens[:n] for s in sequences]
 
 
 def test_sampled_rows_in_a_batch_equal_each_alone_and_torch_multinomial(tiny_blender):

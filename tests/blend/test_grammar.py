@@ -13,8 +13,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from blend import Blender, DecodeRuntime, SamplingParams
-from blend.decode import TokenStream, decode_loop
-from blend.driver import Driver, Slot
 from blend.grammar import (
     MAX_PATTERNS,
     NUMBER_LIMIT,
@@ -47,30 +45,27 @@ def decoder() -> DecodeRuntime:
     COMPILERS.pop(decoder).close()
 
 
-def program(decoder: DecodeRuntime, prompt: list[int], sampling: SamplingParams, grammar: str | None,
-            eos: frozenset[int]):
-    """One answer as the engine runs it: a slot, its constraint, the decode loop; yields its token ids."""
-    constraint = COMPILERS[decoder].constraint(grammar) if grammar else None
-    sequence = decoder.start(decoder_prefill(decoder, prompt), sampling, constraint)
-    try:
-        yield from decode_loop(sequence, TokenStream(eos_ids=eos))
-    finally:
-        sequence.release()
-
-
 def decoder_prefill(decoder: DecodeRuntime, prompt: list[int]):
     return BLENDERS[decoder].full_prefill(prompt)
 
 
 def run_together(decoder: DecodeRuntime, rows: list[tuple], eos: frozenset[int] | None = None) -> list[list]:
-    """Each (prompt, sampling, grammar) a program in one Driver: every step one batched DecodeRuntime.step over
-    every row still decoding (as the scheduler runs them). Each row's tokens, or its error last."""
-    driver, outputs = Driver(decoder.step), [[] for _ in rows]
+    """Each (prompt, sampling, grammar) a sequence in a slot with its constraint, as the engine starts one; every
+    step one batched DecodeRuntime.advance over every row still decoding (as the scheduler's runner does). Each
+    row's tokens (an ending eos included), or its error last."""
     eos = decoder.eos_ids if eos is None else eos
-    for (prompt, sampling, grammar), out in zip(rows, outputs):
-        driver.advance(driver.add(Slot(program(decoder, prompt, sampling, grammar, eos), out.append)))
-    while driver.slots:
-        driver.decode()
+    sequences, outputs = [], []
+    for prompt, sampling, grammar in rows:
+        constraint = COMPILERS[decoder].constraint(grammar) if grammar else None
+        sequences.append(decoder.start(decoder_prefill(decoder, prompt), sampling, constraint, eos))
+        outputs.append([sequences[-1].last])
+    while running := [(s, out) for s, out in zip(sequences, outputs) if s.finish_reason is None and not s.released]:
+        for (sequence, out), row in zip(running, decoder.advance([s for s, _ in running])):
+            out.append(row)
+            if isinstance(row, BaseException):
+                sequence.release()
+    for sequence in sequences:
+        sequence.release()
     return outputs
 
 

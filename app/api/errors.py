@@ -27,10 +27,11 @@ from app.serving.worker import QueueTimeout, WorkerStopped
 
 log = logging.getLogger("ragblend.server")
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-               503: "service_unavailable", 507: "server_error"}
+CLIENT_GONE = 499  # nginx's "client closed request": what /metrics counts for a client that left unanswered
+ERROR_TYPES = {499: "client_closed_request", 400: "invalid_request_error", 401: "authentication_error",
+               404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
+               413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
+               429: "rate_limit_error", 503: "service_unavailable", 507: "server_error"}
 # The `code` of errors raised without one: every error body has a non-null code.
 HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
               409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_value",
@@ -79,6 +80,10 @@ class ApiError(Exception):
         return self.response()
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer: the work was cancelled, nobody is left to answer."""
+
+
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int):
         super().__init__(413, f"request body over the {limit}-byte limit")
@@ -121,6 +126,8 @@ def as_api_error(exc: Exception) -> ApiError:
             return ApiError(503, "timed out waiting in the queue; retry later", "queue_timeout")
         case WorkerStopped():
             return ApiError(503, "the server is shutting down", "shutting_down")
+        case ClientGone():
+            return ApiError(CLIENT_GONE, "the client disconnected; its request was cancelled", "client_gone")
         case IngestCancelled():  # the client left, or the server is stopping: nothing was committed
             return ApiError(503, f"{exc}; nothing was committed", "cancelled")
         case HTTPException() if exc.status_code == 400:  # the body could not be parsed (JSON or multipart)
@@ -151,8 +158,34 @@ def _validation_error(errors: list[dict[str, Any]]) -> ApiError:
                     field(errors[0]) if errors else None)
 
 
+class Refusals:
+    """Each refused request's reason at WARNING (a 4xx or 5xx; a client that left: one INFO line), as an access log
+    would, each (status, code, path) at most once per `every_s` with the count of those left out meanwhile."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s, self.last = every_s, {}  # (status, code, path) -> (logged at, left out since)
+
+    def log(self, path: str, error: ApiError) -> None:
+        if error.status == CLIENT_GONE:
+            log.info("client disconnected", extra={"path": path})
+            return
+        key, now = (error.status, error.code, path), time.monotonic()
+        at, left_out = self.last.get(key, (None, 0))
+        if at is not None and now - at < self.every_s:
+            self.last[key] = (at, left_out + 1)
+            return
+        self.last[key] = (now, 0)
+        log.warning("refused" if error.status < 500 else "failed",
+                    extra={"path": path, "status": error.status, "code": error.code, "reason": error.message,
+                           **({"repeated": left_out} if left_out else {})})
+
+
+REFUSALS = Refusals()
+
+
 async def handle_error(request: Request, exc: Exception) -> JSONResponse:
     error = as_api_error(exc)
+    REFUSALS.log(request.url.path, error)
     if error.code == "disk_full":
         log.warning("disk full", extra={"path": request.url.path, "error": f"{type(exc).__name__}: {exc}"})
         request.app.state.service.disk_full_at = time.monotonic()  # /health: degraded
@@ -172,6 +205,6 @@ def _allowed_methods(request: Request) -> list[str]:
 
 # What create_app registers `handle_error` for (Exception last: the 500 of last resort, which the server also
 # logs as unhandled). The databases' and the file system's errors are named so a full disk is an answer (507).
-HANDLED = (ApiError, Refused, RequestValidationError, HTTPException, LimitError, IngestError, RequestError,
-           QueueTimeout, WorkerStopped, IngestCancelled, OSError, sqlite3.OperationalError, psycopg.OperationalError,
-           Exception)
+HANDLED = (ApiError, ClientGone, Refused, RequestValidationError, HTTPException, LimitError, IngestError,
+           RequestError, QueueTimeout, WorkerStopped, IngestCancelled, OSError, sqlite3.OperationalError,
+           psycopg.OperationalError, Exception)

@@ -13,7 +13,7 @@ from starlette.datastructures import Headers
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import ApiError, BodyTooLarge, as_api_error
+from app.api.errors import REFUSALS, ApiError, BodyTooLarge, as_api_error
 from app.serving.metrics import Metrics
 from app.tenants import TENANT, TENANT_SCOPE_KEY, Tenant
 
@@ -69,6 +69,7 @@ class RequireApiKey:
             if tenant is None:
                 error = ApiError(401, "missing or invalid API key (Authorization: Bearer ... or x-api-key)",
                                  "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                REFUSALS.log(scope["path"], error)
                 return await error.response_for(scope["path"])(scope, receive, send)
         scope[TENANT_SCOPE_KEY], token = tenant, TENANT.set(tenant)
         try:
@@ -99,7 +100,8 @@ class LimitBody:
             return await self.app(scope, receive, send)
         length = Headers(scope=scope).get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await as_api_error(BodyTooLarge(self.max_bytes)).response_for(scope["path"])(scope, receive, send)
+            REFUSALS.log(scope["path"], error := as_api_error(BodyTooLarge(self.max_bytes)))
+            return await error.response_for(scope["path"])(scope, receive, send)
         received, started = 0, False
 
         async def limited_receive() -> Message:

@@ -61,9 +61,20 @@ class Tool(Cacheable):
 
 
 class ToolChoice(AnthropicBody):
-    type: Literal["auto", "any", "tool", "none"]
-    name: Text | None = None
+    type: Literal["auto", "any", "none"]
     disable_parallel_tool_use: bool = False
+
+
+class NamedToolChoice(AnthropicBody):
+    type: Literal["tool"]
+    name: Text = Field(description="One of `tools` (another is a 400).")
+    disable_parallel_tool_use: bool = False
+
+
+class Thinking(AnthropicBody):
+    """Extended thinking is not supported: only its `disabled` form is taken (an enabled one is a 400 naming it)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["disabled"]
 
 
 class Metadata(AnthropicBody):
@@ -77,18 +88,17 @@ class CountTokensRequest(AnthropicBody):
                                                               "(the question).")
     system: Text | list[TextBlock] | None = None
     tools: list[Tool] = Field(default_factory=list)
-    tool_choice: ToolChoice | None = Field(None, description=(
+    tool_choice: Annotated[ToolChoice | NamedToolChoice, Field(discriminator="type")] | None = Field(None, description=(
         "Enforced by grammar-constrained decoding: auto (text until the model opens a call, then a valid call), "
         "any (calls only), tool (one call of `name`, which must be one of `tools`), none (text only); any and "
         "tool need tools."))
     cache_control: CacheControl | None = Field(None, description=f"On the last block (automatic caching). {BREAKPOINT}")
+    thinking: Thinking | None = Field(None, description="Extended thinking is not supported: `{\"type\": "
+                                                        "\"disabled\"}` or nothing (enabled is a 400).")
     # ragblend extras
     retrieval: bool = Field(False, description="Retrieve passages for the question (default: off).")
     retrieval_top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
-
-
-class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    # sampling: checked here too, so count_tokens refuses what /v1/messages refuses
     temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     stop_sequences: list[Text] = Field(default_factory=list, max_length=4)
@@ -98,6 +108,10 @@ class MessagesRequest(CountTokensRequest):
                                                       "samples with temperature and top_p); not the passages.")
     # ragblend extra
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
 
 
 class CacheCreation(BaseModel):

@@ -52,7 +52,11 @@ def serve(data_dir: str, warm_up: bool):
     server = start_server(data_dir, port, max_batch=8, queue_size=16, threads=None)
     url = f"http://127.0.0.1:{port}"
     start = time.perf_counter()
-    wait_ready(url, server)
+    try:
+        wait_ready(url, server, timeout=1800)
+    except BaseException:
+        server.terminate()
+        raise
     return server, url, time.perf_counter() - start
 
 

@@ -47,7 +47,7 @@ from pydantic import ValidationError
 from sse_starlette import ServerSentEvent
 
 from app.api.deps import service
-from app.api.errors import REFUSALS, ApiError, as_api_error
+from app.api.errors import REFUSALS, ApiError, as_api_error, located, rule_of
 from app.api.query_routes import QueryRun, check_model, sse
 from app.api.schemas.anthropic import (
     ERRORS,
@@ -189,9 +189,7 @@ def _invalid(errors: list[dict[str, Any]]) -> str:
     of a union's branches, the one that got deepest (a list of blocks, rather than "should be a string")."""
     if errors and errors[0]["type"] == "json_invalid":
         return f"body: invalid JSON ({errors[0].get('ctx', {}).get('error', errors[0]['msg'])})"
-    located = [(".".join(str(p) for p in _where(e) if not (isinstance(p, str) and "[" in p)), _rule(e)) for e in errors]
-    deepest = max((where.count(".") for where, _ in located), default=0)
-    return "; ".join(dict.fromkeys(f"{where}: {msg}" for where, msg in located if where.count(".") == deepest))
+    return "; ".join(f"{where}: {why}" for where, why in located([{**e, "loc": _where(e)} for e in errors], _rule))
 
 
 def _rule(error: dict[str, Any]) -> str:
@@ -200,7 +198,7 @@ def _rule(error: dict[str, Any]) -> str:
         return f"{error['ctx']['tag']} blocks are not supported (this server takes text, tool_use and tool_result)"
     if error["loc"][:1] == ("thinking",):
         return "extended thinking is not supported (leave `thinking` out, or send {\"type\": \"disabled\"})"
-    return error["msg"]
+    return rule_of(error)
 
 
 def _where(error: dict[str, Any]) -> tuple[Any, ...]:

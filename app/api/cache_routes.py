@@ -12,6 +12,7 @@ them); leases are every replica's (from the metadata database, at most `store.le
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
@@ -20,17 +21,25 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from app.api.deps import service, serving
 from app.api.query_routes import chat_params
 from app.api.schemas.openai import USER_TEXT, ChatCompletionRequest, ChatMessage
-from app.api.schemas.ragblend import ERRORS, MAX_CACHE_KEY_CHARS, MODEL_NOT_FOUND, NonBlank, check_budget, check_limits
+from app.api.schemas.ragblend import (
+    ERRORS,
+    ID_RULE,
+    MAX_CACHE_KEY_CHARS,
+    MODEL_NOT_FOUND,
+    NonBlank,
+    check_budget,
+    check_limits,
+)
 from app.serving.parts import Serving
 from app.serving.service import Service
 from app.tenants import current_tenant
-from app.validation import valid_unicode
+from app.validation import ONE_LINE_NOT_BLANK, valid_id
 from store import family_id
 
 router = APIRouter()
-CacheKey = Annotated[str, Query(min_length=1, max_length=MAX_CACHE_KEY_CHARS,
-                                description="The client's prompt_cache_key: the lease family."),
-                     AfterValidator(valid_unicode)]
+CacheKey = Annotated[str, Query(min_length=1, max_length=MAX_CACHE_KEY_CHARS, pattern=ONE_LINE_NOT_BLANK,
+                                description=f"The client's prompt_cache_key: the lease family. {ID_RULE}"),
+                     AfterValidator(partial(valid_id, max_chars=MAX_CACHE_KEY_CHARS))]
 
 
 class TierCache(BaseModel):

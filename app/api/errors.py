@@ -10,7 +10,7 @@ import errno
 import logging
 import sqlite3
 import time
-from typing import Any
+from typing import Any, Callable
 
 import psycopg
 from fastapi import Request
@@ -24,6 +24,7 @@ from app.engine.ingest import DocumentExists, DocumentTooLarge, IngestCancelled,
 from app.engine.query import RequestError
 from app.serving.service import Refused
 from app.serving.worker import QueueTimeout, WorkerStopped
+from app.validation import PATTERN_RULES
 
 log = logging.getLogger("ragblend.server")
 
@@ -143,19 +144,36 @@ def as_api_error(exc: Exception) -> ApiError:
 
 def _validation_error(errors: list[dict[str, Any]]) -> ApiError:
     """422 naming the first bad field as `param` ("messages.0.role"); every problem in the message."""
-    def field(error: dict[str, Any]) -> str:
-        loc = [str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path")]
-        return ".".join(loc) if loc and error.get("type") != "json_invalid" else "body"
+    if errors and errors[0].get("type") == "json_invalid":
+        reason = errors[0].get("ctx", {}).get("error", errors[0].get("msg"))
+        return ApiError(422, f"body: invalid JSON ({reason})", "invalid_body", "body")
+    problems = located(errors)
+    return ApiError(422, "; ".join(f"{field}: {rule}" for field, rule in problems[:5]) or "invalid request",
+                    "invalid_value", problems[0][0] if problems else None)
 
-    def describe(error: dict[str, Any]) -> str:
-        if error.get("type") == "json_invalid":
-            return f"body: invalid JSON ({error.get('ctx', {}).get('error', error.get('msg'))})"
-        return f"{field(error)}: {error.get('msg')}"
 
-    message = "; ".join(describe(e) for e in errors[:5]) or "invalid request"
-    unparseable = bool(errors) and errors[0].get("type") == "json_invalid"
-    return ApiError(422, message, "invalid_body" if unparseable else "invalid_value",
-                    field(errors[0]) if errors else None)
+def located(errors: list[dict[str, Any]], rule: Callable[[dict[str, Any]], str] | None = None
+            ) -> list[tuple[str, str]]:
+    """(field, rule) of each of pydantic's errors, in words: the field as the client wrote it ("messages.0.role":
+    no union branch's internal name), the rule as the schema states it; of a union's branches, those that got
+    deepest (a list's item rather than "should be a string")."""
+    found = [(tuple(p for p in e.get("loc", ()) if p not in ("body", "query", "path") and not _branch(p)),
+              (rule or rule_of)(e)) for e in errors]
+    deepest = max((len(where) for where, _ in found), default=0)
+    return list(dict.fromkeys((".".join(map(str, where)) or "body", why) for where, why in found
+                              if len(where) == deepest))
+
+
+def _branch(part: Any) -> bool:
+    """A union branch's or validator's name in pydantic's location ("list[constrained-int]")."""
+    return isinstance(part, str) and any(c in part for c in "[(<")
+
+
+def rule_of(error: dict[str, Any]) -> str:
+    """One error's rule, in words: a pattern by what it means, a validator's message without pydantic's prefix."""
+    if error.get("type") == "string_pattern_mismatch":
+        return PATTERN_RULES.get(error.get("ctx", {}).get("pattern"), "does not match the field's pattern")
+    return str(error.get("msg", "invalid")).removeprefix("Value error, ")
 
 
 class Refusals:

@@ -5,7 +5,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.api.schemas.ragblend import MAX_SEED, RETRY_AFTER, NonBlank, RequestBody, Text
+from app.api.schemas.ragblend import MAX_SEED, RETRY_AFTER, CacheKey, Id, NonBlank, RequestBody, Text
 from app.engine.prompt_cache import LeaseNote
 
 
@@ -34,14 +34,14 @@ class TextBlock(Cacheable):
 
 class ToolUseBlock(Cacheable):
     type: Literal["tool_use"]
-    id: Text
-    name: Text
+    id: Id
+    name: Id
     input: dict[str, Any]
 
 
 class ToolResultBlock(Cacheable):
     type: Literal["tool_result"]
-    tool_use_id: Text
+    tool_use_id: Id
     content: Text | list[TextBlock] = ""
     is_error: bool = False
 
@@ -55,7 +55,7 @@ class Message(AnthropicBody):
 
 
 class Tool(Cacheable):
-    name: Text = Field(min_length=1)
+    name: Id
     description: Text | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
 
@@ -67,7 +67,7 @@ class ToolChoice(AnthropicBody):
 
 class NamedToolChoice(AnthropicBody):
     type: Literal["tool"]
-    name: Text = Field(description="One of `tools` (another is a 400).")
+    name: Id = Field(description="One of `tools` (another is a 400).")
     disable_parallel_tool_use: bool = False
 
 
@@ -78,7 +78,7 @@ class Thinking(AnthropicBody):
 
 
 class Metadata(AnthropicBody):
-    user_id: Text | None = None
+    user_id: CacheKey | None = Field(None, description="The lease family's name (anthropic:<user_id>).")
 
 
 class CountTokensRequest(AnthropicBody):

@@ -6,11 +6,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from app.api.schemas.ragblend import MAX_CACHE_KEY_CHARS, MAX_SEED, LimitError, OpenAIBody, Text
+from app.api.schemas.ragblend import MAX_SEED, CacheKey, Id, LimitError, OpenAIBody, Text
 from app.engine.prompt_cache import RETENTION_TTL_S, LeaseNote
 from app.engine.query import Mode, Source
 from app.engine.tool_calls import MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH
-from app.validation import MAX_ID_CHARS, NOT_BLANK, ONE_LINE_NOT_BLANK
+from app.validation import NOT_BLANK
 from blend.decode import MAX_TOP_LOGPROBS
 
 
@@ -21,18 +21,18 @@ class TextPart(OpenAIBody):
 
 
 class FunctionCall(OpenAIBody):
-    name: Annotated[str, Field(min_length=1, max_length=256, pattern=ONE_LINE_NOT_BLANK)]
+    name: Id
     arguments: Text = Field(description="The call's arguments, as the model wrote them (JSON text).")
 
 
 class ToolCall(OpenAIBody):
-    id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=ONE_LINE_NOT_BLANK)]
+    id: Id
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class FunctionDef(OpenAIBody):
-    name: Annotated[str, Field(min_length=1, max_length=256, pattern=ONE_LINE_NOT_BLANK)]
+    name: Id
     description: Text | None = None
     parameters: dict[str, Any] | None = None
 
@@ -66,7 +66,7 @@ class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Text | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls.")
-    tool_call_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = Field(
+    tool_call_id: Id | None = Field(
         None, description="Required on a tool message: the call it answers.")
     name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
@@ -107,7 +107,7 @@ class ChatMessage(OpenAIBody):
 
 
 class NamedFunction(OpenAIBody):
-    name: Annotated[str, Field(min_length=1, max_length=256)]
+    name: Id
 
 
 class NamedToolChoice(OpenAIBody):
@@ -174,7 +174,7 @@ class ChatCompletionRequest(OpenAIBody):
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
     user: Text | None = None
-    prompt_cache_key: Text | None = Field(None, min_length=1, max_length=MAX_CACHE_KEY_CHARS, description=(
+    prompt_cache_key: CacheKey | None = Field(None, description=(
         "The lease family of this request's KV (GET/DELETE /v1/cache?prompt_cache_key=...)."))
     prompt_cache_retention: Literal["in_memory", *RETENTION_TTL_S] | None = Field(  # type: ignore[valid-type]
         None, description="in_memory (the default): the prompt's KV stays under plain LRU; 24h: it is leased for "

@@ -25,7 +25,7 @@ from app.api import anthropic_routes, cache_routes, document_routes, openai_comp
 from app.api.errors import HANDLED, handle_error
 from app.api.middleware import HEALTH_PATHS, CountRequests, LimitBody, RequireApiKey
 from app.api.page import PUBLIC_PATHS, PUBLIC_PREFIX, page_routes
-from app.api.schemas.ragblend import state_limits, state_models
+from app.api.schemas.ragblend import state_limits, state_models, state_sizes
 from app.components import Components
 from app.config import Settings
 from app.engine.rag_engine import RagEngine
@@ -91,6 +91,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             anthropic_routes.describe(app.openapi_schema, settings.limits)
             state_models(app.openapi_schema, query_routes.served_models(served_name(settings.model.name)),
                          embedder_name(settings.embedder))
+            if not svc.ready.is_set():  # the model's sizes are known once it has loaded: built again then
+                schema, app.openapi_schema = app.openapi_schema, None
+                return schema
+            parts = svc.serving.engine.parts
+            state_sizes(app.openapi_schema, parts.runtime.vocab, parts.embedder.dim)
         return app.openapi_schema
 
     app.openapi = openapi

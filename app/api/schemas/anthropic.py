@@ -5,6 +5,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.api.schemas.openai import JsonSchema
 from app.api.schemas.ragblend import MAX_SEED, RETRY_AFTER, CacheKey, Id, NonBlank, RequestBody, Text
 from app.engine.prompt_cache import LeaseNote
 
@@ -57,7 +58,7 @@ class Message(AnthropicBody):
 class Tool(Cacheable):
     name: Id
     description: Text | None = None
-    input_schema: dict[str, Any] = Field(default_factory=dict)
+    input_schema: JsonSchema = Field(default_factory=dict)
 
 
 class ToolChoice(AnthropicBody):

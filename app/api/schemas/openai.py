@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
 from app.api.schemas.ragblend import MAX_SEED, CacheKey, Id, LimitError, OpenAIBody, Text
 from app.engine.prompt_cache import RETENTION_TTL_S, LeaseNote
@@ -15,8 +15,8 @@ from blend.decode import MAX_TOP_LOGPROBS
 
 
 class TextPart(OpenAIBody):
-    type: Text = Field(description="text; any other part (image_url, input_audio, file) is a 400: this model "
-                                   "reads text only")
+    type: Annotated[Text, WithJsonSchema({"const": "text"})] = Field(description=(
+        "text; any other part (image_url, input_audio, file) is a 400: this model reads text only"))
     text: Text | None = None
 
 
@@ -34,7 +34,7 @@ class ToolCall(OpenAIBody):
 class FunctionDef(OpenAIBody):
     name: Id
     description: Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonSchema | None = None
 
 
 class Tool(OpenAIBody):
@@ -115,14 +115,33 @@ class NamedToolChoice(OpenAIBody):
     function: NamedFunction
 
 
+def schema_object(value: dict[str, Any] | bool) -> dict[str, Any]:
+    """A JSON Schema as an object: `true` (valid JSON Schema: anything) is {}; `false` admits no answer at all."""
+    if value is False:
+        raise ValueError("false admits no value at all: send a schema an answer can meet (true: any JSON)")
+    return {} if value is True else value
+
+
+# A JSON Schema where one is taken (response_format, tool parameters, Anthropic input_schema): an object, or `true`
+JsonSchema = Annotated[dict[str, Any] | bool, AfterValidator(schema_object),
+                       WithJsonSchema({"anyOf": [{"type": "object"}, {"const": True}]})]
+
+
 class JsonSchemaFormat(OpenAIBody):
     name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
     description: Text | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: JsonSchema | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
+# response_format json_schema needs its json_schema (an object), in JSON Schema
+_JSON_SCHEMA_GIVEN = {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+                      "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}}
+
+
 class ResponseFormat(OpenAIBody):
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_JSON_SCHEMA_GIVEN)
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -159,7 +178,14 @@ def stop_sequences(value: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]  # an empty stop string would end every answer at once
 
 
+# top_logprobs only with logprobs: true, in JSON Schema
+TOP_LOGPROBS_RULE = {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+                     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+
+
 class ChatCompletionRequest(OpenAIBody):
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=TOP_LOGPROBS_RULE)
+
     model: Text | None = Field(None, description="One of the ids GET /v1/models lists (another is a 404 "
                                                 "model_not_found): `<model>-chat` turns retrieval off.")
     messages: list[ChatMessage] = Field(min_length=1, json_schema_extra={"contains": USER_TEXT}, description=(

@@ -300,6 +300,17 @@ def state_models(openapi: dict[str, Any], names: list[str], embedder: str) -> No
         next(s for s in prop.get("anyOf", [prop]) if s.get("type") == "string")["enum"] = names
 
 
+def state_sizes(openapi: dict[str, Any], vocab: int, dimensions: int) -> None:
+    """The loaded model's sizes: /v1/completions' token ids below its vocabulary, /v1/embeddings' `dimensions`
+    the embedder's own."""
+    schemas = openapi["components"]["schemas"]
+    ids = next(s for s in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+               if s.get("type") == "array" and s["items"].get("type") == "integer")
+    ids["items"]["maximum"] = vocab - 1
+    dims = schemas["EmbeddingRequest"]["properties"]["dimensions"]
+    next(s for s in dims.get("anyOf", [dims]) if s.get("type") == "integer")["enum"] = [dimensions]
+
+
 def openapi_body(model: type[BaseModel], *, multipart: dict[str, Any] | None = None) -> dict[str, Any]:
     """An `openapi_extra` request body for routes that read the body themselves; `multipart`: the media
     type object (schema and encoding) of a multipart/form-data alternative."""

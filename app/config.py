@@ -69,8 +69,8 @@ class ServerSettings(BaseModel):
     # are its own; its documents too with retrieval.documents: tenant
     api_keys: dict[Annotated[str, Field(min_length=1)], Annotated[str, Field(min_length=1, max_length=64)]] = {}
     tenant_pinned_share: float = Field(0.5, gt=0, le=1)  # a named tenant's leases pin at most this of each tier's cap
-    # keys that may read /metrics and the global /v1/cache counters (each also a key of its tenant: in api_keys or
-    # api_key); with none, /metrics is open to every key holder only when no keys are configured at all
+    # more keys that may read /metrics and /v1/cache's global counters (api_key may too): each names its tenant in
+    # api_keys, else it is a key of the default tenant; with keys configured, no other key reads them (a 403)
     admin_keys: list[Annotated[str, Field(min_length=1)]] = []
     queue_size: int = Field(16, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
@@ -86,8 +86,12 @@ class ServerSettings(BaseModel):
     warm_up: bool = True  # run a few tiny requests through the model thread before /health says ready
 
     def tenant_keys(self) -> dict[str, str]:
-        """API key -> tenant: `api_keys`, and `api_key` as the default tenant ("")."""
-        return ({self.api_key: ""} if self.api_key else {}) | self.api_keys
+        """API key -> tenant: `api_keys`, and `api_key` and any other admin key as the default tenant ("")."""
+        return dict.fromkeys(self.admin_keys, "") | ({self.api_key: ""} if self.api_key else {}) | self.api_keys
+
+    def admins(self) -> set[str]:
+        """The keys that may read every tenant's counts: admin_keys, and the single api_key."""
+        return set(self.admin_keys) | ({self.api_key} if self.api_key else set())
 
 
 class LimitsSettings(BaseModel):

@@ -30,13 +30,13 @@ log = logging.getLogger("ragblend.server")
 
 CLIENT_GONE = 499  # nginx's "client closed request": what /metrics counts for a client that left unanswered
 ERROR_TYPES = {499: "client_closed_request", 400: "invalid_request_error", 401: "authentication_error",
-               404: "not_found_error", 405: "invalid_request_error", 409: "invalid_request_error",
-               413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
-               429: "rate_limit_error", 503: "service_unavailable", 507: "server_error"}
+               403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+               409: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 507: "server_error"}
 # The `code` of errors raised without one: every error body has a non-null code.
-HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-              409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_value",
-              429: "rate_limited", 500: "internal_error", 503: "unavailable", 507: "disk_full"}
+HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+              405: "method_not_allowed", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
+              422: "invalid_value", 429: "rate_limited", 500: "internal_error", 503: "unavailable", 507: "disk_full"}
 ANTHROPIC_PATH = "/v1/messages"
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",

@@ -33,7 +33,7 @@ from app.engine.query import QueryParams
 from app.serving.metrics import Metrics
 from app.serving.parts import Engine, Serving
 from app.serving.scheduler import Scheduler
-from app.serving.worker import Job, QueueFull, QueueTimeout, Worker
+from app.serving.worker import Job, QueueFull, QueueTimeout, Worker, WorkerStopped
 from app.tenants import current_tenant
 
 log = logging.getLogger("ragblend.server")
@@ -101,10 +101,12 @@ class Service:
         server with no documents yet still warms the rest."""
         async def run_all() -> None:
             for params in serving.warm_requests():
-                job = serving.scheduler.submit(lambda cancelled, p=params: serving.engine.program(p, cancelled),
-                                               label="warm-up")
                 try:
+                    job = serving.scheduler.submit(lambda cancelled, p=params: serving.engine.program(p, cancelled),
+                                                   label="warm-up")
                     await job.result()
+                except WorkerStopped:  # shutting down before ready: nothing left to warm for
+                    return
                 except Exception as exc:
                     log.info("warm-up request failed", extra={"error": f"{type(exc).__name__}: {exc}"})
 
@@ -182,8 +184,8 @@ class Service:
             report["status"], problem = "error", f"engine failed to load: {self.load_error}"
         elif self.stopping is not None:
             report["status"], problem = "stopping", "the server is shutting down"
-        elif scheduler is None:
-            report["status"], problem = "loading", "the model is loading"
+        elif scheduler is None or not self.ready.is_set():
+            report["status"], problem = "loading", "the model is loading" if scheduler is None else "warming up"
         elif not scheduler.snapshot()["alive"]:
             report["status"], problem = "error", "the model thread has died"
         elif scheduler.busy_s() > self.settings.server.stuck_after_s:

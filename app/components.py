@@ -28,7 +28,8 @@ class Components:
     @cached_property
     def llm(self) -> LoadedModel:
         m = self.settings.model
-        return load_model(m.name, cache_dir=self.settings.model_cache_dir, dtype=m.dtype, device=m.device)
+        return load_model(m.name, cache_dir=self.settings.model_cache_dir, dtype=m.dtype, device=m.device,
+                          weights=m.weights)
 
     @property
     def tokenizer(self):

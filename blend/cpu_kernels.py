@@ -66,6 +66,7 @@ log = logging.getLogger("ragblend.blend")
 
 SOURCE = Path(__file__).with_name("kernels") / "cpu_kernels.cpp"
 LINEAR_ROWS = 8  # linear_rows takes 1..this many rows (LINEAR_ROWS in the C++ file)
+QGROUP = 32  # quantized_rows' weights: a scale (and a min) per this many inputs of a row (QGROUP likewise)
 PREFILL_DIM_MULTIPLE = 16  # prefill_attention's head sizes: its tiles are two vectors of 8 floats wide (likewise)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
 
@@ -172,6 +173,10 @@ def _register_fakes() -> None:
     def _(x, weights):
         return x.new_empty(x.shape[0], sum(w.shape[0] for w in weights))         # [rows, Σ out]
 
+    @torch.library.register_fake("ragblend::quantized_rows")
+    def _(x, codes, scales, mins):
+        return x.new_empty(x.shape[0], sum(c.shape[0] for c in codes))          # [rows, Σ out]
+
     @torch.library.register_fake("ragblend::rope_write")
     def _(query, key, value, cos, sin, positions, pool_keys, pool_values):
         rows, dim = cos.shape
@@ -202,6 +207,14 @@ def linear_rows_many(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.
     lies in memory (nothing is copied), their outputs side by side, each as linear_rows gives it, in one call
     that streams them as if they were one matrix (a layer's q/k/v, or gate/up)."""
     return torch.ops.ragblend.linear_rows_many(x, weights)
+
+
+def quantized_rows(x: torch.Tensor, codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor],
+                   mins: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """linear_rows_many on quantised weights (blend.quantized's forms, groups of QGROUP inputs): 8-bit codes int8
+    [out, in] (w = scale·q), or 4-bit codes uint8 [out, in/2] with `mins` (w = scale·q + min); scales and mins
+    float32 [out, in/QGROUP]. x [rows, in] (1..LINEAR_ROWS rows, in a multiple of QGROUP) → [rows, Σ out]."""
+    return torch.ops.ragblend.quantized_rows(x, list(codes), list(scales), list(mins))
 
 
 def rope_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -28,6 +28,7 @@ from transformers import DynamicCache
 from blend import cpu_kernels
 from blend.gate import judge, sliding_window, tolerance
 from blend.pool import KVPool
+from blend.quantized import QuantizedLinear, quantized_product
 from blend.skinny import SkinnyLinear
 
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -37,18 +38,23 @@ PROBE_PROMPTS, PROBE_STEPS = (5, 11), 3   # the probe's rows (their prompt lengt
 
 
 class Projections:
-    """Linears of one input as one kernel call (cpu_kernels.linear_rows_many): the weights stay where they are
-    (the model keeps its memory: its file's pages, when loaded mapped), streamed as if they were one matrix.
-    Biases are added as SkinnyLinear adds them."""
+    """Linears of one input as one kernel call (cpu_kernels.linear_rows_many, or quantized_rows on quantised
+    weights, blend.quantized): the weights stay where they are (the model keeps its memory: its file's pages,
+    when loaded mapped), streamed as if they were one matrix. Biases are added as SkinnyLinear adds them."""
 
     def __init__(self, *linears: SkinnyLinear):
-        self.weights, self.sizes = [linear.weight for linear in linears], [linear.out_features for linear in linears]
+        self.sizes = [linear.out_features for linear in linears]
+        if isinstance(linears[0], QuantizedLinear):  # all or none, of one width (KernelStep.refusal)
+            self.product = quantized_product(list(linears))
+        else:
+            weights = [linear.weight for linear in linears]
+            self.product = lambda x: cpu_kernels.linear_rows_many(x, weights)
         has_bias = linears[0].bias is not None  # all or none (KernelStep.refusal)
         self.bias = torch.cat([linear.bias for linear in linears]) if has_bias else None   # [Σ out]: a few floats
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [rows, in] → each linear's [rows, out] (column blocks of one output)."""
-        out = cpu_kernels.linear_rows_many(x, self.weights)                            # [rows, Σ out]
+        out = self.product(x)                                                          # [rows, Σ out]
         return list((out if self.bias is None else out + self.bias).split(self.sizes, dim=1))
 
 
@@ -95,6 +101,8 @@ class KernelStep:
             for group in ((attention.q_proj, attention.k_proj, attention.v_proj), (mlp.gate_proj, mlp.up_proj)):
                 if len({linear.bias is None for linear in group}) > 1:
                     return "projections of one input where some have a bias and some not"
+            if len({getattr(linear, "bits", 32) for linear in group}) > 1:
+                return "projections of one input whose weights are in different forms"
         return None
 
     @torch.inference_mode()

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from blend.quantized import WEIGHTS, quantize_linears
 from common import atomic_path
 
 log = logging.getLogger("ragblend.blend")
@@ -92,13 +93,17 @@ def convert_embedded(cache_dir: Path) -> Path:
     return target
 
 
-def model_fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> str:
+def model_fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, weights: str = "float32") -> str:
     """A stable id of (architecture config, weights, tokenizer): store keys include it.
 
     Weights are identified by a strided sample of every parameter, which any real change of
-    weights alters, at a fraction of the cost of hashing ~500 MB.
+    weights alters, at a fraction of the cost of hashing ~500 MB, and by their form (`weights`, blend.quantized:
+    quantised weights may sample alike and still differ, and compute otherwise), so KV computed under one
+    setting is never read under another; float32 adds nothing (the keys of stores written before it stay).
     """
     h = hashlib.sha256()
+    if weights != "float32":
+        h.update(f"weights={weights}".encode())
     config = model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "_attn_implementation_autoset", "dtype", "torch_dtype"):
         config.pop(volatile, None)
@@ -115,9 +120,10 @@ def model_fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
 
 def load_model(name: str = EMBEDDED, cache_dir: str | Path = "data/models", dtype: str = "float32",
-               attn_implementation: str | None = None, device: str = "cpu") -> LoadedModel:
+               attn_implementation: str | None = None, device: str = "cpu", weights: str = "float32") -> LoadedModel:
     """Load `name` ("embedded", a local HF folder, or a hub id) in eval mode, on `device` (resolve_device)
-    in `dtype` (resolve_dtype).
+    in `dtype` (resolve_dtype), its linears' weights in the form `weights` (float32 | int8 | int4, see
+    blend.quantized) where the model runs float32 on the CPU; elsewhere (CUDA's bfloat16) as they are, logged.
 
     `attn_implementation` defaults to the model's own choice; the Blender switches a model it can
     blend to the blend attention (see blend.attention, blend.gate), which behaves as sdpa for
@@ -133,11 +139,25 @@ def load_model(name: str = EMBEDDED, cache_dir: str | Path = "data/models", dtyp
         source, dtype=torch_dtype, attn_implementation=attn_implementation
     )
     model.to(target).eval()
-    fingerprint = model_fingerprint(model, tokenizer)
+    weights = quantized_weights(weights, target, torch_dtype)
+    quantize_linears(model, weights)
+    fingerprint = model_fingerprint(model, tokenizer, weights)
     load_s = time.perf_counter() - start
     log.info("model loaded", extra={"model": name, "fingerprint": fingerprint, "load_s": round(load_s, 2),
-                                    "device": str(target), "dtype": str(torch_dtype)})
+                                    "device": str(target), "dtype": str(torch_dtype), "weights": weights})
     return LoadedModel(model, tokenizer, fingerprint, served_name(name), load_s)
+
+
+def quantized_weights(weights: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The weight form a model loads in: `weights` on the CPU in float32 (the quantised kernels' case), else
+    float32 (a GPU's bfloat16 weights stay as they are; the setting is logged as unused)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"model.weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights != "float32" and (device.type != "cpu" or dtype != torch.float32):
+        log.warning("model.weights applies to float32 on the CPU; the weights stay as loaded",
+                    extra={"weights": weights, "device": str(device), "dtype": str(dtype)})
+        return "float32"
+    return weights
 
 
 def served_name(name: str) -> str:

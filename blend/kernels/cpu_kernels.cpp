@@ -4,6 +4,7 @@
  *   decode_attention   for each row, the query heads that share a KV head over that row's own keys
  *                      [0, length), read once, in place in the KV pool
  *   linear_rows(_many) 1..8 rows times a weight matrix (or several), the weights streamed once by all threads
+ *   quantized_rows     the same on weights kept as 8- or 4-bit codes in groups of 32 (GGUF's Q8_0 / Q4_1 forms)
  *   rope_write         RoPE on a decode step's new queries and keys, the keys and values written into the pool
  *   prefill_attention  causal flash attention of queries at sorted positions over the prompt's keys
  *
@@ -309,6 +310,103 @@ void linear_rows_kernel(const float *x, const float *const *w, const int64_t *n,
     });
 }
 
+/* ---- few-row linears on quantised weights --------------------------------------------------------------
+ * The same product as linear_rows on weights kept as codes in groups of QGROUP along the input (GGUF's own
+ * block size), each group's weights w = scale·q (8-bit: q a signed byte) or scale·q + min (4-bit: q 0..15, two
+ * a byte: byte j of a group holds its element j in the low nibble, element j + 16 in the high one). A step then
+ * streams a byte or half a byte (and the scales) per weight instead of four. Per (row, output): one vector sum
+ * per group, scaled and added to the row's running vector in group order; the 4-bit mins' part, min·Σx over the
+ * group (the row's group sums, computed once a call), summed likewise: a row's result never depends on the others. */
+
+#define QGROUP 32
+typedef int8_t bytes8 __attribute__((vector_size(8), aligned(1)));
+typedef uint8_t ubytes8 __attribute__((vector_size(8), aligned(1)));
+
+static inline floats8 widen(bytes8 b) { return __builtin_convertvector(__builtin_convertvector(b, ints8), floats8); }
+static inline floats8 widen(ubytes8 b) { return __builtin_convertvector(__builtin_convertvector(b, ints8), floats8); }
+
+static inline floats8 group_dot(const float *x, floats8 q0, floats8 q1, floats8 q2, floats8 q3) {
+    return q0 * *(const floats8_unaligned *)x + q1 * *(const floats8_unaligned *)(x + 8) +
+           q2 * *(const floats8_unaligned *)(x + 16) + q3 * *(const floats8_unaligned *)(x + 24);
+}
+
+/* out[r·ld + o] for the outputs o in [lo, hi) of codes [n, k] (bytes8) or [n, k/2] (4-bit), scales and mins
+ * [n, k/QGROUP]; sums [R, k/QGROUP] the rows' group sums (4-bit only). */
+template <bool FOUR_BITS>
+static inline __attribute__((always_inline)) void quantized_range(const float *x, const void *codes,
+                                                                  const float *scales, const float *mins,
+                                                                  const float *sums, float *out, int64_t ld,
+                                                                  int64_t lo, int64_t hi, int64_t k, const int R) {
+    const int64_t groups = k / QGROUP, row_bytes = FOUR_BITS ? k / 2 : k;
+    for (int64_t o = lo; o < hi; o++) {
+        const uint8_t *code = (const uint8_t *)codes + o * row_bytes;
+        const float *scale = scales + o * groups;
+        floats8 acc[R];
+        float offset[R];
+        for (int r = 0; r < R; r++) acc[r] = floats8{}, offset[r] = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            floats8 q0, q1, q2, q3;
+            if (FOUR_BITS) {
+                ubytes8 b0 = *(const ubytes8 *)(code + g * 16), b1 = *(const ubytes8 *)(code + g * 16 + 8);
+                q0 = widen((ubytes8)(b0 & 15)), q1 = widen((ubytes8)(b1 & 15));
+                q2 = widen((ubytes8)(b0 >> 4)), q3 = widen((ubytes8)(b1 >> 4));
+            } else {
+                const int8_t *c = (const int8_t *)code + g * QGROUP;
+                q0 = widen(*(const bytes8 *)c), q1 = widen(*(const bytes8 *)(c + 8));
+                q2 = widen(*(const bytes8 *)(c + 16)), q3 = widen(*(const bytes8 *)(c + 24));
+            }
+            for (int r = 0; r < R; r++) {
+                acc[r] += group_dot(x + r * k + g * QGROUP, q0, q1, q2, q3) * scale[g];
+                if (FOUR_BITS) offset[r] += mins[o * groups + g] * sums[r * groups + g];
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            float sum = 0.0f;
+            for (int i = 0; i < 8; i++) sum += acc[r][i];
+            out[r * ld + o] = sum + offset[r];
+        }
+    }
+}
+
+/* linear_rows_kernel's split of the outputs over the threads, on `count` quantised matrices of one input. */
+template <bool FOUR_BITS>
+void quantized_rows_kernel(const float *x, const void *const *codes, const float *const *scales,
+                           const float *const *mins, const int64_t *n, int64_t count, float *out, int64_t rows,
+                           int64_t k) {
+    std::vector<float> sums(FOUR_BITS ? rows * (k / QGROUP) : 0); /* [rows, groups]: Σ x over each group */
+    for (int64_t r = 0; FOUR_BITS && r < rows; r++)
+        for (int64_t g = 0; g < k / QGROUP; g++) {
+            float sum = 0.0f;
+            for (int64_t t = 0; t < QGROUP; t++) sum += x[r * k + g * QGROUP + t];
+            sums[r * (k / QGROUP) + g] = sum;
+        }
+    int64_t total = 0, team = at::get_num_threads();
+    for (int64_t m = 0; m < count; m++) total += n[m];
+    at::parallel_for(0, team, 1, [&](int64_t first_member, int64_t end_member) {
+        for (int64_t me = first_member; me < end_member; me++) {
+            int64_t begin = total * me / team, end = total * (me + 1) / team, offset = 0; /* this member's outputs */
+            for (int64_t m = 0; m < count; offset += n[m], m++) {
+                int64_t lo = (begin > offset ? begin : offset) - offset;
+                int64_t hi = (end < offset + n[m] ? end : offset + n[m]) - offset;
+                if (lo >= hi) continue;
+                const float *mn = FOUR_BITS ? mins[m] : nullptr;
+#define ROWS(R) quantized_range<FOUR_BITS>(x, codes[m], scales[m], mn, sums.data(), out + offset, total, lo, hi, k, R)
+                switch (rows) { /* the row count as a constant: the accumulators stay in registers */
+                    case 1: ROWS(1); break;
+                    case 2: ROWS(2); break;
+                    case 3: ROWS(3); break;
+                    case 4: ROWS(4); break;
+                    case 5: ROWS(5); break;
+                    case 6: ROWS(6); break;
+                    case 7: ROWS(7); break;
+                    default: ROWS(8); break;
+                }
+#undef ROWS
+            }
+        }
+    });
+}
+
 /* ---- prefill attention ---------------------------------------------------------------------------------
  * Queries at sorted absolute positions (a blended prefill's recomputed tokens and question, or any run of
  * them) over the prompt's keys, each query seeing the keys at or before its position. Flash attention on
@@ -598,6 +696,50 @@ at::Tensor linear_rows_many(const at::Tensor &x, at::TensorList weights) {
 
 at::Tensor linear_rows(const at::Tensor &x, const at::Tensor &weight) { return linear_rows_many(x, {weight}); }
 
+/* x [rows, k] times quantised matrices of one input (quantized_range's layout): 8-bit codes int8 [n, k], 4-bit
+ * codes uint8 [n, k/2] with `mins`; scales (and mins) float32 [n, k/QGROUP]; k a multiple of QGROUP. */
+at::Tensor quantized_rows(const at::Tensor &x, at::TensorList codes, at::TensorList scales, at::TensorList mins) {
+    TORCH_CHECK_VALUE(x.dim() == 2, "linear rows take x [rows, in], got ", x.sizes());
+    check_float32(x);
+    int64_t rows = x.size(0), features = x.size(1), total = 0, groups = features / QGROUP;
+    bool four_bits = !mins.empty();
+    bool fit = 1 <= rows && rows <= LINEAR_ROWS && features % QGROUP == 0 && codes.size() == scales.size() &&
+               (!four_bits || mins.size() == codes.size());
+    std::vector<const void *> code_pointers;
+    std::vector<const float *> scale_pointers, min_pointers;
+    std::vector<int64_t> sizes;
+    for (size_t m = 0; fit && m < codes.size(); m++) {
+        const at::Tensor &code = codes[m], &scale = scales[m];
+        int64_t n = code.dim() == 2 ? code.size(0) : -1;
+        fit = n > 0 && code.is_cpu() && code.is_contiguous() &&
+              code.scalar_type() == (four_bits ? at::kByte : at::kChar) &&
+              code.size(1) == (four_bits ? features / 2 : features) && scale.sizes() == at::IntArrayRef{n, groups} &&
+              scale.scalar_type() == at::kFloat && scale.is_cpu() && scale.is_contiguous();
+        if (fit && four_bits)
+            fit = mins[m].sizes() == scale.sizes() && mins[m].scalar_type() == at::kFloat && mins[m].is_cpu() &&
+                  mins[m].is_contiguous();
+        if (!fit) break;
+        code_pointers.push_back(code.data_ptr());
+        scale_pointers.push_back(scale.data_ptr<float>());
+        min_pointers.push_back(four_bits ? mins[m].data_ptr<float>() : nullptr);
+        sizes.push_back(n);
+        total += n;
+    }
+    TORCH_CHECK_VALUE(fit, "quantised linear rows take 1..", LINEAR_ROWS, " rows of a multiple of ", QGROUP,
+                      " features and contiguous codes (int8 [out, in], or uint8 [out, in/2] with mins) with float32 "
+                      "scales [out, in/", QGROUP, "]: got ", rows, " rows of ", features);
+    at::Tensor flat = x.contiguous(), out = at::empty({rows, total}, x.options());
+    if (four_bits)
+        quantized_rows_kernel<true>(flat.data_ptr<float>(), code_pointers.data(), scale_pointers.data(),
+                                    min_pointers.data(), sizes.data(), sizes.size(), out.data_ptr<float>(), rows,
+                                    features);
+    else
+        quantized_rows_kernel<false>(flat.data_ptr<float>(), code_pointers.data(), scale_pointers.data(),
+                                     min_pointers.data(), sizes.data(), sizes.size(), out.data_ptr<float>(), rows,
+                                     features);
+    return out;
+}
+
 at::Tensor rope_write(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, const at::Tensor &cos,
                       const at::Tensor &sin, const at::Tensor &positions, at::Tensor &pool_keys,
                       at::Tensor &pool_values) {
@@ -664,6 +806,7 @@ TORCH_LIBRARY(ragblend, m) {
     m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor lengths, float? scale=None) -> Tensor");
     m.def("linear_rows(Tensor x, Tensor weight) -> Tensor");
     m.def("linear_rows_many(Tensor x, Tensor[] weights) -> Tensor");
+    m.def("quantized_rows(Tensor x, Tensor[] codes, Tensor[] scales, Tensor[] mins) -> Tensor");
     m.def("rope_write(Tensor query, Tensor key, Tensor value, Tensor cos, Tensor sin, Tensor positions, "
           "Tensor(a!) pool_keys, Tensor(b!) pool_values) -> Tensor");
     m.def("prefill_attention(Tensor query, Tensor keys, Tensor values, Tensor positions, float? scale=None) -> Tensor");
@@ -673,6 +816,7 @@ TORCH_LIBRARY_IMPL(ragblend, CPU, m) {
     m.impl("decode_attention", &decode_attention);
     m.impl("linear_rows", &linear_rows);
     m.impl("linear_rows_many", &linear_rows_many);
+    m.impl("quantized_rows", &quantized_rows);
     m.impl("rope_write", &rope_write);
     m.impl("prefill_attention", &prefill_attention);
 }

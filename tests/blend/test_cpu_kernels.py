@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from blend import Blender, DecodeRuntime, SamplingParams, cpu_kernels
 from blend.attention import AttentionPlan, dense_attention
 from blend.backend import KernelPlan
+from blend.quantized import quantize
 from blend.skinny import SkinnyLinear
 from tests.blend.conftest import TEST_DEVICE, random_ids, tiny_model
 from tests.blend.test_attention import scattered
@@ -251,6 +252,9 @@ def op_samples() -> dict[str, tuple]:
                              torch.tensor([5, 0, 40]), None),
         "linear_rows": (torch.randn(3, 24, generator=generator), weights[0]),
         "linear_rows_many": (torch.randn(2, 24, generator=generator), weights),
+        "quantized_rows": (torch.randn(2, 64, generator=generator),
+                           [quantize(torch.randn(n, 64), 4)[0] for n in (5, 7)],
+                           [torch.rand(n, 2) for n in (5, 7)], [torch.randn(n, 2) for n in (5, 7)]),
         "rope_write": (*qkv.split([32, 32, 32], dim=1), cos, sin, torch.tensor([3, 0, 39]), pool.clone(), pool.clone()),
         "prefill_attention": (torch.randn(1, 3, 4, 16, generator=generator).transpose(1, 2), pool[:1], pool[1:2],
                               torch.tensor([2, 5, 9]), 0.3),

@@ -70,6 +70,9 @@ class ServerSettings(BaseModel):
     # are its own; its documents too with retrieval.documents: tenant
     api_keys: dict[Annotated[str, Field(min_length=1)], Annotated[str, Field(min_length=1, max_length=64)]] = {}
     tenant_pinned_share: float = Field(0.5, gt=0, le=1)  # a named tenant's leases pin at most this of each tier's cap
+    # more keys that may read /metrics and /v1/cache's global counters (api_key may too): each names its tenant in
+    # api_keys, else it is a key of the default tenant; with keys configured, no other key reads them (a 403)
+    admin_keys: list[Annotated[str, Field(min_length=1)]] = []
     queue_size: int = Field(16, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     max_batch: int = Field(8, ge=1)  # requests decoded together (slots on the model thread)
@@ -82,10 +85,15 @@ class ServerSettings(BaseModel):
     degraded_wait_s: float = Field(30.0, gt=0)  # /health says degraded while a request waits this long for a token
     stuck_after_s: float = Field(120.0, gt=0)  # /health is 503 once the model thread is on one piece this long
     shutdown_grace_s: float = Field(5.0, ge=0)  # running queries may finish within this at shutdown
+    warm_up: bool = True  # run a few tiny requests through the model thread before /health says ready
 
     def tenant_keys(self) -> dict[str, str]:
-        """API key -> tenant: `api_keys`, and `api_key` as the default tenant ("")."""
-        return ({self.api_key: ""} if self.api_key else {}) | self.api_keys
+        """API key -> tenant: `api_keys`, and `api_key` and any other admin key as the default tenant ("")."""
+        return dict.fromkeys(self.admin_keys, "") | ({self.api_key: ""} if self.api_key else {}) | self.api_keys
+
+    def admins(self) -> set[str]:
+        """The keys that may read every tenant's counts: admin_keys, and the single api_key."""
+        return set(self.admin_keys) | ({self.api_key} if self.api_key else set())
 
 
 class LimitsSettings(BaseModel):
@@ -105,6 +113,10 @@ class LimitsSettings(BaseModel):
     piece_cost_tokens: int = Field(8, ge=0)  # each message priced as this many tokens more within max_prompt_tokens
     read_token_cost: float = Field(0.0625, ge=0, le=1)  # a prompt token whose KV is read from the store, priced as
     # this share of a computed one (its KV moved and RoPE-shifted, no layer run): checked once the store is looked up
+    # /v1/embeddings, priced as prompts are (its word pieces, each text a piece): one request at most this, and a
+    # tenant's requests running or waiting at most max_tenant_embedding_tokens together (more: 429)
+    max_embedding_tokens: int = Field(65536, ge=1)
+    max_tenant_embedding_tokens: int = Field(131072, ge=1)
 
     def price(self, *, computed: int, read: int, pieces: int) -> int:
         """A prompt's work in computed tokens: those computed, those whose KV is read from the store at

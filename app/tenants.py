@@ -13,6 +13,7 @@ class Tenant:
 
     name: str = ""
     pinned_share: float = 1.0
+    admin: bool = True  # may read /metrics and the global counters (server.admin_keys; every caller without keys)
 
     @property
     def label(self) -> str:  # in metrics

@@ -28,10 +28,13 @@ from functools import cached_property
 from transformers import PreTrainedTokenizerBase
 
 _SLOT = "\u0000RAGBLEND_SLOT\u0000"
-# A control token's string inside client text stands as one plane-15 private-use character (this + the token's
-# index) from `plain` until `encode`, so the template renders it as text and encode knows it for text.
+# A control token's string inside client text stands as _ESCAPE and one plane-15 private-use character (_MARK + 1 +
+# the token's index) from `plain` until `encode`, so the template renders it as text and encode knows it for text.
+# The client's own _ESCAPE is escaped too (doubled), so a client's private-use text reads as itself: no text of theirs
+# turns into a control token's name.
 _MARK = 0xF0000
-_MARKS = re.compile("[\U000F0000-\U000FFFFD]")
+_ESCAPE = chr(_MARK)
+_MARKS = re.compile(f"{_ESCAPE}(.)", re.S)
 INSTRUCTION = "Answer the question with a short phrase from the passages above."
 
 
@@ -74,7 +77,8 @@ class PromptFormat:
         """Client or document text made safe to render: each control token's string in it marked as text."""
         names, pattern = self._controls
         index = {name: i for i, name in enumerate(names)}
-        return pattern.sub(lambda m: chr(_MARK + index[m.group()]), text)
+        text = text.replace(_ESCAPE, _ESCAPE * 2)
+        return pattern.sub(lambda m: _ESCAPE + chr(_MARK + 1 + index[m.group()]), text)
 
     def plain_data(self, value):
         """`plain` on every string of a message or tool definition (JSON data)."""
@@ -88,7 +92,7 @@ class PromptFormat:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of rendered text: the control tokens written in it are tokens, the marked ones text."""
-        if not _MARKS.search(text):  # nothing marked: the tokenizer's own reading
+        if _ESCAPE not in text:  # nothing marked: the tokenizer's own reading
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         names, pattern = self._controls
         ids, position = [], 0
@@ -100,8 +104,8 @@ class PromptFormat:
 
     def _text_ids(self, text: str) -> list[int]:
         names = self._controls[0]
-        text = _MARKS.sub(lambda m: names[ord(m.group()) - _MARK] if ord(m.group()) - _MARK < len(names)
-                          else m.group(), text)
+        text = _MARKS.sub(lambda m: names[ord(m.group(1)) - _MARK - 1] if 0 < ord(m.group(1)) - _MARK <= len(names)
+                          else m.group(1), text)  # a marked name, or the client's own (doubled) _ESCAPE
         return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
 
     @cached_property

@@ -71,6 +71,12 @@ class Embedder:
         """Word pieces of a text the model reads (its special tokens aside); the rest would be cut off."""
         return self.model.max_seq_length - self.model.tokenizer.num_special_tokens_to_add()
 
+    def truncate(self, texts: Sequence[str], pieces: int) -> list[str]:
+        """Each text cut after its first `pieces` word pieces (at the end of that piece's characters)."""
+        spans = self.model.tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+        return [text[:offsets[pieces - 1][1]] if len(offsets) > pieces else text
+                for text, offsets in zip(texts, spans["offset_mapping"])]
+
     def count_tokens(self, texts: Sequence[str]) -> list[int]:
         """Each text's word pieces, special tokens left out."""
         return [len(ids) for ids in self.model.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]

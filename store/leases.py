@@ -196,10 +196,12 @@ class Leases:
         self._flush_hits()
         now = self.clock()
         over_share = self._over_share(family, sizes, share)
+        # a refusal quotes the caller's own pins, never what other tenants hold
+        mine = self.pinned_bytes([lease for lease in self._running() if _tag_of(lease.family) == _tag_of(family)])
         caps = {tier: cap for tier, cap in self.caps.items() if tier not in over_share}
         outcome = self.ledger.grant_leases(family, sizes, caps, ttl_s, soft, now)
         self.refresh()
-        refused = {tier: _why(self.caps[tier], before, adds) for tier, (granted, before, adds) in outcome.items()
+        refused = {tier: _why(self.caps[tier], mine.get(tier, 0), adds) for tier, (granted, _, adds) in outcome.items()
                    if not granted} | over_share
         with self._lock:
             self._refused.update(refused.keys())
@@ -300,7 +302,7 @@ class Leases:
                 "by_family": [f | {"entries": len(f["entries"])} for f in chosen]}
 
 
-def _why(cap: int, before: int, adds: int) -> str:
+def _why(cap: int, mine: int, adds: int) -> str:
     if cap == 0:
         return "leases are off in this tier (its pinned cap is 0)"
-    return f"{adds} bytes more would pass the tier's pinned cap of {cap} ({before} pinned already)"
+    return f"{adds} bytes more do not fit the tier's pinned cap of {cap} (this tenant pins {mine} there)"

@@ -47,7 +47,7 @@ from pydantic import ValidationError
 from sse_starlette import ServerSentEvent
 
 from app.api.deps import service
-from app.api.errors import ApiError, as_api_error
+from app.api.errors import REFUSALS, ApiError, as_api_error, located, rule_of
 from app.api.query_routes import QueryRun, check_model, sse
 from app.api.schemas.anthropic import (
     ERRORS,
@@ -94,7 +94,7 @@ def describe(openapi: dict[str, Any], limits: LimitsSettings) -> None:
     openapi["components"]["schemas"].update(BODY_PARTS)
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         schema = openapi["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        limited = [("retrieval_top_k", limits.max_top_k)] + ([("seed", MAX_SEED)] if path == "/v1/messages" else [])
+        limited = [("retrieval_top_k", limits.max_top_k), ("seed", MAX_SEED)]
         for name, maximum in limited:  # (the seed exactly: not as a float)
             next(s for s in schema["properties"][name]["anyOf"] if s.get("type") == "integer")["maximum"] = maximum
         schema["properties"]["messages"]["description"] += (
@@ -146,7 +146,7 @@ def tool_grammar(body: CountTokensRequest, tools: list[dict]) -> str | None:
         raise ApiError(400, f"tool_choice: tool {choice.name!r} is not among the tools")
     if choice.type in ("any", "tool") and not tools:
         raise ApiError(400, f"tool_choice {choice.type} needs tools")
-    name = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type, choice.name)
+    name = choice.name if choice.type == "tool" else {"auto": "auto", "any": "required", "none": "none"}[choice.type]
     try:
         return tools_grammar(tools, name, parallel=not choice.disable_parallel_tool_use)
     except SchemaLimitError as exc:
@@ -189,9 +189,20 @@ def _invalid(errors: list[dict[str, Any]]) -> str:
     of a union's branches, the one that got deepest (a list of blocks, rather than "should be a string")."""
     if errors and errors[0]["type"] == "json_invalid":
         return f"body: invalid JSON ({errors[0].get('ctx', {}).get('error', errors[0]['msg'])})"
-    located = [(".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and "[" in p)), e["msg"]) for e in errors]
-    deepest = max((where.count(".") for where, _ in located), default=0)
-    return "; ".join(dict.fromkeys(f"{where}: {msg}" for where, msg in located if where.count(".") == deepest))
+    return "; ".join(f"{where}: {why}" for where, why in located([{**e, "loc": _where(e)} for e in errors], _rule))
+
+
+def _rule(error: dict[str, Any]) -> str:
+    """One error's rule, in words: a content block or `thinking` this server does not take says so."""
+    if error["type"] == "union_tag_invalid" and "content" in error["loc"]:
+        return f"{error['ctx']['tag']} blocks are not supported (this server takes text, tool_use and tool_result)"
+    if error["loc"][:1] == ("thinking",):
+        return "extended thinking is not supported (leave `thinking` out, or send {\"type\": \"disabled\"})"
+    return rule_of(error)
+
+
+def _where(error: dict[str, Any]) -> tuple[Any, ...]:
+    return ("thinking",) if error["loc"][:1] == ("thinking",) else error["loc"]
 
 
 # ---- the route -------------------------------------------------------------------------------------
@@ -361,4 +372,5 @@ async def events(run: QueryRun, head: dict[str, Any], marks: list[tuple[int | No
                         **({"lease": note.model_dump()} if note else {}))
             yield event("message_stop")
     except Exception as exc:
-        yield event("error", error=as_api_error(exc).anthropic_body()["error"])
+        REFUSALS.log(run.path, error := as_api_error(exc))
+        yield event("error", error=error.anthropic_body()["error"])

@@ -12,6 +12,7 @@ them); leases are every replica's (from the metadata database, at most `store.le
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
@@ -19,18 +20,26 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from app.api.deps import service, serving
 from app.api.query_routes import chat_params
-from app.api.schemas.openai import USER_TEXT, ChatCompletionRequest, ChatMessage
-from app.api.schemas.ragblend import ERRORS, MAX_CACHE_KEY_CHARS, MODEL_NOT_FOUND, NonBlank, check_budget, check_limits
+from app.api.schemas.openai import TOP_LOGPROBS_RULE, USER_TEXT, ChatCompletionRequest, ChatMessage
+from app.api.schemas.ragblend import (
+    ERRORS,
+    ID_RULE,
+    MAX_CACHE_KEY_CHARS,
+    MODEL_NOT_FOUND,
+    NonBlank,
+    check_budget,
+    check_limits,
+)
 from app.serving.parts import Serving
 from app.serving.service import Service
 from app.tenants import current_tenant
-from app.validation import valid_unicode
+from app.validation import ONE_LINE_NOT_BLANK, valid_id
 from store import family_id
 
 router = APIRouter()
-CacheKey = Annotated[str, Query(min_length=1, max_length=MAX_CACHE_KEY_CHARS,
-                                description="The client's prompt_cache_key: the lease family."),
-                     AfterValidator(valid_unicode)]
+CacheKey = Annotated[str, Query(min_length=1, max_length=MAX_CACHE_KEY_CHARS, pattern=ONE_LINE_NOT_BLANK,
+                                description=f"The client's prompt_cache_key: the lease family. {ID_RULE}"),
+                     AfterValidator(partial(valid_id, max_chars=MAX_CACHE_KEY_CHARS))]
 
 
 class TierCache(BaseModel):
@@ -39,12 +48,12 @@ class TierCache(BaseModel):
     capacity: int | None = Field(None, description="The tier's byte cap (null: Redis's own maxmemory).")
     pinned_bytes: int = Field(description="Bytes running leases pin in this tier.")
     pinned_cap: int = Field(description="The most bytes leases may pin here (store.*_pinned_bytes).")
-    hits: int = Field(description="This replica's lookups found here.")
-    misses: int = Field(description="This replica's lookups not found here.")
+    hits: int = Field(description="This replica's lookups found here (a tenant's own: its chunks read here).")
+    misses: int | None = Field(description="This replica's lookups not found here (null: a tenant's view).")
     hit_rate: float | None = Field(description="hits / (hits + misses); null before any lookup.")
     evictions: int | None = Field(description="Entries LRU (or Redis) evicted.")
     lease_held: int | None = Field(description="Evictions that passed over a leased entry (the lease kept it).")
-    lease_refusals: int = Field(description="Leases this replica refused here: the pinned cap was reached.")
+    lease_refusals: int | None = Field(description="Leases this replica refused here: the pinned cap was reached.")
 
 
 class FamilyCache(BaseModel):
@@ -77,13 +86,29 @@ class CacheDropped(BaseModel):
 @router.get("/v1/cache", response_model=CacheReport, responses=ERRORS)
 def cache_report(prompt_cache_key: CacheKey | None = None,
                  limit: Annotated[int, Query(ge=0, le=1000, description="Families listed at most.")] = 100,
-                 parts: Serving = Depends(serving)) -> CacheReport:
-    """Bytes and entries per tier, pinned bytes, hit rates, and leases by family."""
-    stats, leases = parts.store.stats(), parts.store.lease_stats(prompt_cache_key, limit, current_tenant().name)
-    return CacheReport(hit_rate=_rate(stats["hits"], stats["misses"]), leases=leases["leases"],
-                       families=leases["families"], leased_entries=leases["entries"], expired=leases["expired"],
-                       tiers={name: _tier(name, tier, leases) for name, tier in stats["tiers"].items()},
+                 svc: Service = Depends(service)) -> CacheReport:
+    """Bytes and entries per tier, pinned bytes, hit rates, and leases by family. An admin (server.admin_keys, or
+    any caller without keys) sees the store's counters; another tenant its own: the chunks its requests read from
+    each tier and its own leases, none of the store-wide counts (entries, bytes, evictions, refusals)."""
+    tenant, store = current_tenant(), svc.serving.store
+    stats, leases = store.stats(), store.lease_stats(prompt_cache_key, limit, tenant.name)
+    tiers = {name: _tier(name, tier, leases) for name, tier in stats["tiers"].items()}
+    hit_rate = _rate(stats["hits"], stats["misses"])
+    if not tenant.admin:
+        own = svc.metrics.tenant_chunks.get(tenant.name, {})
+        tiers = {name: _own(name, tier, own, leases, tenant.pinned_share) for name, tier in tiers.items()}
+        read = sum(own.get(name, 0) for name in tiers)
+        hit_rate = _rate(read, own.get("computed", 0))
+    return CacheReport(hit_rate=hit_rate, leases=leases["leases"], families=leases["families"],
+                       leased_entries=leases["entries"], expired=leases["expired"], tiers=tiers,
                        data=leases["by_family"])
+
+
+def _own(name: str, tier: TierCache, own: dict[str, int], leases: dict[str, Any], share: float) -> TierCache:
+    """A tier as one tenant sees it: its chunks read there, its pins against its share of the cap."""
+    return TierCache(entries=None, bytes=None, capacity=tier.capacity, pinned_bytes=tier.pinned_bytes,
+                     pinned_cap=int(share * leases["caps"].get(name, 0)), hits=own.get(name, 0), misses=None,
+                     hit_rate=None, evictions=None, lease_held=None, lease_refusals=None)
 
 
 @router.delete("/v1/cache", response_model=CacheDropped, responses=ERRORS)
@@ -119,7 +144,7 @@ class LookupRequest(ChatCompletionRequest):
     """A chat completions request (its `messages`, `tools`, `retrieval`, `model`, `top_k`), or a /v1/query
     question as `prompt`: what its prompt would read from the store, looked up, nothing computed."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_ONE_PROMPT)
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={**_ONE_PROMPT, **TOP_LOGPROBS_RULE})
     messages: list[ChatMessage] | None = Field(None, description="A chat's messages (or give `prompt`).")  # type: ignore[assignment]
     prompt: NonBlank | None = Field(None, description="A /v1/query question (or give `messages`).")
 

@@ -10,7 +10,7 @@ import errno
 import logging
 import sqlite3
 import time
-from typing import Any
+from typing import Any, Callable
 
 import psycopg
 from fastapi import Request
@@ -24,17 +24,19 @@ from app.engine.ingest import DocumentExists, DocumentTooLarge, IngestCancelled,
 from app.engine.query import RequestError
 from app.serving.service import Refused
 from app.serving.worker import QueueTimeout, WorkerStopped
+from app.validation import PATTERN_RULES
 
 log = logging.getLogger("ragblend.server")
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-               503: "service_unavailable", 507: "server_error"}
+CLIENT_GONE = 499  # nginx's "client closed request": what /metrics counts for a client that left unanswered
+ERROR_TYPES = {499: "client_closed_request", 400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+               409: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
+               422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 507: "server_error"}
 # The `code` of errors raised without one: every error body has a non-null code.
-HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-              409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type", 422: "invalid_value",
-              429: "rate_limited", 500: "internal_error", 503: "unavailable", 507: "disk_full"}
+HTTP_CODES = {400: "invalid_request", 401: "invalid_api_key", 403: "forbidden", 404: "not_found",
+              405: "method_not_allowed", 409: "conflict", 413: "payload_too_large", 415: "unsupported_media_type",
+              422: "invalid_value", 429: "rate_limited", 500: "internal_error", 503: "unavailable", 507: "disk_full"}
 ANTHROPIC_PATH = "/v1/messages"
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -79,6 +81,10 @@ class ApiError(Exception):
         return self.response()
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer: the work was cancelled, nobody is left to answer."""
+
+
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int):
         super().__init__(413, f"request body over the {limit}-byte limit")
@@ -121,6 +127,8 @@ def as_api_error(exc: Exception) -> ApiError:
             return ApiError(503, "timed out waiting in the queue; retry later", "queue_timeout")
         case WorkerStopped():
             return ApiError(503, "the server is shutting down", "shutting_down")
+        case ClientGone():
+            return ApiError(CLIENT_GONE, "the client disconnected; its request was cancelled", "client_gone")
         case IngestCancelled():  # the client left, or the server is stopping: nothing was committed
             return ApiError(503, f"{exc}; nothing was committed", "cancelled")
         case HTTPException() if exc.status_code == 400:  # the body could not be parsed (JSON or multipart)
@@ -136,23 +144,66 @@ def as_api_error(exc: Exception) -> ApiError:
 
 def _validation_error(errors: list[dict[str, Any]]) -> ApiError:
     """422 naming the first bad field as `param` ("messages.0.role"); every problem in the message."""
-    def field(error: dict[str, Any]) -> str:
-        loc = [str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path")]
-        return ".".join(loc) if loc and error.get("type") != "json_invalid" else "body"
+    if errors and errors[0].get("type") == "json_invalid":
+        reason = errors[0].get("ctx", {}).get("error", errors[0].get("msg"))
+        return ApiError(422, f"body: invalid JSON ({reason})", "invalid_body", "body")
+    problems = located(errors)
+    return ApiError(422, "; ".join(f"{field}: {rule}" for field, rule in problems[:5]) or "invalid request",
+                    "invalid_value", problems[0][0] if problems else None)
 
-    def describe(error: dict[str, Any]) -> str:
-        if error.get("type") == "json_invalid":
-            return f"body: invalid JSON ({error.get('ctx', {}).get('error', error.get('msg'))})"
-        return f"{field(error)}: {error.get('msg')}"
 
-    message = "; ".join(describe(e) for e in errors[:5]) or "invalid request"
-    unparseable = bool(errors) and errors[0].get("type") == "json_invalid"
-    return ApiError(422, message, "invalid_body" if unparseable else "invalid_value",
-                    field(errors[0]) if errors else None)
+def located(errors: list[dict[str, Any]], rule: Callable[[dict[str, Any]], str] | None = None
+            ) -> list[tuple[str, str]]:
+    """(field, rule) of each of pydantic's errors, in words: the field as the client wrote it ("messages.0.role":
+    no union branch's internal name), the rule as the schema states it; of a union's branches, those that got
+    deepest (a list's item rather than "should be a string")."""
+    found = [(tuple(p for p in e.get("loc", ()) if p not in ("body", "query", "path") and not _branch(p)),
+              (rule or rule_of)(e)) for e in errors]
+    deepest = max((len(where) for where, _ in found), default=0)
+    return list(dict.fromkeys((".".join(map(str, where)) or "body", why) for where, why in found
+                              if len(where) == deepest))
+
+
+def _branch(part: Any) -> bool:
+    """A union branch's or validator's name in pydantic's location ("list[constrained-int]")."""
+    return isinstance(part, str) and any(c in part for c in "[(<")
+
+
+def rule_of(error: dict[str, Any]) -> str:
+    """One error's rule, in words: a pattern by what it means, a validator's message without pydantic's prefix."""
+    if error.get("type") == "string_pattern_mismatch":
+        return PATTERN_RULES.get(error.get("ctx", {}).get("pattern"), "does not match the field's pattern")
+    return str(error.get("msg", "invalid")).removeprefix("Value error, ")
+
+
+class Refusals:
+    """Each refused request's reason at WARNING (a 4xx or 5xx; a client that left: one INFO line), as an access log
+    would, each (status, code, path) at most once per `every_s` with the count of those left out meanwhile."""
+
+    def __init__(self, every_s: float = 10.0):
+        self.every_s, self.last = every_s, {}  # (status, code, path) -> (logged at, left out since)
+
+    def log(self, path: str, error: ApiError) -> None:
+        if error.status == CLIENT_GONE:
+            log.info("client disconnected", extra={"path": path})
+            return
+        key, now = (error.status, error.code, path), time.monotonic()
+        at, left_out = self.last.get(key, (None, 0))
+        if at is not None and now - at < self.every_s:
+            self.last[key] = (at, left_out + 1)
+            return
+        self.last[key] = (now, 0)
+        log.warning("refused" if error.status < 500 else "failed",
+                    extra={"path": path, "status": error.status, "code": error.code, "reason": error.message,
+                           **({"repeated": left_out} if left_out else {})})
+
+
+REFUSALS = Refusals()
 
 
 async def handle_error(request: Request, exc: Exception) -> JSONResponse:
     error = as_api_error(exc)
+    REFUSALS.log(request.url.path, error)
     if error.code == "disk_full":
         log.warning("disk full", extra={"path": request.url.path, "error": f"{type(exc).__name__}: {exc}"})
         request.app.state.service.disk_full_at = time.monotonic()  # /health: degraded
@@ -172,6 +223,6 @@ def _allowed_methods(request: Request) -> list[str]:
 
 # What create_app registers `handle_error` for (Exception last: the 500 of last resort, which the server also
 # logs as unhandled). The databases' and the file system's errors are named so a full disk is an answer (507).
-HANDLED = (ApiError, Refused, RequestValidationError, HTTPException, LimitError, IngestError, RequestError,
-           QueueTimeout, WorkerStopped, IngestCancelled, OSError, sqlite3.OperationalError, psycopg.OperationalError,
-           Exception)
+HANDLED = (ApiError, ClientGone, Refused, RequestValidationError, HTTPException, LimitError, IngestError,
+           RequestError, QueueTimeout, WorkerStopped, IngestCancelled, OSError, sqlite3.OperationalError,
+           psycopg.OperationalError, Exception)

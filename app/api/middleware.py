@@ -7,13 +7,13 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from starlette.datastructures import Headers
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import ApiError, BodyTooLarge, as_api_error
+from app.api.errors import REFUSALS, ApiError, BodyTooLarge, as_api_error
 from app.serving.metrics import Metrics
 from app.tenants import TENANT, TENANT_SCOPE_KEY, Tenant
 
@@ -53,11 +53,11 @@ class RequireApiKey:
     keys are configured; the key names the request's tenant (TENANT)."""
 
     def __init__(self, app: ASGIApp, keys: Mapping[str, str], public: tuple[str, ...] = HEALTH_PATHS,
-                 public_prefix: str | None = None, pinned_share: float = 1.0):
-        """`keys`: API key -> tenant name; none: no key asked, every request the default tenant ("").
-        `pinned_share`: a named tenant's share of each tier's pinned cap."""
+                 public_prefix: str | None = None, pinned_share: float = 1.0, admin_keys: Collection[str] = ()):
+        """`keys`: API key -> tenant name; none: no key asked, every request the default tenant (""), an admin.
+        `pinned_share`: each tenant's share of each tier's pinned cap; `admin_keys`: the keys that are admins."""
         self.app, self.public, self.public_prefix = app, public, public_prefix
-        self.keys = [(key.encode(), Tenant(name, pinned_share if name else 1.0)) for key, name in keys.items()]
+        self.keys = [(key.encode(), Tenant(name, pinned_share, admin=key in admin_keys)) for key, name in keys.items()]
 
     def _is_public(self, path: str) -> bool:
         return path in self.public or bool(self.public_prefix and path.startswith(self.public_prefix))
@@ -69,6 +69,7 @@ class RequireApiKey:
             if tenant is None:
                 error = ApiError(401, "missing or invalid API key (Authorization: Bearer ... or x-api-key)",
                                  "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                REFUSALS.log(scope["path"], error)
                 return await error.response_for(scope["path"])(scope, receive, send)
         scope[TENANT_SCOPE_KEY], token = tenant, TENANT.set(tenant)
         try:
@@ -99,7 +100,8 @@ class LimitBody:
             return await self.app(scope, receive, send)
         length = Headers(scope=scope).get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await as_api_error(BodyTooLarge(self.max_bytes)).response_for(scope["path"])(scope, receive, send)
+            REFUSALS.log(scope["path"], error := as_api_error(BodyTooLarge(self.max_bytes)))
+            return await error.response_for(scope["path"])(scope, receive, send)
         received, started = 0, False
 
         async def limited_receive() -> Message:

@@ -1,11 +1,18 @@
 """OpenAI's embeddings, POST /v1/embeddings: the vectors of this server's retrieval embedder (all-MiniLM-L6-v2 by
 default; float32, unit norm), for a client that does its own retrieval and wants the same vectors this server's
-index holds. Run on the ingest lane, so the model thread never waits for them. Text only: token ids are a 400
-(they would be another tokenizer's); a text longer than the embedder reads is a 400 rather than silently cut;
-`dimensions` other than the embedder's is a 400. `encoding_format` base64 (the official client's default) is the
-float32 vector's little-endian bytes."""
+index holds. Text only: token ids are a 400 (they would be another tokenizer's); a text longer than the embedder
+reads is a 400 rather than silently cut, unless the request asks for the cut (vLLM's `truncate_prompt_tokens`);
+`dimensions` is the embedder's own. `encoding_format` base64 (the official client's default) is the float32
+vector's little-endian bytes.
+
+Bounded as prompts are: a request is priced (its word pieces, each text a piece at limits.piece_cost_tokens) and
+refused over limits.max_embedding_tokens (422); a tenant's requests in flight together over
+limits.max_tenant_embedding_tokens are a 429. They run on their own lane (never the ingest lane, so an upload
+never waits for them, nor the model thread), a slice of embedder.batch_size texts a job, so concurrent requests
+take turns."""
 from __future__ import annotations
 
+import asyncio
 import base64
 from typing import Annotated, Literal
 
@@ -15,7 +22,7 @@ from pydantic import BaseModel, Field, WithJsonSchema
 
 from app.api.deps import on_lane, service
 from app.api.errors import ApiError
-from app.api.schemas.ragblend import ERRORS, MODEL_NOT_FOUND, OpenAIBody, Text
+from app.api.schemas.ragblend import ERRORS, MODEL_NOT_FOUND, LimitError, OpenAIBody, Text
 from app.serving.service import Service
 
 router = APIRouter()
@@ -32,9 +39,14 @@ class EmbeddingRequest(OpenAIBody):
         {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1},
                                                         "minItems": 1, "maxItems": MAX_INPUTS}]})] = Field(
         description=f"A text or up to {MAX_INPUTS} texts, each within the embedder's window (a longer one is a "
-                    "400). Token ids are a 400: they would be another tokenizer's.")
+                    "400 unless truncate_prompt_tokens asks for the cut). Token ids are a 400: they would be another "
+                    "tokenizer's. Priced as a prompt: its word pieces plus limits.piece_cost_tokens a text, at most "
+                    "limits.max_embedding_tokens (422).")
     encoding_format: Literal["float", "base64"] = Field("float", description="base64: little-endian float32 bytes.")
     dimensions: int | None = Field(None, ge=1, description="Only the embedder's own (384 for all-MiniLM-L6-v2).")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description=(
+        "vLLM's: each text cut after this many word pieces (-1 or 0: the embedder's whole window; more than the "
+        "window reads is cut to the window). Without it a longer text is a 400."))
     user: Text | None = None
 
 
@@ -70,16 +82,26 @@ async def embeddings(body: EmbeddingRequest, request: Request, svc: Service = De
     if body.dimensions is not None and body.dimensions != embedder.dim:
         raise ApiError(400, f"dimensions: {embedder.name} embeds in {embedder.dim} dimensions only",
                        param="dimensions")
-
-    def embed(cancelled) -> tuple[list[int], np.ndarray]:
-        counts = embedder.count_tokens(texts)
-        over = next((i for i, n in enumerate(counts) if n > embedder.window), None)
-        if over is not None:
-            raise ApiError(400, f"input[{over}]: {counts[over]} word pieces, over the {embedder.window} "
-                                f"{embedder.name} reads", param="input")
-        return counts, embedder.embed(texts)  # [len(texts), dim] float32
-
-    counts, vectors = await on_lane(request, svc, embed, "embed")
+    if body.truncate_prompt_tokens is not None:
+        cut = min(body.truncate_prompt_tokens, embedder.window) if body.truncate_prompt_tokens > 0 else embedder.window
+        texts = await asyncio.to_thread(embedder.truncate, texts, cut)
+    counts = await asyncio.to_thread(embedder.count_tokens, texts)
+    over = next((i for i, n in enumerate(counts) if n > embedder.window), None)
+    if over is not None:
+        raise ApiError(400, f"input[{over}]: {counts[over]} word pieces, over the {embedder.window} {embedder.name} "
+                            f"reads; cut it shorter, or ask the server to: truncate_prompt_tokens: -1 (the first "
+                            f"{embedder.window}) or a smaller count", param="input")
+    limits = svc.settings.limits
+    price = sum(counts) + limits.piece_cost_tokens * len(texts)
+    if price > limits.max_embedding_tokens:
+        raise LimitError("input", f"{sum(counts)} word pieces in {len(texts)} texts, priced at {price} (each text "
+                                  f"{limits.piece_cost_tokens} more, limits.piece_cost_tokens), over "
+                                  f"limits.max_embedding_tokens ({limits.max_embedding_tokens})")
+    with svc.embedding_share(price):
+        vectors = np.concatenate([  # [len(texts), dim] float32, a slice a job: concurrent requests take turns
+            await on_lane(request, svc, lambda _, part=texts[i:i + embedder.batch_size]: embedder.embed(part),
+                          "embed", svc.embed_lane)
+            for i in range(0, len(texts), embedder.batch_size)])
     data = [Embedding(index=i, embedding=encoded(v, body.encoding_format)) for i, v in enumerate(vectors)]
     return EmbeddingList(data=data, model=embedder.name,
                          usage=EmbeddingUsage(prompt_tokens=sum(counts), total_tokens=sum(counts)))

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from app.api.deps import service, until_done
-from app.api.errors import ApiError, as_api_error
+from app.api.errors import REFUSALS, ApiError, ClientGone, as_api_error
 from app.api.schemas.openai import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -59,8 +59,9 @@ class QueryRun:
     before any text (a prompt over the context, say) are still plain HTTP errors rather than broken
     streams; a client that leaves before then cancels it."""
 
-    def __init__(self, svc: Service, job: Job, first: str | QueryResult, rest: AsyncIterator[str | QueryResult]):
-        self.svc, self.job, self._first, self._rest = svc, job, first, rest
+    def __init__(self, svc: Service, job: Job, first: str | QueryResult, rest: AsyncIterator[str | QueryResult],
+                 path: str = ""):
+        self.svc, self.job, self._first, self._rest, self.path = svc, job, first, rest, path
         self.answered = False  # the result is out
 
     @classmethod
@@ -68,7 +69,9 @@ class QueryRun:
         job = await svc.submit_query(params, kind)
         events = aiter(job)
         try:
-            return cls(svc, job, await until_done(request, job, anext(events)), events)
+            return cls(svc, job, await until_done(request, job, anext(events)), events, request.url.path)
+        except StopAsyncIteration:  # ended before its first event: cancelled
+            raise WorkerStopped if svc.stopping is not None else ClientGone from None
         except BaseException:
             job.cancel()
             raise
@@ -89,8 +92,7 @@ class QueryRun:
         finally:
             self.cancel()
         # Ended without a result: cancelled (the client left, or the server is stopping).
-        raise WorkerStopped if self.svc.stopping is not None else ApiError(503, "the request was cancelled",
-                                                                           "cancelled")
+        raise WorkerStopped if self.svc.stopping is not None else ClientGone
 
     async def _all(self) -> AsyncIterator[str | QueryResult]:
         yield self._first
@@ -123,13 +125,19 @@ def sse(run: QueryRun, events: AsyncIterator[ServerSentEvent]) -> EventSourceRes
     at once (its default grace is 0); ours outlasts the scheduler's by half the stop margin, and stays
     inside uvicorn's (run_server)."""
     async def guarded() -> AsyncIterator[ServerSentEvent]:
+        ended = False
         try:
             async for event in events:
                 yield event
+            ended = True
         except Exception as exc:  # the headers are out: report in-band, as OpenAI does
-            yield ServerSentEvent(json.dumps(as_api_error(exc).body()), event="error")
+            ended = True
+            REFUSALS.log(run.path, error := as_api_error(exc))
+            yield ServerSentEvent(json.dumps(error.body()), event="error")
         finally:
             run.cancel()
+            if not ended:  # the client went away mid-stream (sse_starlette ended the stream)
+                REFUSALS.log(run.path, as_api_error(ClientGone()))
     grace = run.svc.settings.server.shutdown_grace_s + STOP_MARGIN_S / 2
     return EventSourceResponse(guarded(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                shutdown_grace_period=grace)
@@ -251,8 +259,16 @@ async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
     chat = Conversation.from_messages(body.messages)
     retrieve = body.retrieval if body.retrieval is not None else body.model != svc.model_name + NO_RETRIEVAL
     # the question limit is the retrieval question's: without retrieval a message may carry documents (budget only)
-    check_limits(limits, question=chat.question if retrieve else "", top_k=body.top_k, question_field="messages",
-                 max_tokens={"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens})
+    try:
+        check_limits(limits, question=chat.question if retrieve else "", top_k=body.top_k, question_field="messages",
+                     max_tokens={"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens})
+    except LimitError as exc:
+        if exc.param != "messages":
+            raise
+        detail = str(exc).removeprefix("messages: ")
+        raise LimitError("messages", f"the question (the last user message) is {detail} on {svc.model_name!r}, "
+                                     f"which retrieves for it; send long text (a stuffed prompt) to "
+                                     f"{svc.model_name + NO_RETRIEVAL!r}, which answers without retrieval") from None
     texts = [(f"messages.{i}", message.budget_text()) for i, message in enumerate(body.messages)]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     grammar = answer_grammar(body, tools)

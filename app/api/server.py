@@ -22,15 +22,16 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.api import anthropic_routes, cache_routes, document_routes, openai_completions, openai_embeddings, query_routes
-from app.api.errors import HANDLED, handle_error
+from app.api.errors import HANDLED, ApiError, handle_error
 from app.api.middleware import HEALTH_PATHS, CountRequests, LimitBody, RequireApiKey
 from app.api.page import PUBLIC_PATHS, PUBLIC_PREFIX, page_routes
-from app.api.schemas.ragblend import state_limits, state_models
+from app.api.schemas.ragblend import state_limits, state_models, state_sizes
 from app.components import Components
 from app.config import Settings
 from app.engine.rag_engine import RagEngine
 from app.serving.parts import Engine
 from app.serving.service import STOP_MARGIN_S, Service
+from app.tenants import current_tenant
 from blend.model import served_name
 from retrieval import embedder_name
 
@@ -64,8 +65,14 @@ def health_ready(request: Request) -> JSONResponse:
     return JSONResponse({"status": status}, status_code=200 if status in ("ok", "degraded") else 503)
 
 
-@health_router.get("/metrics", response_class=Response)
+@health_router.get("/metrics", response_class=Response,
+                   responses={403: {"description": "Keys are configured and this one is not in server.admin_keys."}})
 def metrics(request: Request) -> Response:
+    """Prometheus metrics: every tenant's counts, so for admins alone (server.api_key, server.admin_keys) once
+    keys are configured."""
+    if not current_tenant().admin:
+        raise ApiError(403, "/metrics is for admin keys (server.admin_keys): it counts every tenant's requests",
+                       "forbidden")
     svc: Service = request.app.state.service
     return Response(svc.metrics.render(), media_type=svc.metrics.content_type)
 
@@ -91,6 +98,11 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
             anthropic_routes.describe(app.openapi_schema, settings.limits)
             state_models(app.openapi_schema, query_routes.served_models(served_name(settings.model.name)),
                          embedder_name(settings.embedder))
+            if not svc.ready.is_set():  # the model's sizes are known once it has loaded: built again then
+                schema, app.openapi_schema = app.openapi_schema, None
+                return schema
+            parts = svc.serving.engine.parts
+            state_sizes(app.openapi_schema, parts.runtime.vocab, parts.embedder.dim)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -104,7 +116,8 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         app.add_exception_handler(exc_type, handle_error)
     app.add_middleware(LimitBody, max_bytes=settings.limits.max_body_bytes)
     app.add_middleware(RequireApiKey, keys=settings.server.tenant_keys(), public=(*HEALTH_PATHS, *PUBLIC_PATHS),
-                       public_prefix=PUBLIC_PREFIX, pinned_share=settings.server.tenant_pinned_share)
+                       public_prefix=PUBLIC_PREFIX, pinned_share=settings.server.tenant_pinned_share,
+                       admin_keys=settings.server.admins())
     # outermost: sees every status
     app.add_middleware(CountRequests, metrics=svc.metrics, routes=[*(r for rt in routers for r in rt.routes), *page])
     return app

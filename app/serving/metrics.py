@@ -2,12 +2,14 @@
 (so several apps in one process, as in the tests, never collide)."""
 from __future__ import annotations
 
+from collections import Counter as CounterDict
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from app.engine.query import QueryStats
+from app.tenants import current_tenant
 
 # Seconds; CPU prefill of a few passages takes 0.1-10 s.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -105,6 +107,7 @@ class Metrics:
                  store_stats: Callable[[], dict[str, Any] | None],
                  decode_steps: Callable[[], dict[int, tuple[int, float]]] = dict):
         self.registry = r = CollectorRegistry()
+        self.tenant_chunks: dict[str, CounterDict[str]] = {}  # tenant -> chunk KVs by source (its /v1/cache)
         # tenant: a name from server.api_keys ("default" for the single key): bounded by the config
         self.requests = Counter("ragblend:http_requests", "HTTP requests by endpoint, status and tenant.",
                                 ["endpoint", "status", "tenant"], registry=r)
@@ -138,8 +141,10 @@ class Metrics:
         self.cached_tokens.inc(stats.cached_tokens)
         self.recomputed_tokens.inc(stats.recomputed_tokens)
         self.generation_tokens.inc(stats.completion_tokens)
+        own = self.tenant_chunks.setdefault(current_tenant().name, CounterDict())
         for source, count in stats.store_hits.items():
             self.chunks.labels(source).inc(count)
+            own[source] += count
 
     def observe_queue(self, seconds: float) -> None:
         self.queue_time.observe(seconds)

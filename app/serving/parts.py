@@ -13,11 +13,21 @@ from app.components import Components
 from app.config import Settings
 from app.engine.ingest import IngestCancelled, Ingestor
 from app.engine.kv import ChunkKVCache
+from app.engine.query import QueryParams
+from app.engine.tool_calls import tools_grammar
 from app.serving.scheduler import Scheduler
 from app.serving.worker import Worker
 from blend.driver import Output, Work
 from retrieval import Retriever
 from store import TieredStore
+
+WARM_TENANT = "ragblend:warm-up"  # the warm-up requests' tenant: their store keys mix it in
+WARM_TOKENS = 2
+WARM_CHAT = (("system", "Answer briefly."),
+             ("user", "The lighthouse at the harbour mouth was built of granite in the last century and has guided "
+                      "fishing boats home through fog and storms ever since. Its keeper lives in the cottage."),
+             ("assistant", "Noted."),
+             ("user", "What is the lighthouse built of?"))
 
 
 class Engine(Protocol):
@@ -79,6 +89,18 @@ class Serving:
                 warm()
             except AttributeError:  # a stand-in engine without these parts
                 pass
+
+    def warm_requests(self) -> list[QueryParams]:
+        """The requests the service runs through the model thread before it says ready (server.warm_up), so the
+        paths a first request takes have run once: retrieval (the index loaded), the planner, a prefill, a chat
+        whose spans the next one blends (a blended prefill), decode steps and the grammar path. Their KV is
+        stored under a tenant of their own, never a client's."""
+        chat = tuple({"role": role, "content": text} for role, text in WARM_CHAT)
+        ask = dict(max_tokens=WARM_TOKENS, tenant=WARM_TENANT)
+        return [QueryParams(WARM_CHAT[-1][1], **ask),  # retrieval over the documents (the default collection)
+                *[QueryParams(WARM_CHAT[-1][1], messages=chat, retrieve=False, **ask)] * 2,  # computed, then blended
+                QueryParams(WARM_CHAT[-1][1], messages=chat, retrieve=False, grammar=tools_grammar(
+                    [], None, answer_schema={"type": "object"}), **ask)]  # a grammar compiled and applied
 
     def close(self) -> None:
         """Close the engine's store and database (once no thread uses them)."""

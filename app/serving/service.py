@@ -26,15 +26,16 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from app.config import Settings
 from app.engine.query import QueryParams, RequestError
 from app.serving.metrics import Metrics
 from app.serving.parts import Engine, Serving
 from app.serving.scheduler import Scheduler
-from app.serving.worker import Job, QueueFull, QueueTimeout, Worker
+from app.serving.worker import Job, QueueFull, QueueTimeout, Worker, WorkerStopped
 from app.tenants import current_tenant
 from blend.grammar import Grammar, GrammarError
 
@@ -64,6 +65,8 @@ class Service:
         # compile requests' grammars (each waits on a compile process: as many threads as processes)
         self.grammar_threads = ThreadPoolExecutor(settings.limits.grammar_compile_workers,
                                                   thread_name_prefix="ragblend-grammar")
+        self.embed_lane = Worker(settings.server.queue_size, name="ragblend-embed")  # /v1/embeddings' own
+        self.embedding_use: dict[str, int] = {}  # tenant -> priced tokens of its embeddings requests in flight
         self.metrics = Metrics(lambda: self.waiting, lambda: self.running, self._store_stats,
                                lambda: self.scheduler.step_totals() if self.scheduler else {})
         self.ready = threading.Event()
@@ -74,8 +77,10 @@ class Service:
 
     def start(self) -> None:
         self.lane = Worker(self.settings.server.queue_size, name="ragblend-ingest")  # an app may be restarted
+        self.embed_lane = Worker(self.settings.server.queue_size, name="ragblend-embed")
         self.serving, self.stopping = None, None
         self.lane.start()
+        self.embed_lane.start()
         if self.engine is not None:  # given a loaded engine (tests, benchmarks): ready at once
             return self._load()
         threading.Thread(target=self._load, name="ragblend-loader", daemon=True).start()
@@ -87,12 +92,35 @@ class Service:
             serving.warm_up()
             self.engine, self.serving = engine, serving
             serving.scheduler.start()
+            if self.settings.server.warm_up:
+                self._warm_up(serving)
             if self.stopping is None:
                 self.ready.set()
             log.info("engine ready", extra={"model": self.model_name, "max_batch": self.settings.server.max_batch})
         except Exception as exc:  # /health reports it; the process stays up to say why
             log.exception("engine failed to load")
             self.load_error = f"{type(exc).__name__}: {exc}"
+
+    def _warm_up(self, serving: Serving) -> None:
+        """Run `serving.warm_requests()` through the model thread, as requests (on a thread with its own event
+        loop: this may be called from the app's), before ready. A failed one is logged and passed over: a
+        server with no documents yet still warms the rest."""
+        async def run_all() -> None:
+            for params in serving.warm_requests():
+                try:
+                    job = serving.scheduler.submit(lambda cancelled, p=params: serving.engine.program(p, cancelled),
+                                                   label="warm-up")
+                    await job.result()
+                except WorkerStopped:  # shutting down before ready: nothing left to warm for
+                    return
+                except Exception as exc:
+                    log.info("warm-up request failed", extra={"error": f"{type(exc).__name__}: {exc}"})
+
+        start = time.monotonic()
+        warm = threading.Thread(target=lambda: asyncio.run(run_all()), name="ragblend-warm-up")
+        warm.start()
+        warm.join()
+        log.info("warmed up", extra={"s": round(time.monotonic() - start, 2)})
 
     @property
     def scheduler(self) -> Scheduler | None:
@@ -107,6 +135,7 @@ class Service:
         log.info("shutting down")
         self.ready.clear()
         self.lane.begin_stop()
+        self.embed_lane.begin_stop()
         if self.scheduler is not None:
             self.scheduler.begin_stop()
             timer = threading.Timer(self.settings.server.shutdown_grace_s, self.scheduler.cancel_all)
@@ -126,6 +155,7 @@ class Service:
         self.begin_shutdown()
         deadline = self.stopping + self.settings.server.shutdown_grace_s + STOP_MARGIN_S
         clean = self.lane.stop(timeout=max(0.1, deadline - time.monotonic()))
+        clean = self.embed_lane.stop(timeout=max(0.1, deadline - time.monotonic())) and clean
         if self.scheduler is not None:
             left = max(0.0, self.stopping + self.settings.server.shutdown_grace_s - time.monotonic())
             clean = self.scheduler.stop(grace_s=left, timeout_s=max(0.1, deadline - time.monotonic())) and clean
@@ -143,11 +173,11 @@ class Service:
 
     @property
     def waiting(self) -> int:
-        return self.lane.waiting + (self.scheduler.waiting if self.scheduler else 0)
+        return self.lane.waiting + self.embed_lane.waiting + (self.scheduler.waiting if self.scheduler else 0)
 
     @property
     def running(self) -> int:
-        return self.lane.running + (self.scheduler.active if self.scheduler else 0)
+        return self.lane.running + self.embed_lane.running + (self.scheduler.active if self.scheduler else 0)
 
     def _store_stats(self) -> dict[str, Any] | None:
         return self.serving.store.stats() if self.ready.is_set() else None
@@ -160,8 +190,8 @@ class Service:
             report["status"], problem = "error", f"engine failed to load: {self.load_error}"
         elif self.stopping is not None:
             report["status"], problem = "stopping", "the server is shutting down"
-        elif scheduler is None:
-            report["status"], problem = "loading", "the model is loading"
+        elif scheduler is None or not self.ready.is_set():
+            report["status"], problem = "loading", "the model is loading" if scheduler is None else "warming up"
         elif not scheduler.snapshot()["alive"]:
             report["status"], problem = "error", "the model thread has died"
         elif scheduler.busy_s() > self.settings.server.stuck_after_s:
@@ -174,6 +204,7 @@ class Service:
             if degraded and report["status"] == "ok":  # still answering (200), but slowly or in part
                 report["status"], report["degraded"] = "degraded", degraded
         report["ingest"] = self.lane.snapshot()
+        report["embeddings"] = self.embed_lane.snapshot()
         if self.serving and self.serving.blend_disabled:
             report["blend_disabled"] = self.serving.blend_disabled  # the model gate: every prefill runs in full
         if problem:
@@ -226,10 +257,28 @@ class Service:
         tokenizer = self.serving.engine.parts.tokenizer
         return [len(ids) for ids in tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
 
-    async def start_on_lane(self, fn: Callable[[Callable[[], bool]], Any], label: str) -> Job:
-        """Queue `fn(cancelled)` on the ingest lane and wait until it starts (its result: `job.result()`)."""
-        return await self._started(lambda: self.lane.submit(lambda cancelled: [fn(cancelled)], label),
-                                   self.lane.retry_after)
+    async def start_on_lane(self, fn: Callable[[Callable[[], bool]], Any], label: str, lane: Worker | None = None
+                            ) -> Job:
+        """Queue `fn(cancelled)` on `lane` (the ingest lane by default) and wait until it starts (its result:
+        `job.result()`)."""
+        lane = lane or self.lane
+        return await self._started(lambda: lane.submit(lambda cancelled: [fn(cancelled)], label), lane.retry_after)
+
+    @contextmanager
+    def embedding_share(self, price: int) -> Iterator[None]:
+        """Hold `price` of the request's tenant's embeddings budget (limits.max_tenant_embedding_tokens) while it
+        runs or waits; a 429 when its requests in flight already hold too much."""
+        tenant, cap = current_tenant().name, self.settings.limits.max_tenant_embedding_tokens
+        held = self.embedding_use.get(tenant, 0)
+        if held + price > cap:
+            raise Refused(429, f"this key's embeddings requests in flight are priced at {held} tokens; {price} more "
+                               f"is over limits.max_tenant_embedding_tokens ({cap}): retry once they end",
+                          "embedding_budget", self.embed_lane.retry_after())
+        self.embedding_use[tenant] = held + price
+        try:
+            yield
+        finally:
+            self.embedding_use[tenant] -= price
 
     async def _started(self, submit: Callable[[], Job], retry_after: Callable[[], int]) -> Job:
         """Queue a job and wait until it starts (429 when full, 503 after the timeout or when stopping; each

@@ -45,9 +45,11 @@ QUESTIONS = [
 
 
 def make_settings(data_dir: Path, **sections: dict[str, Any]) -> Settings:
-    """Test settings: the converted model, short answers, two passages; `sections` override per key."""
+    """Test settings: the converted model, short answers, two passages, no warm-up requests before ready (the
+    session's engine serves many apps); `sections` override per key."""
     base: dict[str, dict[str, Any]] = {"model": {"cache_dir": str(MODELS)}, "retrieval": {"top_k": 2},
-                                       "limits": {"default_max_new_tokens": 8}}
+                                       "limits": {"default_max_new_tokens": 8},
+                                       "server": {"warm_up": False}}  # an app a test: tests/app/test_warm_up.py
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}
     return load_settings(data_dir=str(data_dir), **base)

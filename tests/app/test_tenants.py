@@ -13,6 +13,7 @@ pytestmark = pytest.mark.slow
 
 KEYS = {"key-alice": "alice", "key-bob": "bob"}
 ALICE, BOB = ({"Authorization": f"Bearer {key}"} for key in KEYS)
+ADMIN = {"Authorization": "Bearer key-admin"}
 
 
 def test_api_keys_come_from_the_environment_as_json(monkeypatch):
@@ -23,7 +24,7 @@ def test_api_keys_come_from_the_environment_as_json(monkeypatch):
 
 @pytest.fixture
 def tenants(make_app, corpus, server_engine):
-    with TestClient(make_app(server={"api_keys": KEYS})) as client:
+    with TestClient(make_app(server={"api_keys": KEYS, "admin_keys": ["key-admin"]})) as client:
         yield client
     for tenant in KEYS.values():  # the session's store is shared: end what the test leased
         server_engine.parts.store.release("secret plans", tenant=tenant)
@@ -57,9 +58,27 @@ def test_a_tenant_sees_and_drops_only_its_own_families(tenants):
     ended = tenants.delete("/v1/cache", headers=ALICE, params={"prompt_cache_key": "secret plans"}).json()
     assert ended["leases_ended"] == mine["data"][0]["entries"] > 0
 
-    metrics = tenants.get("/metrics", headers=ALICE).text
+    assert tenants.get("/metrics", headers=ALICE).status_code == 403  # every tenant's counts: an admin's
+    metrics = tenants.get("/metrics", headers=ADMIN).text
     assert 'endpoint="/v1/chat/completions",status="200",tenant="alice"' in metrics
     assert 'endpoint="/v1/cache",status="401",tenant="default"' in metrics
+
+
+def test_a_tenant_reads_its_own_counters_and_an_admin_the_stores(tenants, corpus):
+    """/v1/cache: a tenant's view counts the chunks its own requests read, and none of the store-wide figures
+    (entries, bytes, evictions, refusals, another tenant's hits); an admin key sees the store's."""
+    question = corpus.questions[1][0]
+    assert tenants.post("/v1/query", headers=BOB, json={"question": question, "max_tokens": 1}).status_code == 200
+    bob, alice = (tenants.get("/v1/cache", headers=h).json() for h in (BOB, ALICE))
+    admin = tenants.get("/v1/cache", headers=ADMIN).json()
+    read = sum(tier["hits"] for tier in bob["tiers"].values())
+    assert read >= 1 and bob["hit_rate"] is not None  # bob's passages came from the store
+    assert sum(tier["hits"] for tier in alice["tiers"].values()) == 0 and alice["hit_rate"] is None
+    for view in (bob, alice):
+        assert all(t["entries"] is None and t["bytes"] is None and t["misses"] is None and t["evictions"] is None
+                   and t["lease_refusals"] is None for t in view["tiers"].values())
+    assert all(t["misses"] is not None and t["lease_refusals"] is not None for t in admin["tiers"].values())
+    assert sum(t["hits"] for t in admin["tiers"].values()) >= read
 
 
 def test_a_tenant_cannot_tell_whether_another_sent_a_message(tenants):

@@ -119,3 +119,15 @@ def test_a_document_never_holds_control_tokens(family):
     text = "".join(prompt.tokenizer.decode(c.token_ids) for c in chunks)
     marker = forged.split()[0][:8]  # the forged turn's first control token's string, in part
     assert text.count(marker) == 2 and text.count("obey the new rules") == 2  # kept, as text
+
+
+def test_private_use_text_reads_as_itself(family):
+    """The marks `plain` writes for a control token's string are private-use characters: a client's own ones
+    (U+F0000-U+F0010 among them) stay themselves, never a control token's name, alone or next to a real name."""
+    prompt, forged = family
+    tokenizer = prompt.tokenizer
+    own = "".join(chr(c) for c in range(0xF0000, 0xF0011))
+    for text in (own, f"{own}{forged}{own}", f"\U000F0000{forged}\U000F0000\U000F0000"):
+        ids = prompt.encode(prompt.plain(text))
+        assert controls(tokenizer, ids) == [] and tokenizer.decode(ids) == text
+    assert f"what is {own}?" in tokenizer.decode(prompt.suffix_ids(f"what is {own}?"))

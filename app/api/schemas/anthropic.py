@@ -5,7 +5,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.api.schemas.ragblend import MAX_SEED, RETRY_AFTER, NonBlank, RequestBody, Text
+from app.api.schemas.openai import JsonSchema
+from app.api.schemas.ragblend import MAX_SEED, RETRY_AFTER, CacheKey, Id, NonBlank, RequestBody, Text
 from app.engine.prompt_cache import LeaseNote
 
 
@@ -34,14 +35,14 @@ class TextBlock(Cacheable):
 
 class ToolUseBlock(Cacheable):
     type: Literal["tool_use"]
-    id: Text
-    name: Text
+    id: Id
+    name: Id
     input: dict[str, Any]
 
 
 class ToolResultBlock(Cacheable):
     type: Literal["tool_result"]
-    tool_use_id: Text
+    tool_use_id: Id
     content: Text | list[TextBlock] = ""
     is_error: bool = False
 
@@ -55,19 +56,30 @@ class Message(AnthropicBody):
 
 
 class Tool(Cacheable):
-    name: Text = Field(min_length=1)
+    name: Id
     description: Text | None = None
-    input_schema: dict[str, Any] = Field(default_factory=dict)
+    input_schema: JsonSchema = Field(default_factory=dict)
 
 
 class ToolChoice(AnthropicBody):
-    type: Literal["auto", "any", "tool", "none"]
-    name: Text | None = None
+    type: Literal["auto", "any", "none"]
     disable_parallel_tool_use: bool = False
 
 
+class NamedToolChoice(AnthropicBody):
+    type: Literal["tool"]
+    name: Id = Field(description="One of `tools` (another is a 400).")
+    disable_parallel_tool_use: bool = False
+
+
+class Thinking(AnthropicBody):
+    """Extended thinking is not supported: only its `disabled` form is taken (an enabled one is a 400 naming it)."""
+    model_config = ConfigDict(strict=True, extra="forbid")
+    type: Literal["disabled"]
+
+
 class Metadata(AnthropicBody):
-    user_id: Text | None = None
+    user_id: CacheKey | None = Field(None, description="The lease family's name (anthropic:<user_id>).")
 
 
 class CountTokensRequest(AnthropicBody):
@@ -80,18 +92,18 @@ class CountTokensRequest(AnthropicBody):
         "A name holding the call markup (<tool_call>, </tool_call>) is a 400. input_schema: as OpenAI's "
         "response_format schemas (its $defs/$ref resolve within it; the same limits, refused with a 400 before any "
         "prefill)."))
-    tool_choice: ToolChoice | None = Field(None, description=(
+    tool_choice: Annotated[ToolChoice | NamedToolChoice, Field(discriminator="type")] | None = Field(
+        None, description=(
         "Enforced by grammar-constrained decoding: auto (text until the model opens a call, then a valid call), "
         "any (calls only), tool (one call of `name`, which must be one of `tools`), none (text only); any and "
         "tool need tools."))
     cache_control: CacheControl | None = Field(None, description=f"On the last block (automatic caching). {BREAKPOINT}")
+    thinking: Thinking | None = Field(None, description="Extended thinking is not supported: `{\"type\": "
+                                                        "\"disabled\"}` or nothing (enabled is a 400).")
     # ragblend extras
     retrieval: bool = Field(False, description="Retrieve passages for the question (default: off).")
     retrieval_top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
-
-
-class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    # sampling: checked here too, so count_tokens refuses what /v1/messages refuses
     temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False)
     stop_sequences: list[Text] = Field(default_factory=list, max_length=4)
@@ -101,6 +113,10 @@ class MessagesRequest(CountTokensRequest):
                                                       "samples with temperature and top_p); not the passages.")
     # ragblend extra
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
 
 
 class CacheCreation(BaseModel):

@@ -4,38 +4,38 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from app.api.schemas.ragblend import MAX_CACHE_KEY_CHARS, MAX_SEED, LimitError, OpenAIBody, Text
+from app.api.schemas.ragblend import MAX_SEED, CacheKey, Id, LimitError, OpenAIBody, Text
 from app.engine.prompt_cache import RETENTION_TTL_S, LeaseNote
 from app.engine.query import Mode, Source
 from app.engine.tool_calls import MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH
-from app.validation import MAX_ID_CHARS, NOT_BLANK, ONE_LINE_NOT_BLANK
+from app.validation import NOT_BLANK
 from blend.decode import MAX_TOP_LOGPROBS
 from blend.grammar import MAX_PATTERNS
 
 
 class TextPart(OpenAIBody):
-    type: Text = Field(description="text; any other part (image_url, input_audio, file) is a 400: this model "
-                                   "reads text only")
+    type: Annotated[Text, WithJsonSchema({"const": "text"})] = Field(description=(
+        "text; any other part (image_url, input_audio, file) is a 400: this model reads text only"))
     text: Text | None = None
 
 
 class FunctionCall(OpenAIBody):
-    name: Annotated[str, Field(min_length=1, max_length=256, pattern=ONE_LINE_NOT_BLANK)]
+    name: Id
     arguments: Text = Field(description="The call's arguments, as the model wrote them (JSON text).")
 
 
 class ToolCall(OpenAIBody):
-    id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=ONE_LINE_NOT_BLANK)]
+    id: Id
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class FunctionDef(OpenAIBody):
-    name: Annotated[str, Field(min_length=1, max_length=256, pattern=ONE_LINE_NOT_BLANK)]
+    name: Id
     description: Text | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonSchema | None = None
 
 
 class Tool(OpenAIBody):
@@ -67,7 +67,7 @@ class ChatMessage(OpenAIBody):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Text | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls.")
-    tool_call_id: Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS)] | None = Field(
+    tool_call_id: Id | None = Field(
         None, description="Required on a tool message: the call it answers.")
     name: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
@@ -108,7 +108,7 @@ class ChatMessage(OpenAIBody):
 
 
 class NamedFunction(OpenAIBody):
-    name: Annotated[str, Field(min_length=1, max_length=256)]
+    name: Id
 
 
 class NamedToolChoice(OpenAIBody):
@@ -116,14 +116,33 @@ class NamedToolChoice(OpenAIBody):
     function: NamedFunction
 
 
+def schema_object(value: dict[str, Any] | bool) -> dict[str, Any]:
+    """A JSON Schema as an object: `true` (valid JSON Schema: anything) is {}; `false` admits no answer at all."""
+    if value is False:
+        raise ValueError("false admits no value at all: send a schema an answer can meet (true: any JSON)")
+    return {} if value is True else value
+
+
+# A JSON Schema where one is taken (response_format, tool parameters, Anthropic input_schema): an object, or `true`
+JsonSchema = Annotated[dict[str, Any] | bool, AfterValidator(schema_object),
+                       WithJsonSchema({"anyOf": [{"type": "object"}, {"const": True}]})]
+
+
 class JsonSchemaFormat(OpenAIBody):
     name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
     description: Text | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: JsonSchema | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
+# response_format json_schema needs its json_schema (an object), in JSON Schema
+_JSON_SCHEMA_GIVEN = {"if": {"properties": {"type": {"const": "json_schema"}}, "required": ["type"]},
+                      "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}}
+
+
 class ResponseFormat(OpenAIBody):
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_JSON_SCHEMA_GIVEN)
+
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -160,7 +179,14 @@ def stop_sequences(value: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]  # an empty stop string would end every answer at once
 
 
+# top_logprobs only with logprobs: true, in JSON Schema
+TOP_LOGPROBS_RULE = {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+                     "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+
+
 class ChatCompletionRequest(OpenAIBody):
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=TOP_LOGPROBS_RULE)
+
     model: Text | None = Field(None, description="One of the ids GET /v1/models lists (another is a 404 "
                                                 "model_not_found): `<model>-chat` turns retrieval off.")
     messages: list[ChatMessage] = Field(min_length=1, json_schema_extra={"contains": USER_TEXT}, description=(
@@ -175,7 +201,7 @@ class ChatCompletionRequest(OpenAIBody):
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
     user: Text | None = None
-    prompt_cache_key: Text | None = Field(None, min_length=1, max_length=MAX_CACHE_KEY_CHARS, description=(
+    prompt_cache_key: CacheKey | None = Field(None, description=(
         "The lease family of this request's KV (GET/DELETE /v1/cache?prompt_cache_key=...)."))
     prompt_cache_retention: Literal["in_memory", *RETENTION_TTL_S] | None = Field(  # type: ignore[valid-type]
         None, description="in_memory (the default): the prompt's KV stays under plain LRU; 24h: it is leased for "

@@ -11,6 +11,7 @@ fields we have no use for.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -28,7 +29,7 @@ from app.validation import (
     NOT_BLANK,
     ONE_LINE_NOT_BLANK,
     not_blank,
-    valid_doc_id,
+    valid_id,
     valid_title,
     valid_unicode,
 )
@@ -51,8 +52,14 @@ class LimitError(ValueError):
 # their rules in the schema too, so the OpenAPI spec documents them.
 Text = Annotated[str, AfterValidator(valid_unicode)]
 NonBlank = Annotated[str, Field(pattern=NOT_BLANK), AfterValidator(not_blank), AfterValidator(valid_unicode)]
-DocId = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=ONE_LINE_NOT_BLANK,
-                             description="One line, not blank, no control characters."), AfterValidator(valid_doc_id)]
+ID_RULE = "One line, not blank; no control, invisible (format) or private-use characters."
+# An id the API takes (a document's, a tool call's or tool's, a cache key, a user's): normalised (NFC), and refused
+# with characters that would let two ids look alike (app/validation.py)
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=ONE_LINE_NOT_BLANK, description=ID_RULE),
+               AfterValidator(valid_id)]
+CacheKey = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_KEY_CHARS, pattern=ONE_LINE_NOT_BLANK,
+                                description=ID_RULE), AfterValidator(partial(valid_id, max_chars=MAX_CACHE_KEY_CHARS))]
+DocId = Id
 Title = Annotated[str, Field(max_length=MAX_TITLE_CHARS, pattern=NO_CONTROL_CHARS,
                              description="One line, no control characters."), AfterValidator(valid_title)]
 
@@ -291,6 +298,17 @@ def state_models(openapi: dict[str, Any], names: list[str], embedder: str) -> No
         props.append(body["properties"]["model"])
     for prop in props:
         next(s for s in prop.get("anyOf", [prop]) if s.get("type") == "string")["enum"] = names
+
+
+def state_sizes(openapi: dict[str, Any], vocab: int, dimensions: int) -> None:
+    """The loaded model's sizes: /v1/completions' token ids below its vocabulary, /v1/embeddings' `dimensions`
+    the embedder's own."""
+    schemas = openapi["components"]["schemas"]
+    ids = next(s for s in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+               if s.get("type") == "array" and s["items"].get("type") == "integer")
+    ids["items"]["maximum"] = vocab - 1
+    dims = schemas["EmbeddingRequest"]["properties"]["dimensions"]
+    next(s for s in dims.get("anyOf", [dims]) if s.get("type") == "integer")["enum"] = [dimensions]
 
 
 def openapi_body(model: type[BaseModel], *, multipart: dict[str, Any] | None = None) -> dict[str, Any]:

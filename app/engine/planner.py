@@ -113,16 +113,17 @@ class Planner:
         self._windows: dict[int, None] = {}  # mode windows: hashes of the windows stored (insertion order)
 
     @cached_property
-    def breaks(self) -> np.ndarray:
-        """The ids of tokens holding a line break: always a cut candidate, so a document pasted as a paragraph
-        ends its own span (its neighbour after the blank line starts another)."""
+    def breaks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of tokens holding a line break, of those holding a blank line): cut candidates, the blank line (where
+        pasted documents meet) always a cut, so each document's spans are its own."""
         tokenizer = getattr(self.kv.prompt, "tokenizer", None) if hasattr(self.kv, "prompt") else None
         if tokenizer is None:
-            return np.empty(0, dtype=np.int64)
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
         vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        return np.array(sorted(i for i, t in enumerate(vocab)
-                               if t and ("\n" in t or "Ċ" in t or t == "<0x0A>")),  # byte-level BPE, SentencePiece
-                        dtype=np.int64)
+        newlines = {i: t.replace("Ċ", "\n").count("\n") or int(t == "<0x0A>")  # byte-level BPE, SentencePiece
+                    for i, t in enumerate(vocab) if t}
+        return (np.array(sorted(i for i, k in newlines.items() if k), dtype=np.int64),
+                np.array(sorted(i for i, k in newlines.items() if k > 1), dtype=np.int64))
 
     # ---- cutting ---------------------------------------------------------------------------------
 
@@ -146,7 +147,9 @@ class Planner:
             elif self.settings.chunking == "windows":
                 ends = self._window_cuts(part.ids)
             else:
-                ends = content_cuts(part.ids, average=average, min_tokens=low, max_tokens=high, breaks=self.breaks)
+                lines, blank = self.breaks
+                ends = content_cuts(part.ids, average=average, min_tokens=low, max_tokens=high, breaks=lines,
+                                    paragraphs=blank)
             raw += [(part, a, b) for a, b in zip([0] + ends, ends)]
         spans: list[Span] = []
         position, pending, size = 0, [], 0
@@ -155,10 +158,10 @@ class Planner:
         for i, (part, a, b) in enumerate(raw):
             pending.append((part, a, b))
             size += b - a
-            mergeable = part.kind in ("message", "opening")
+            mergeable = part.kind in ("message", "opening") and b == len(part.ids)  # (a blank line's cut stays)
             following = raw[i + 1][0] if i + 1 < len(raw) else None
             if mergeable and size < low and following is not None and following.kind in ("message", "opening"):
-                continue  # a tiny span joins the next (a hard cut may merge, never split)
+                continue  # a tiny message joins the next (a hard cut may merge, never split)
             ids = tuple(t for p, x, y in pending for t in p.ids[x:y])
             first = pending[0][0]
             shared = first.kind == "passage" or (first.kind == "head" and list(ids) == head)

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from app.config import PlannerSettings
+from app.engine.loading import LoadingControl
 from app.engine.planner import Part, Planner
 from blend import ChunkKV, hash_ids
+from blend.controller import Calibration, ChunkCost, Rates, Source, blend_or_whole
 from tests.helpers import shared_tokenizer
 
 HEAD = tuple(range(1000, 1020))
@@ -173,13 +175,65 @@ def test_the_computed_spans_at_the_end_run_with_the_question(mode):
     assert plan.prompt_tokens == len(HEAD) + 50 + 2
 
 
-def test_a_prompt_of_mostly_new_text_is_computed_whole_past_its_exact_prefix():
-    p = planner(min_reused_share=0.3)  # (the default is measured; the rule is what is tested)
+def test_blend_or_whole_is_the_cheaper_prediction_from_the_rates():
+    one = [ChunkCost(200, ())]                      # one large span found, its KV at hand
+    scattered = [ChunkCost(10, ())] * 20           # the same tokens in twenty small spans
+    free = Rates(1e-4)                             # 100 µs a token-layer, spans and loads free
+    assert blend_or_whole(one, 100, free, layers=30, ratio=0.15).blend  # 85% of 200 tokens not computed
+    assert blend_or_whole(scattered, 100, free, layers=30, ratio=0.15).blend
+    costly = Rates(1e-4, span_s=1e-3)              # a span costs what 10 tokens do, a layer: they save 8.5
+    assert blend_or_whole(one, 100, costly, layers=30, ratio=0.15).blend
+    assert not blend_or_whole(scattered, 100, costly, layers=30, ratio=0.15).blend
+    # a question pass over 24 of 30 layers: worth it for 200 cached tokens, not for 20 behind a long question
+    assert blend_or_whole(one, 100, free, layers=30, ratio=0.15, question_tokens=100, question_layers=24).blend
+    assert not blend_or_whole([ChunkCost(20, ())], 100, free, layers=30, ratio=0.15, question_tokens=100,
+                              question_layers=24).blend
+    # a slow tier: loading a layer of the span takes longer than computing it, pipelined or not
+    disk = [ChunkCost(200, (Source("disk", "int8", 50_000),))]
+    slow, fast = Rates(1e-4, {"disk": 1e6}), Rates(1e-4, {"disk": 1e10})
+    for pipelined in (True, False):
+        assert not blend_or_whole(disk, 100, slow, layers=30, ratio=0.15, pipelined=pipelined).blend
+        assert blend_or_whole(disk, 100, fast, layers=30, ratio=0.15, pipelined=pipelined).blend
+    choice = blend_or_whole(one, 100, free, layers=30, ratio=0.15)
+    assert choice.whole_s == pytest.approx(1e-4 * 30 * 300) and choice.blend_s == pytest.approx(1e-4 * 30 * 130)
+
+
+def test_the_rates_come_from_prefills_whole_and_blended():
+    cal = Calibration(alpha=1.0)
+    cal.observe_prefill(1000 * 30, 3.0)            # computed whole: 100 µs a token-layer
+    rates = cal.rates()
+    assert rates.recompute_s == pytest.approx(1e-4) and rates.span_s == 0 and rates.question_s is None
+    # blended: 300 tokens through the layers, 100 through 24 layers' question pass, 20 spans waited for 0.6 s
+    cal.observe_prefill(300 * 30, 0.9, question=(100 * 24, 0.48), spans=(20 * 30, 0.6))
+    rates = cal.rates()
+    assert rates.span_s == pytest.approx(1e-3) and rates.question_s == pytest.approx(2e-4)
+    assert blend_or_whole([ChunkCost(10, ())], 5, rates, layers=30, ratio=0.15, question_tokens=5,
+                          question_layers=24).blend_s == pytest.approx(30 * (1e-4 * 6.5 + 1e-3) + 2e-4 * 5 * 24)
+
+
+def costs(recompute_s: float, span_s: float) -> LoadingControl:
+    """A loading controller whose measured rates are the ones given (spans found in memory: nothing to load)."""
+    control = LoadingControl(SimpleNamespace(num_layers=30, selection="random", check_layer=1), None, floor=0.15)
+    control.calibration = Calibration(recompute_s=recompute_s, span_s=span_s)
+    return control
+
+
+def test_the_planner_blends_only_where_it_is_predicted_faster():
     seen, new = text(21, 40), text(22, 200)
+    p = planner()
     first, _ = p.plan([Part("head", HEAD), message(seen, 0)], [1], mode="blend")
+    assert first.choice is None  # nothing found: nothing to decide
     store_plan(p, first)
-    mostly_new, loaded = p.plan([Part("head", HEAD), message(new, 0), message(seen, 1)], [1], mode="blend")
-    assert {s.source for s in mostly_new.spans[1:]} == {"compute"}  # 40 of 240 tokens stored: not worth a blend
-    assert all(r.kv is None for r in loaded[1:]) and mostly_new.tail == 1
-    some_new, _ = p.plan([Part("head", HEAD), message(new[:60], 0), message(seen, 1)], [1], mode="blend")
-    assert "blended" in {s.source for s in some_new.spans[1:]}  # 40 of 100: blended
+    parts = [Part("head", HEAD), message(new, 0), message(seen, 1)]
+    uncalibrated, _ = p.plan(parts, [1], mode="blend")
+    assert "blended" in {s.source for s in uncalibrated.spans} and uncalibrated.choice is None  # no rates: blended
+    p.costs = costs(1e-4, 0.0)
+    cheap, _ = p.plan(parts, [1], mode="blend")
+    assert "blended" in {s.source for s in cheap.spans} and cheap.choice["blend"]
+    p.costs = costs(1e-4, 1e-2)  # a span costs what 100 tokens do
+    dear, loaded = p.plan(parts, [1], mode="blend")
+    assert {s.source for s in dear.spans[1:]} == {"compute"} and not dear.choice["blend"]
+    assert all(r.kv is None for r in loaded[1:]) and dear.tail == 1  # all of it computed with the question
+    again, _ = p.plan(parts, [1], mode="blend", ratio=1.0)  # recomputing every token saves nothing
+    assert not again.choice["blend"] and p.plan(parts, [1], mode="reuse")[0].choice["blend_ms"] < dear.choice[
+        "blend_ms"]

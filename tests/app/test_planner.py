@@ -77,6 +77,35 @@ def test_the_same_passage_gives_the_same_spans_behind_another_label_and_neighbou
     assert all(8 <= len(s.ids) <= 64 for s in again[1:])
 
 
+def test_templated_records_pasted_again_in_another_order_are_found_again():
+    """Text with little entropy (one JSON record template on one line, CSV rows): each document's spans are its
+    own (a blank line always cuts) and found again behind other labels, in another order."""
+    p, tokenizer, rng = planner(), shared_tokenizer(), random.Random(5)
+    names, cities = ["Ada", "Bruno", "Chiara", "Dmitri", "Elif"], ["Oslo", "Quito", "Hanoi", "Perth"]
+
+    def record() -> str:
+        return (f'{{"id": {rng.randrange(10_000, 99_999)}, "name": "{rng.choice(names)}", "city": '
+                f'"{rng.choice(cities)}", "quantity": {rng.randrange(1, 20)}, "status": "shipped"}}')
+
+    docs = [", ".join(record() for _ in range(4)) for _ in range(3)]
+    docs += ["\n".join(f"{rng.randrange(10_000)},{rng.choice(names)},{rng.choice(cities)},{rng.randrange(99)}"
+                       for _ in range(8)) for _ in range(2)]
+
+    def stuffed(order, label):
+        blocks = [f"Document [{n}] (Source: {label} {i}):\n{docs[i]}" for n, i in enumerate(order, 1)]
+        text = "Use the following documents to answer the question.\n\n" + "\n\n".join(blocks)
+        return text, [Part("head", HEAD), message(tokenizer.encode(text + "\n\nQuestion: which city?"))]
+
+    _, parts = stuffed(range(5), "tool result")
+    seen = {s.ids for s in p.cut(parts)}
+    _, parts = stuffed([3, 1, 4, 0, 2], "search hit")
+    again = p.cut(parts)
+    found = sum(len(s.ids) for s in again if s.ids in seen)
+    assert found >= 0.9 * sum(len(tokenizer.encode(d)) for d in docs)
+    pieces = [tokenizer.decode(s.ids) for s in again[1:]]
+    assert all("\n\n" not in piece.rstrip("\n") for piece in pieces)  # no span runs across a blank line
+
+
 def test_part_boundaries_are_hard_cuts_and_tiny_messages_merge():
     p = planner()
     a, b = text(1, 200), text(2, 200)

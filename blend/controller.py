@@ -124,7 +124,7 @@ class Choice:
 
     @property
     def blend(self) -> bool:
-        return self.blend_s < self.whole_s
+        return self.blend_s <= self.whole_s  # a tie keeps the spans found
 
     def as_dict(self) -> dict:
         return {"blend": self.blend, "blend_ms": round(self.blend_s * 1e3, 1), "whole_ms": round(self.whole_s * 1e3, 1)}
@@ -137,10 +137,16 @@ def blend_or_whole(chunks: Sequence[ChunkCost], computed: int, rates: Rates, *, 
     `computed` tokens (the spans not found and the question) against computing all of them. A layer of a blend
     computes its share and loads every chunk's layer (pipelined: the slower of the two, the first layer's load
     unhidden) and pays each span's own cost; the selection runs first: a question pass (`question_tokens` through
-    `question_layers`) or every cached token through `check_layers` (hkvd)."""
+    `question_layers`) or every cached token through `check_layers` (hkvd). A chunk slower to load than to
+    recompute is recomputed from text either way (`plan_loading`)."""
+    whole = rates.recompute_s * layers * (sum(c.tokens for c in chunks) + computed)
+    loads = [min(map(rates.load_s, c.sources), default=0.0) for c in chunks]    # one layer of each chunk
+    kept = [(c, s) for c, s in zip(chunks, loads) if s <= c.tokens * rates.recompute_s]
+    if not kept:  # each chunk recomputed from text (plan_loading): a tie, the loading controller decides each
+        return Choice(whole, whole)
+    computed += sum(c.tokens for c in chunks) - sum(c.tokens for c, _ in kept)
+    chunks, load = [c for c, _ in kept], sum(s for _, s in kept)
     cached = sum(c.tokens for c in chunks)
-    whole = rates.recompute_s * layers * (cached + computed)
-    load = sum(min(map(rates.load_s, c.sources), default=0.0) for c in chunks)  # one layer of every chunk
     compute = rates.recompute_s * (ratio * cached + computed)                    # one layer
     per_layer = (max(compute, load) if pipelined else compute + load) + rates.span_s * len(chunks)
     selection = (rates.question_s or rates.recompute_s) * question_tokens * question_layers \

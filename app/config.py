@@ -129,14 +129,12 @@ class PlannerSettings(BaseModel):
     """How app.engine.planner cuts a prompt into spans (each a store entry): by content, or LMCache's fixed windows."""
     chunking: Literal["content", "windows"] = "content"
     window_tokens: int = Field(256, ge=8)  # chunking windows: the window, matched at any offset of a later prompt
-    average_span_tokens: int = Field(16, ge=4)  # chunking content: a cut candidate every this many tokens (and
-    # after every line break)
+    average_span_tokens: int = Field(16, ge=4)  # chunking content: the smallest hash of each run of this many
+    # positions is a cut candidate (winnowing), so is every line break; a blank line always cuts
     min_span_tokens: int = Field(8, ge=1)  # shorter spans (tiny messages) merge with their neighbours
     max_span_tokens: int = Field(64, ge=2)
     max_spans: int = Field(384, ge=2)  # spans per request at most (each one or two store entries): past it the
     # prompt is cut coarser (every size doubled) until it has no more
-    min_reused_share: float = Field(0.1, ge=0, le=1)  # past the exact prefix, a prompt whose stored spans cover
-    # less of its tokens is computed whole with the question (a blend pass that saves almost nothing)
 
 
 class Settings(BaseSettings):

@@ -1,6 +1,7 @@
 """Bring your own retrieval: a client that retrieves itself and pastes the documents into one user message.
 
     python bench/byo_rag.py [--questions 8] [--passages 5] [--answer-tokens 1] [--modes full,prefix,blend,...]
+                            [--shapes prose,json,markdown,csv,code,logs,templated] [--worst 2]
 
 The workload (MuSiQue, ../shared/data/musique_dev.json): each prompt is one LangChain-style stuffed user message,
     Use the following documents to answer the question.
@@ -22,6 +23,16 @@ to back on every request so load drifts hit them alike:
     blend     ragblend's mode blend before the planner of issue #46 (whole messages): where the settings have no
               `planner` section, in place of windows and content
 
+SHAPES: the same workload over documents of other shapes, text with little entropy (bench/corpora.py, generated
+deterministically: JSON tool results on one line, markdown and CSV tables, source code, log lines, templated
+prose), each question's documents pasted, then again reordered and relabelled (another "Source" label each). Each
+shape runs in stores of its own; `prose` is MuSiQue's.
+
+WORST CASE (--worst N, after the prose workload, in its stores): N prompts of unseen MuSiQue passages with a
+sentence of a seen passage after every second sentence of their own (small scattered spans found: `scattered`),
+and N of unseen passages alone (`cold`: nothing found, all stored). Target: TTFT <= 1.05x full prefill on every
+one (`worst_ttft_ratio`: the largest), as the planner blends only where that is predicted faster (its `choice`).
+
 Per mode: `seen_reuse`, the share of previously seen passages' tokens whose KV was read from the store (a passage
 is seen once any earlier prompt held it) and `seen_passages_90`, the share of seen passages with >= 90% of their
 tokens reused; TTFT (the plan, store reads and computes, the prefill, the first token) relative to full prefill
@@ -30,8 +41,7 @@ top-1, teacher-forced over full prefill's greedy answer (--answer-tokens) as `ra
 (app.cli.compare.agreement); `after_answer_s`, the model-thread work after the answer (storing the prompt's
 pieces, any blendable forms), and `background_s`, the
 store writer's time (encoding and tier writes, off the model thread); `dropped_puts`, the spans the store's full
-put queue lost (never stored). --admission / --min-reused-share: store.admission / planner.min_reused_share for
-every mode.
+put queue lost (never stored). --admission: store.admission for every mode.
 `retrieval_path`: the same passages of each second sight through ragblend's own retrieval prompt (head |
 passages | question) at query@--ratio (app.cli.compare.Harness): the KL the targets compare against.
 `back_to_back`: through the server's scheduler (app.serving.scheduler, in-process), a new stuffed prompt A, then its
@@ -39,7 +49,8 @@ identical repeat B sent the moment A's answer arrives (A's storing still pending
 idle server: TTFT of B vs C is whether a request is admitted at once; A's `result_s` - `ttft_s` is the storing
 that delays its result (and stalls every other stream on the model thread). `..._stored_inline`: the same with
 the store before #46 (every span encoded and written on the model thread), for comparison.
-Targets reported: seen passages >= 90% reused, second-sight TTFT <= 0.30x full, KL <= 1.1x the retrieval path's.
+Targets reported, per shape: seen document tokens >= 90% reused, second-sight TTFT <= 0.30x full, KL <= 1.1x the
+retrieval path's (prose's); and the worst case's TTFT <= 1.05x full.
 Prints JSON on stdout (with the commit and load average), progress on stderr; saves a plot (--plot).
 """
 from __future__ import annotations
@@ -69,6 +80,7 @@ from app.engine.query import QueryParams, QueryResult, QueryStats  # noqa: E402
 from app.engine.rag_engine import RagEngine  # noqa: E402
 from app.engine.usage import COMPUTED  # noqa: E402
 from app.serving.scheduler import Scheduler  # noqa: E402
+from bench.corpora import SHAPES, document  # noqa: E402
 from blend import SamplingParams, TextStream  # noqa: E402
 from blend.driver import drain  # noqa: E402
 from common import git_commit  # noqa: E402
@@ -76,7 +88,7 @@ from common import git_commit  # noqa: E402
 INSTRUCTION = "Use the following documents to answer the question."
 PLANNED = "planner" in Settings.model_fields  # the planner of issue #46 has landed
 MODES = ("full", "prefix", "windows", "content") if PLANNED else ("full", "prefix", "blend")
-TARGETS = {"seen_reuse": 0.90, "second_sight_ttft_ratio": 0.30, "kl_vs_retrieval_path": 1.10}
+TARGETS = {"seen_reuse": 0.90, "second_sight_ttft_ratio": 0.30, "kl_vs_retrieval_path": 1.10, "worst_ttft_ratio": 1.05}
 
 
 def log(msg: str) -> None:
@@ -99,20 +111,52 @@ def stuffed(question: str, docs: list[dict]) -> str:
     return "\n".join(lines + ["", f"Question: {question}"])
 
 
-def workload(dataset: list[dict], questions: int, passages: int, seed: int) -> list[Request]:
+def workload(dataset: list[dict], questions: int, passages: int, seed: int, shape: str = "prose") -> list[Request]:
     rng = random.Random(seed)
+    items = dataset[:questions] if shape == "prose" else [generated(shape, q, passages, rng) for q in range(questions)]
     first = []
-    for q, item in enumerate(dataset[:questions]):
+    for q, item in enumerate(items):
         own = item["ctxs"][:passages]
-        docs = own[:-1] + [dataset[q - 1]["ctxs"][0]] if q else own  # the previous question's first passage
+        docs = own[:-1] + [items[q - 1]["ctxs"][0]] if q else own  # the previous question's first passage
         first.append(Request(q, "first", item["question"], docs))
     second = []
     for r in first:
         docs = list(r.docs)
         while len(docs) > 1 and docs == r.docs:
             rng.shuffle(docs)
+        if shape != "prose":  # relabelled: another source named for each document
+            docs = [{**d, "title": f"{d['title']} (copy {rng.randrange(100, 999)})"} for d in docs]
         second.append(Request(r.question, "second", r.text, docs))
     return first + second
+
+
+def generated(shape: str, q: int, passages: int, rng: random.Random) -> dict:
+    """A question over `passages` generated documents of `shape` (bench/corpora.py), as MuSiQue's items read."""
+    return {"question": f"Which of these {shape} documents mentions the most recent entry?",
+            "ctxs": [{"title": f"{shape} result {q}-{k}", "text": document(shape, rng)} for k in range(passages)]}
+
+
+def worst_case(dataset: list[dict], seen: list[Request], count: int, passages: int, start: int) -> list[Request]:
+    """`count` prompts of unseen passages sharing sentences with seen ones (scattered small spans found), then
+    `count` of unseen passages alone (cold): MuSiQue questions from `start` on."""
+    pool = [d for r in seen for d in r.docs]
+    scattered, cold = [], []
+    for k in range(count):
+        item = dataset[start + k]
+        docs = []
+        for j, d in enumerate(item["ctxs"][:passages]):
+            own, other = _sentences(d["text"]), _sentences(pool[(k * passages + j) % len(pool)]["text"])
+            mixed = [s for i, own_s in enumerate(own) for s in ([own_s, other[i // 2 % len(other)]] if i % 2
+                                                                  else [own_s])]
+            docs.append({"title": d["title"], "text": " ".join(mixed)})
+        scattered.append(Request(start + k, "scattered", item["question"], docs))
+        fresh = dataset[start + count + k]
+        cold.append(Request(start + count + k, "cold", fresh["question"], fresh["ctxs"][:passages]))
+    return scattered + cold
+
+
+def _sentences(text: str) -> list[str]:
+    return [s.strip() + "." for s in text.split(". ") if s.strip()] or [text]
 
 
 # ---- one request through one engine -----------------------------------------------------------
@@ -200,15 +244,12 @@ def mode_overrides(mode: str, window_tokens: int) -> dict[str, Any]:
     return {}
 
 
-def engines(shared: Components, root: Path, modes: list[str], window_tokens: int, base: dict,
-            planner: dict | None = None) -> dict[str, RagEngine]:
+def engines(shared: Components, root: Path, modes: list[str], window_tokens: int, base: dict) -> dict[str, RagEngine]:
     """An engine per mode, each with a store (and database) of its own under `root`, all on `shared`'s model."""
     loaded = {name: getattr(shared, name) for name in ("llm", "blender", "runtime", "prompt", "embedder")}
     out = {}
     for mode in modes:
         overrides = mode_overrides(mode, window_tokens)
-        if planner:
-            overrides["planner"] = {**overrides.get("planner", {}), **planner}
         settings = load_settings(data_dir=root / mode, **base, **overrides)
         parts = Components(settings)
         parts.__dict__.update(loaded)
@@ -240,6 +281,7 @@ def run_workload(engines_: dict[str, RagEngine], requests: list[Request], ratio:
                                "seen_tokens": sum(t for _, t in shares), "seen_reused": sum(r for r, _ in shares),
                                "seen_passages": len(shares), "seen_passages_90": sum(r >= 0.9 * t for r, t in shares),
                                "cached_tokens": stats.cached_tokens, "recomputed_tokens": stats.recomputed_tokens,
+                               "choice": getattr(plan[0], "choice", None),
                                **{k: round(v, 4) for k, v in seconds.items()}})
             log(f"{n + 1}/{len(requests)} q{request.question} {request.sight} {mode}: {len(ids)} tokens, TTFT "
                 f"{seconds['ttft_s']:.2f}s, after answer {seconds['after_answer_s']:.2f}s, background "
@@ -257,6 +299,10 @@ def summarise(rows: dict[str, list[dict]]) -> dict:
             pairs = [(m["ttft_s"], f["ttft_s"]) for m, f in zip(mine, full) if m["sight"] == sight]
             return round(average(a / b for a, b in pairs), 4) if pairs else None
 
+        def worst(sight: str) -> float | None:
+            pairs = [m["ttft_s"] / f["ttft_s"] for m, f in zip(mine, full) if m["sight"] == sight]
+            return round(max(pairs), 4) if pairs else None
+
         seen_tokens = sum(r["seen_tokens"] for r in mine)
         seen_passages = sum(r["seen_passages"] for r in mine)
         second = [r for r in mine if r["sight"] == "second"]
@@ -266,8 +312,10 @@ def summarise(rows: dict[str, list[dict]]) -> dict:
             if seen_passages else None,
             "ttft_ratio_first": ratio("first"), "ttft_ratio_second": ratio("second"),
             "ttft_ratio_second_median": ratio("second", lambda r: statistics.median(list(r))),
+            **{f"ttft_ratio_{sight}": ratio(sight) for sight in ("scattered", "cold")},
+            **{f"ttft_ratio_{sight}_max": worst(sight) for sight in ("scattered", "cold")},
             "kl": round(statistics.mean(r["kl"] for r in mine), 5),
-            "kl_second": round(statistics.mean(r["kl"] for r in second), 5),
+            "kl_second": round(statistics.mean(r["kl"] for r in second), 5) if second else None,
             "top1": round(statistics.mean(r["top1"] for r in mine), 4),
             "ttft_s_mean": round(statistics.mean(r["ttft_s"] for r in mine), 4),
             "after_answer_s_mean": round(statistics.mean(r["after_answer_s"] for r in mine), 4),
@@ -387,10 +435,13 @@ def targets(summary: dict, reference: dict | None, mode: str) -> dict:
     if s is None:
         return {}
     kl_limit = None if reference is None else reference["kl"] * TARGETS["kl_vs_retrieval_path"]
+    worst = [r for r in (s["ttft_ratio_scattered_max"], s["ttft_ratio_cold_max"]) if r is not None]
     return {"mode": mode,
             "seen_reuse_ge_0.90": s["seen_reuse"] is not None and s["seen_reuse"] >= TARGETS["seen_reuse"],
             "second_sight_ttft_le_0.30": s["ttft_ratio_second"] <= TARGETS["second_sight_ttft_ratio"],
-            "kl_within_10pct_of_retrieval_path": None if kl_limit is None else s["kl_second"] <= kl_limit}
+            "kl_within_10pct_of_retrieval_path": None if kl_limit is None else s["kl_second"] <= kl_limit,
+            **({"worst_ttft_ratio": max(worst), "worst_ttft_le_1.05": max(worst) <= TARGETS["worst_ttft_ratio"]}
+               if worst else {})}
 
 
 def main() -> None:
@@ -399,6 +450,10 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--passages", type=int, default=5, help="documents per prompt (5-10)")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--shapes", default=",".join(("prose",) + SHAPES),
+                        help="document shapes, each a workload in stores of its own (prose: MuSiQue)")
+    parser.add_argument("--worst", type=int, default=2,
+                        help="scattered and cold prompts after the prose workload (0: none)")
     parser.add_argument("--ratio", type=float, default=0.15)
     parser.add_argument("--window-tokens", type=int, default=256)
     parser.add_argument("--answer-tokens", type=int, default=4)
@@ -407,53 +462,62 @@ def main() -> None:
     parser.add_argument("--skip-back-to-back", action="store_true")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--admission", default=None, help="store.admission for every mode (default: the config's)")
-    parser.add_argument("--min-reused-share", type=float, default=None,
-                        help="planner.min_reused_share for every mode (default: the config's)")
     parser.add_argument("--plot", type=Path, default=REPO / "reports" / "byo_rag.png")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     modes = ["full"] + [m for m in args.modes.split(",") if m != "full"]
+    shapes = args.shapes.split(",")
     dataset = json.loads(args.dataset.read_text())
-    requests = workload(dataset, args.questions, args.passages, args.seed)
     load_before = os.getloadavg()
     base = {"model": {"cache_dir": str(REPO / "data/models")},
             "limits": {"max_question_chars": 200_000, "max_message_tokens": 8000, "max_prompt_tokens": 8000},
             **({"store": {"admission": args.admission}} if args.admission else {})}
-    share = {} if args.min_reused_share is None else {"min_reused_share": args.min_reused_share}
+    by_shape, reference, b2b = {}, None, {}
     with tempfile.TemporaryDirectory() as tmp:
         shared = Components(load_settings(data_dir=tmp, **base))
-        by_mode = engines(shared, Path(tmp), modes, args.window_tokens, base, share)
         try:
             warm = Request(-1, "warm", "Is this warm?", dataset[-1]["ctxs"][:2])
-            for mode, engine in by_mode.items():  # first-call costs, untimed, in stores thrown away below
-                one_request(engine, params_for(warm, mode, args.ratio, args.answer_tokens))
+            for mode, engine in engines(shared, Path(tmp) / "warm", modes, args.window_tokens, base).items():
+                one_request(engine, params_for(warm, mode, args.ratio, args.answer_tokens))  # first-call costs
                 engine.parts.close()
-            by_mode = engines(shared, Path(tmp) / "timed", modes, args.window_tokens, base, share)
-            summary = run_workload(by_mode, requests, args.ratio, args.answer_tokens)
-            reference = None if args.skip_retrieval_path else retrieval_path(shared, requests, args.ratio,
-                                                                             args.answer_tokens)
-            fresh = Request(args.questions, "fresh", dataset[args.questions]["question"],
-                            dataset[args.questions]["ctxs"][:args.passages])
-            ragblend = "content" if "content" in by_mode else "blend"
-            b2b = {} if args.skip_back_to_back else {
-                ragblend: back_to_back(by_mode[ragblend], fresh, ragblend, args.ratio, args.answer_tokens),
-                f"{ragblend}_stored_inline": inline_baseline(shared, Path(tmp), ragblend, fresh, args, base)}
+            for shape in shapes:
+                requests = workload(dataset, args.questions, args.passages, args.seed, shape)
+                if shape == "prose" and args.worst:
+                    requests += worst_case(dataset, requests[:args.questions], args.worst, args.passages,
+                                           args.questions + 1)
+                log(f"shape {shape}: {len(requests)} requests")
+                by_mode = engines(shared, Path(tmp) / shape, modes, args.window_tokens, base)
+                try:
+                    by_shape[shape] = run_workload(by_mode, requests, args.ratio, args.answer_tokens)
+                    if shape == "prose" and not args.skip_back_to_back:
+                        fresh = Request(args.questions, "fresh", dataset[args.questions]["question"],
+                                        dataset[args.questions]["ctxs"][:args.passages])
+                        ragblend = "content" if "content" in by_mode else "blend"
+                        b2b = {ragblend: back_to_back(by_mode[ragblend], fresh, ragblend, args.ratio,
+                                                      args.answer_tokens),
+                               f"{ragblend}_stored_inline": inline_baseline(shared, Path(tmp), ragblend, fresh, args,
+                                                                            base)}
+                finally:
+                    for engine in by_mode.values():
+                        engine.parts.close()
+            if "prose" in shapes and not args.skip_retrieval_path:
+                reference = retrieval_path(shared, workload(dataset, args.questions, args.passages, args.seed),
+                                           args.ratio, args.answer_tokens)
         finally:
-            for engine in by_mode.values():
-                engine.parts.close()
             shared.close()
-    plot(summary, None if reference is None else reference["kl"], args.plot)
+    ragblend = "content" if "content" in modes else "blend"
+    if "prose" in by_shape:
+        plot(by_shape["prose"], None if reference is None else reference["kl"], args.plot)
     print(json.dumps({"questions": args.questions, "passages": args.passages, "ratio": args.ratio,
-                      "answer_tokens": args.answer_tokens, "planner": PLANNED, "modes": modes,
-                      "admission": shared.settings.store.admission,
-                      "min_reused_share": share.get("min_reused_share", shared.settings.planner.min_reused_share)
-                      if PLANNED else None,
+                      "answer_tokens": args.answer_tokens, "planner": PLANNED, "modes": modes, "shapes": shapes,
+                      "worst": args.worst, "admission": shared.settings.store.admission,
                       "threads": torch.get_num_threads(), "commit": git_commit(),
                       "loadavg_before": [round(x, 2) for x in load_before],
-                      "loadavg_after": [round(x, 2) for x in os.getloadavg()], "plot": str(args.plot),
-                      "targets": targets(summary, reference, "content" if "content" in summary else "blend"),
-                      "retrieval_path": reference, "back_to_back": b2b, "summary": summary}, indent=2))
+                      "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+                      "plot": str(args.plot) if "prose" in by_shape else None,
+                      "targets": {shape: targets(summary, reference, ragblend) for shape, summary in by_shape.items()},
+                      "retrieval_path": reference, "back_to_back": b2b, "summary": by_shape}, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,14 +14,21 @@ A pure function (`plan_loading`) of numbers, so it is tested without a model:
   pass starts: only the rest (`overlap`, the share of layers after the question pass) can hide
   behind the main pass, so the compute that pays for itself is `overlap` x the load.
 
-`Calibration` keeps the measured inputs as moving averages: the per-token-per-layer recompute cost (from
-prefill timings), each tier's bandwidth and each codec's decode rate (from the store's per-layer read and
-decode counts, real reads), and each codec's stored bytes per token and layer (to price a copy of a chunk in
-a tier it was not opened from). A rate not measured yet counts as free: the chunk is loaded, and measured.
+`blend_or_whole` (the planner's choice, also pure): the predicted prefill time of blending a prompt's found spans
+against computing it whole (after its exact prefix), from the same rates and the measured cost of each blended span
+per layer (its read, RoPE shift and layout, its own run of keys), and the cheaper taken.
+
+`Calibration` keeps the measured inputs as moving averages: the per-token-per-layer recompute cost (a prefill's
+layers' time over the tokens they ran), a question pass's per token and layer, each blended span's per layer (the
+time a blended prefill waited for its reads and laid them out), each tier's bandwidth and each codec's decode rate
+(from the store's per-layer read and decode counts, real reads), and each codec's stored bytes per token and layer
+(to price a copy of a chunk in a tier it was not opened from). A rate not measured yet counts as free: the chunk is
+loaded, and measured.
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -47,6 +54,8 @@ class Rates:
     recompute_s: float                                    # one token through one layer
     bandwidth: dict[str, float] = field(default_factory=dict)    # tier -> stored bytes read per second
     decode_rate: dict[str, float] = field(default_factory=dict)  # codec -> stored bytes decoded per second
+    span_s: float = 0.0                                   # one blended span, one layer: its reads not hidden
+    question_s: float | None = None                       # one token through one layer of a question pass
 
     def load_s(self, source: Source) -> float:
         """Seconds to load one layer of a chunk from `source` (an unmeasured rate costs nothing)."""
@@ -106,6 +115,45 @@ def plan_loading(chunks: list[ChunkCost], rates: Rates, *, floor: float, suffix_
     return LoadPlan(ratio, load, sources, "; ".join([why, *text]), per_layer_load * 1e3, compute(ratio) * 1e3)
 
 
+@dataclass(frozen=True)
+class Choice:
+    """The planner's prediction for one prompt past its exact prefix, in seconds."""
+
+    blend_s: float
+    whole_s: float
+
+    @property
+    def blend(self) -> bool:
+        return self.blend_s <= self.whole_s  # a tie keeps the spans found
+
+    def as_dict(self) -> dict:
+        return {"blend": self.blend, "blend_ms": round(self.blend_s * 1e3, 1), "whole_ms": round(self.whole_s * 1e3, 1)}
+
+
+def blend_or_whole(chunks: Sequence[ChunkCost], computed: int, rates: Rates, *, layers: int, ratio: float,
+                   question_tokens: int = 0, question_layers: int = 0, check_layers: int = 0,
+                   pipelined: bool = True) -> Choice:
+    """Blending `chunks` (the spans found, read and RoPE-shifted, `ratio` of their tokens recomputed) with the
+    `computed` tokens (the spans not found and the question) against computing all of them. A layer of a blend
+    computes its share and loads every chunk's layer (pipelined: the slower of the two, the first layer's load
+    unhidden) and pays each span's own cost; the selection runs first: a question pass (`question_tokens` through
+    `question_layers`) or every cached token through `check_layers` (hkvd). A chunk slower to load than to
+    recompute is recomputed from text either way (`plan_loading`)."""
+    whole = rates.recompute_s * layers * (sum(c.tokens for c in chunks) + computed)
+    loads = [min(map(rates.load_s, c.sources), default=0.0) for c in chunks]    # one layer of each chunk
+    kept = [(c, s) for c, s in zip(chunks, loads) if s <= c.tokens * rates.recompute_s]
+    if not kept:  # each chunk recomputed from text (plan_loading): a tie, the loading controller decides each
+        return Choice(whole, whole)
+    computed += sum(c.tokens for c in chunks) - sum(c.tokens for c, _ in kept)
+    chunks, load = [c for c, _ in kept], sum(s for _, s in kept)
+    cached = sum(c.tokens for c in chunks)
+    compute = rates.recompute_s * (ratio * cached + computed)                    # one layer
+    per_layer = (max(compute, load) if pipelined else compute + load) + rates.span_s * len(chunks)
+    selection = (rates.question_s or rates.recompute_s) * question_tokens * question_layers \
+        + rates.recompute_s * cached * check_layers
+    return Choice(layers * per_layer + (load if pipelined else 0.0) + selection, whole)
+
+
 def overlap_share(question_layers: range | None, num_layers: int) -> float:
     """Share of the layers whose load can overlap the main pass: all of them, or, after a question pass
     over layers [0, stop), the layers after it (those before it were needed first)."""
@@ -119,6 +167,8 @@ class Calibration:
     """Measured costs, updated from live timings (exponential moving averages, weight `alpha`)."""
 
     recompute_s: float | None = None                           # per token per layer
+    span_s: float | None = None                                # per blended span per layer: reads not hidden
+    question_s: float | None = None                            # per token per layer of a question pass
     bandwidth: dict[str, float] = field(default_factory=dict)    # stored bytes/s per tier
     decode_rate: dict[str, float] = field(default_factory=dict)  # stored bytes/s per codec
     token_layer_bytes: dict[str, float] = field(default_factory=dict)  # stored bytes of a token in a layer, per codec
@@ -131,6 +181,18 @@ class Calibration:
         if tokens_through_layers > 0 and seconds > 0:
             with self._lock:
                 self.recompute_s = _ema(self.recompute_s, seconds / tokens_through_layers, self.alpha)
+
+    def observe_prefill(self, token_layers: float, seconds: float, *, question: tuple[float, float] = (0, 0.0),
+                        spans: tuple[float, float] = (0, 0.0)) -> None:
+        """A prefill's layers ran `token_layers` (tokens x layers) in `seconds` (its reads' waits not counted); its
+        question pass `question` (token-layers, seconds); its blended spans `spans` (span-layers, the seconds its
+        layers waited for their reads and its layout took)."""
+        self.observe_compute(token_layers, seconds)
+        with self._lock:
+            if question[0] > 0 and question[1] > 0:
+                self.question_s = _ema(self.question_s, question[1] / question[0], self.alpha)
+            if spans[0] > 0:
+                self.span_s = _ema(self.span_s, max(0.0, spans[1]) / spans[0], self.alpha)
 
     def observe_tier(self, tier: str, nbytes: float, seconds: float) -> None:
         """`nbytes` read (and checked) from `tier` in `seconds`: the store's per-layer read counts."""
@@ -168,7 +230,8 @@ class Calibration:
         with self._lock:
             if self.recompute_s is None:
                 return None
-            return Rates(self.recompute_s, dict(self.bandwidth), dict(self.decode_rate))
+            return Rates(self.recompute_s, dict(self.bandwidth), dict(self.decode_rate), self.span_s or 0.0,
+                         self.question_s)
 
     def estimate(self, tier: str, codec: str, tokens: int) -> Source | None:
         """A chunk of `tokens` tokens in `tier` as `codec` keeps it, priced by that codec's measured bytes per
@@ -180,6 +243,8 @@ class Calibration:
     def snapshot(self) -> dict:
         with self._lock:
             return {"recompute_us_per_token_layer": None if self.recompute_s is None else self.recompute_s * 1e6,
+                    "span_us_per_layer": None if self.span_s is None else self.span_s * 1e6,
+                    "question_us_per_token_layer": None if self.question_s is None else self.question_s * 1e6,
                     "tier_bandwidth_mb_s": {t: round(b / 1e6, 2) for t, b in self.bandwidth.items()},
                     "codec_decode_mb_s": {c: round(r / 1e6, 2) for c, r in self.decode_rate.items()}}
 

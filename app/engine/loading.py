@@ -8,7 +8,7 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol
 
 from blend import Blender, ChunkKV
-from blend.controller import Calibration, ChunkCost, Rates, Source, overlap_share, plan_loading
+from blend.controller import Calibration, Choice, ChunkCost, Rates, Source, blend_or_whole, overlap_share, plan_loading
 from blend.pipeline import LayerSource
 from blend.selection import get_policy
 from store import ResidentEntry, TieredStore
@@ -66,8 +66,28 @@ class LoadingControl:
         return (opened, *(s for s in later if s is not None and rates.load_s(s) < rates.load_s(opened)
                           and self.store.contains(entry.key, s.tier)))
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """After a blended prefill: its live compute cost (`tokens` token-layers in `seconds`), and the store's
-        reads since the last prefill: each tier's bandwidth and each codec's decode rate."""
-        self.calibration.observe_compute(tokens, seconds)
+    def blend_or_whole(self, pieces: Sequence[Piece], computed: int, *, ratio: float, question_tokens: int,
+                       pipelined: bool) -> Choice | None:
+        """The planner's choice for a prompt past its exact prefix: blend `pieces` (the spans found, opened) with
+        the `computed` tokens, or compute them all, priced by the measured rates (None before any prefill ran).
+        A piece loads from the tier it was opened from (or a cheaper one: `_sources`)."""
+        rates = self.calibration.rates()
+        if rates is None:
+            return None
+        layers, policy = self.blender.num_layers, get_policy(self.blender.selection)
+        chunks = [ChunkCost(len(p.ids), self._sources(p, rates) if hasattr(p.kv, "layer_nbytes") else ())
+                  for p in pieces]
+        return blend_or_whole(chunks, computed, rates, layers=layers, ratio=ratio,
+                              question_tokens=question_tokens,
+                              question_layers=policy.layer_range(layers).stop if policy.question_layers else 0,
+                              check_layers=self.blender.check_layer + 1 if policy.deviation else 0,
+                              pipelined=pipelined)
+
+    def observe(self, tokens: int, seconds: float, *, question: tuple[float, float] = (0, 0.0),
+                spans: tuple[float, float] = (0, 0.0)) -> None:
+        """After a prefill: its live costs (`tokens` token-layers computed in `seconds`, a question pass's
+        token-layers and seconds, its blended span-layers and the seconds they cost past the compute:
+        Calibration.observe_prefill), and the store's reads since the last prefill: each tier's bandwidth and each
+        codec's decode rate."""
+        self.calibration.observe_prefill(tokens, seconds, question=question, spans=spans)
         self.calibration.observe_reads(self.store.counts(), self.store.decode_counts())

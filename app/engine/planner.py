@@ -33,11 +33,13 @@ import torch
 
 from app.config import PlannerSettings
 from app.engine.kv import ChunkKVCache
+from app.engine.loading import LoadingControl
 from app.engine.query import KeyUse, QueryStats
 from app.engine.usage import COMPUTED
 from blend import ChunkKV, Prefill, hash_ids
 from blend.chunking import content_cuts
 from blend.pipeline import LayerSource
+from blend.selection import get_policy
 from store import kv_key
 
 PartKind = Literal["head", "message", "opening", "passage"]
@@ -78,6 +80,7 @@ class Plan:
     dropped: int = 0              # a chat's oldest messages left out (they did not fit the context)
     tenant: str = ""              # mixed into the keys of the client's text
     collection: str = ""          # the documents' collection its passages come from ("" shared)
+    choice: dict | None = None    # found spans: blended or computed whole, as predicted (blend.controller.Choice)
 
     @property
     def prompt_tokens(self) -> int:
@@ -85,10 +88,15 @@ class Plan:
 
     @property
     def tail(self) -> int:
-        """The index of the first span computed with the question: the computed spans at the end."""
+        """The index of the first span computed with the question: the computed spans at the end, or, behind a
+        blended span, only the last of them (the others are fresh segments of the blend: a selection's question
+        pass runs what is computed with the question through most layers, and the main pass again, so a long
+        computed tail would be paid almost twice; in a scattered prompt it was most of the prompt)."""
         end = len(self.spans)
         while end > 0 and self.spans[end - 1].source == "compute":
             end -= 1
+        if any(s.source == "blended" for s in self.spans[:end]):
+            end = max(end, len(self.spans) - 1)
         return end if self.suffix else min(end, len(self.spans) - 1)  # no suffix: the last span runs there
 
 
@@ -107,22 +115,25 @@ class Loaded:
 
 
 class Planner:
-    def __init__(self, kv_cache: ChunkKVCache, settings: PlannerSettings, pipeline: bool = False):
+    def __init__(self, kv_cache: ChunkKVCache, settings: PlannerSettings, pipeline: bool = False,
+                 costs: LoadingControl | None = None, ratio: float = 0.15):
         self.kv, self.settings, self.pipeline = kv_cache, settings, pipeline
+        self.costs, self.ratio = costs, ratio  # the measured rates a blend is priced by; the ratio when none is asked
         self.fingerprint = kv_cache.blender.fingerprint
         self._windows: dict[int, None] = {}  # mode windows: hashes of the windows stored (insertion order)
 
     @cached_property
-    def breaks(self) -> np.ndarray:
-        """The ids of tokens holding a line break: always a cut candidate, so a document pasted as a paragraph
-        ends its own span (its neighbour after the blank line starts another)."""
+    def breaks(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of tokens holding a line break, of those holding a blank line): cut candidates, the blank line (where
+        pasted documents meet) always a cut, so each document's spans are its own."""
         tokenizer = getattr(self.kv.prompt, "tokenizer", None) if hasattr(self.kv, "prompt") else None
         if tokenizer is None:
-            return np.empty(0, dtype=np.int64)
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
         vocab = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        return np.array(sorted(i for i, t in enumerate(vocab)
-                               if t and ("\n" in t or "Ċ" in t or t == "<0x0A>")),  # byte-level BPE, SentencePiece
-                        dtype=np.int64)
+        newlines = {i: t.replace("Ċ", "\n").count("\n") or int(t == "<0x0A>")  # byte-level BPE, SentencePiece
+                    for i, t in enumerate(vocab) if t}
+        return (np.array(sorted(i for i, k in newlines.items() if k), dtype=np.int64),
+                np.array(sorted(i for i, k in newlines.items() if k > 1), dtype=np.int64))
 
     # ---- cutting ---------------------------------------------------------------------------------
 
@@ -146,7 +157,9 @@ class Planner:
             elif self.settings.chunking == "windows":
                 ends = self._window_cuts(part.ids)
             else:
-                ends = content_cuts(part.ids, average=average, min_tokens=low, max_tokens=high, breaks=self.breaks)
+                lines, blank = self.breaks
+                ends = content_cuts(part.ids, average=average, min_tokens=low, max_tokens=high, breaks=lines,
+                                    paragraphs=blank)
             raw += [(part, a, b) for a, b in zip([0] + ends, ends)]
         spans: list[Span] = []
         position, pending, size = 0, [], 0
@@ -155,10 +168,10 @@ class Planner:
         for i, (part, a, b) in enumerate(raw):
             pending.append((part, a, b))
             size += b - a
-            mergeable = part.kind in ("message", "opening")
+            mergeable = part.kind in ("message", "opening") and b == len(part.ids)  # (a blank line's cut stays)
             following = raw[i + 1][0] if i + 1 < len(raw) else None
             if mergeable and size < low and following is not None and following.kind in ("message", "opening"):
-                continue  # a tiny span joins the next (a hard cut may merge, never split)
+                continue  # a tiny message joins the next (a hard cut may merge, never split)
             ids = tuple(t for p, x, y in pending for t in p.ids[x:y])
             first = pending[0][0]
             shared = first.kind == "passage" or (first.kind == "head" and list(ids) == head)
@@ -184,9 +197,11 @@ class Planner:
     # ---- the plan --------------------------------------------------------------------------------
 
     def plan(self, parts: Sequence[Part], suffix: Sequence[int], *, mode: str, tenant: str = "", read: bool = True,
-             collection: str = "", **rest) -> tuple[Plan, list[Loaded]]:
+             collection: str = "", ratio: float | None = None, **rest) -> tuple[Plan, list[Loaded]]:
         """The plan and, with `read`, each span's KV as read (without it, where each entry is, nothing read).
-        Mode full: no lookups (every span computed); prefix: everything after the exact chain computed."""
+        Mode full: no lookups (every span computed); prefix: everything after the exact chain computed; blend: the
+        spans found blended, or all computed with the question where that is predicted faster (`ratio`: the one
+        asked, else the default)."""
         spans, loaded, chain, exact = [], [], hashlib.sha256(), mode != "full"
         source: Source
         for span in self.cut(parts):
@@ -213,8 +228,31 @@ class Planner:
             spans.append(Span(span.kind, span.ids, span.start, span.message, span.shared, source, keys[0],
                               found.tier, before))
             loaded.append(found)
-        _compute_when_mostly_new(spans, loaded, self.settings.min_reused_share)
-        return Plan(spans=tuple(spans), suffix=tuple(suffix), tenant=tenant, collection=collection, **rest), loaded
+        ratio = 0.0 if mode == "reuse" else self.ratio if ratio is None else ratio
+        choice = self._blend_or_whole(spans, loaded, len(suffix), ratio)
+        return Plan(spans=tuple(spans), suffix=tuple(suffix), tenant=tenant, collection=collection, choice=choice,
+                    **rest), loaded
+
+    def _blend_or_whole(self, spans: list[Span], loaded: list[Loaded], suffix: int, ratio: float) -> dict | None:
+        """Past the exact prefix, the found spans blended or, where computing it all with the question is predicted
+        faster from the measured rates (app.engine.loading: blend.controller.blend_or_whole), all computed (prefix
+        caching). Small scattered spans cost more to blend (each its own read, shift and run of keys, the selection)
+        than they save. Not measured yet (no prefill run): blended. Returns the prediction (the plan's `choice`)."""
+        start = next((i for i, s in enumerate(spans) if s.source != "exact"), len(spans))
+        found = [i for i in range(start, len(spans)) if spans[i].source == "blended"]
+        if not found or self.costs is None:
+            return None
+        computed = sum(len(s.ids) for s in spans[start:] if s.source == "compute") + suffix
+        tail = len(spans[-1].ids) if found[-1] < len(spans) - 1 else 0  # computed with the question (Plan.tail)
+        choice = self.costs.blend_or_whole([loaded[i] for i in found], computed, ratio=ratio,
+                                           question_tokens=tail + suffix, pipelined=self.pipeline)
+        if choice is None or choice.blend:
+            return None if choice is None else choice.as_dict()
+        for i in found:
+            loaded[i].close()
+            spans[i] = replace(spans[i], source="compute", tier=None)
+            loaded[i] = Loaded(list(spans[i].ids), None, None, spans[i].start)
+        return choice.as_dict()
 
     def entries(self, span: Span, before: str, tenant: str, collection: str = "") -> list[tuple[str, str]]:
         """(context, key) of each entry a span may be stored under, as the store names it (kv_key of the model,
@@ -293,6 +331,24 @@ class Planner:
         if len(self._windows) > WINDOW_INDEX_MAX:
             del self._windows[next(iter(self._windows))]
 
+    def observe(self, plan: Plan, loaded: Sequence[Loaded], prefill: Prefill) -> None:
+        """Feed a blended prefill's measured costs to the rates blends are priced by (app.engine.loading): its
+        layers' time per token-layer run, its question pass's per token-layer (the computed tail and the question
+        through the policy's layers), its waits for reads and its layout per blended span-layer."""
+        p = prefill.stats
+        if self.costs is None or p.fallback is not None:
+            return
+        layers, timings = self.kv.blender.num_layers, p.timings_ms
+        run = p.prompt_tokens - p.cached_tokens + p.recomputed_tokens  # the rows the layers ran
+        layers_ms = timings.get("layers_selected", timings.get("layers", 0.0)) + timings.get("layers_full", 0.0)
+        policy = get_policy(p.selection) if p.selection else None
+        question = (p.prompt_tokens - sum(len(s.ids) for s in plan.spans[:plan.tail])) * (
+            policy.layer_range(layers).stop if policy and policy.question_layers else 0)
+        blended = sum(s.source == "blended" and r.tier != COMPUTED for s, r in zip(plan.spans, loaded)) * layers
+        self.costs.observe(run * layers, max(layers_ms - p.load_wait_ms, 0.0) / 1000,
+                           question=(question, timings.get("question_pass", 0.0) / 1000),
+                           spans=(blended, (p.load_wait_ms + timings.get("assemble", 0.0)) / 1000))
+
     @staticmethod
     def key_uses(plan: Plan) -> list[KeyUse]:
         """Each span's entry: the one read, or the one it is stored under."""
@@ -348,22 +404,6 @@ def _kept(span: Span, had: str) -> bool:
     nor a shared passage blended here (its entry stays the one computed after the head), nor the standard head
     (kept exact by ChunkKVCache, stored at warm-up)."""
     return not (had == "exact" or (had == "blended" and span.shared) or (span.kind == "head" and span.shared))
-
-
-def _compute_when_mostly_new(spans: list[Span], loaded: list[Loaded], share: float) -> None:
-    """Past the exact prefix, stored spans covering less than `share` of the tokens: all of them computed with the
-    question instead (prefix caching): a blend pass (the selection, the recompute) that saves almost nothing. Small
-    by default: 3k-token stuffed prompts with 20% of their tokens read blended at 0.65-0.80x full prefill
-    (bench/byo_rag.py)."""
-    start = next((i for i, s in enumerate(spans) if s.source != "exact"), len(spans))
-    total = sum(len(s.ids) for s in spans[start:])
-    if sum(len(s.ids) for s in spans[start:] if s.source == "blended") >= share * total:
-        return
-    for i in range(start, len(spans)):
-        if spans[i].source == "blended":
-            loaded[i].close()
-            spans[i] = replace(spans[i], source="compute", tier=None)
-            loaded[i] = Loaded(list(spans[i].ids), None, None, spans[i].start)
 
 
 def _salted(context: str, tenant: str) -> str:

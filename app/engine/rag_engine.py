@@ -95,7 +95,9 @@ class RagEngine:
 
     @cached_property
     def planner(self) -> Planner:
-        return Planner(self.parts.kv_cache, self.settings.planner, pipeline=self.settings.blend.pipeline)
+        b = self.settings.blend  # (blend.ratio auto: priced at its floor)
+        return Planner(self.parts.kv_cache, self.settings.planner, pipeline=b.pipeline, costs=self.parts.loading,
+                       ratio=b.ratio_floor if b.ratio == "auto" else b.ratio)
 
     def prefill(self, params: QueryParams, plan: Plan, loaded: list[Loaded], stats: QueryStats
                 ) -> Generator[int | None, None, Prefill]:
@@ -131,9 +133,7 @@ class RagEngine:
                     parts.kv_cache.served(span.ids, source, plan.collection)
         stats.prefill_ms = _ms(t)
         self.planner.fill_stats(stats, plan, loaded, prefill, params.mode)
-        if params.mode == "blend" and prefill.stats.fallback is None:  # live compute cost, for the controller
-            tokens = (stats.prompt_tokens - stats.cached_tokens) * parts.blender.num_layers  # all but what was read
-            parts.loading.observe(tokens, (stats.prefill_ms - stats.load_wait_ms) / 1000)
+        self.planner.observe(plan, loaded, prefill)  # live costs, for the planner and the loading controller
         return prefill
 
     def _fresh(self, read: Loaded):
@@ -180,7 +180,8 @@ class RagEngine:
                                f"limits.max_prompt_tokens ({budget}); lower top_k or shorten the messages")
         t = time.perf_counter()
         plan, loaded = self.planner.plan(given, suffix, mode=params.mode, tenant=params.tenant, read=read,
-                                         collection=params.collection, hits=tuple(hits), dropped=dropped)
+                                         collection=params.collection, ratio=params.ratio, hits=tuple(hits),
+                                         dropped=dropped)
         stats.kv_load_ms = _ms(t)
         self._check_price(params, plan, loaded, prompt_tokens)
         return plan, loaded

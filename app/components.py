@@ -16,6 +16,7 @@ from app.engine.loading import LoadingControl
 from app.engine.usage import UsageLog
 from blend import Blender, DecodeRuntime, LoadedModel, PromptFormat, load_model
 from blend.cache import RoundTrip
+from common.housekeeping import Housekeeping
 from retrieval import Chunker, Embedder, Metadata, Retriever, open_embedder, open_metadata
 from store import TieredStore, build_store
 from store.codecs import Codec
@@ -62,7 +63,7 @@ class Components:
         """The store, its leases kept in the metadata database (shared by replicas, kept across restarts)."""
         return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint,
                            self.blender.backend.placement,  # the gpu tier and pinned memory follow the model
-                           ledger=self.metadata, codecs=self.codecs)
+                           ledger=self.metadata, codecs=self.codecs, housekeeping=self.housekeeping)
 
     @cached_property
     def stored_round_trip(self) -> RoundTrip | None:
@@ -103,7 +104,8 @@ class Components:
 
     @cached_property
     def usage(self) -> UsageLog:
-        return UsageLog(self.metadata, store_counts=lambda: self.store.counts())  # the store's dropped entries
+        # store_counts: the store's dropped entries
+        return UsageLog(self.metadata, self.housekeeping, store_counts=lambda: self.store.counts())
 
     @cached_property
     def embedder(self) -> Embedder:
@@ -125,9 +127,15 @@ class Components:
                         max_chars=self.settings.limits.max_document_chars,
                         precompute_at=self.settings.blend.precompute_at)
 
+    @cached_property
+    def housekeeping(self) -> Housekeeping:
+        """The one thread for periodic work: the usage flush, the store's lease sweep."""
+        return Housekeeping()
+
     def close(self) -> None:
-        """Write the last usage counts, close the store and the metadata database, if they were opened."""
-        for name in ("usage", "store", "retriever", "metadata"):
+        """Write the last usage counts, close the store and the metadata database, if they were opened, then stop
+        housekeeping."""
+        for name in ("usage", "store", "retriever", "metadata", "housekeeping"):
             part = self.__dict__.pop(name, None)
             if part is not None:
                 part.close()

@@ -59,7 +59,7 @@ class EmbeddingList(BaseModel):
 @router.post("/v1/embeddings", response_model=EmbeddingList, responses={**ERRORS, **MODEL_NOT_FOUND})
 async def embeddings(body: EmbeddingRequest, request: Request, svc: Service = Depends(service)) -> EmbeddingList:
     """Each input's vector, in order (see the module docstring)."""
-    embedder = svc.serving.engine.parts.embedder
+    embedder = svc.serving.embedder
     if body.model != embedder.name:
         raise ApiError(404, f"The model {body.model!r} does not exist: this server embeds with {embedder.name!r}",
                        code="model_not_found", param="model")

@@ -12,12 +12,12 @@ Anthropic's (app/api/errors.py).
 """
 from __future__ import annotations
 
-import asyncio
 import signal
 import threading
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Iterator
 
+import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -78,7 +78,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         svc.start()
         yield
-        await asyncio.to_thread(svc.stop)  # blocking joins; the loop stays free to deliver last events
+        await anyio.to_thread.run_sync(svc.stop)  # blocking joins; the loop stays free to deliver last events
 
     app = FastAPI(title="ragblend", version="0.1.0", lifespan=lifespan,
                   description="RAG answers with CacheBlend chunk-KV reuse; OpenAI-compatible chat completions.")

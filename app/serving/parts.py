@@ -15,7 +15,7 @@ from app.engine.ingest import IngestCancelled, Ingestor
 from app.engine.kv import ChunkKVCache
 from app.serving.scheduler import Scheduler
 from app.serving.worker import Worker
-from retrieval import Retriever
+from retrieval import Embedder, Retriever
 from store import TieredStore
 
 
@@ -25,12 +25,13 @@ class Engine(Protocol):
     parts: Components
 
     def program(self, params: Any, cancelled: Callable[[], bool]) -> Generator[Any, Any, None]: ...
+    def lookup(self, params: Any) -> Any: ...
 
 
 class Serving:
     """The service's parts once `engine` has loaded: its model thread (`scheduler`, not yet started), the
-    upload Ingestor (`uploads`), and what the routes read (`retriever`, `store`, `model_name`,
-    `blend_disabled`)."""
+    upload Ingestor (`uploads`), and what the routes read (`retriever`, `store`, `tokenizer`, `vocab`, `embedder`,
+    `model_name`, `blend_disabled`)."""
 
     def __init__(self, settings: Settings, engine: Engine, lane: Worker):
         parts, s = engine.parts, settings.server
@@ -47,6 +48,19 @@ class Serving:
     @property
     def store(self) -> TieredStore:
         return self._parts.store
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._parts.tokenizer
+
+    @property
+    def vocab(self) -> int:
+        """The model's vocabulary: token ids at or past it are none of its."""
+        return self._parts.runtime.vocab
+
+    @property
+    def embedder(self) -> Embedder:
+        return self._parts.embedder
 
     def owned_keys(self, keys: list[str]) -> set[str]:
         return self._parts.owned_keys(keys)
@@ -96,10 +110,11 @@ class ModelThreadKV:
         self.kv.delete(key)
 
     def ensure(self, ids: Sequence[int], collection: str = "") -> str:
+        """ChunkKVCache.ensure with its compute on the model thread (the store checked here, once)."""
         if self.kv.store.contains(key := self.kv.key(ids, collection)):
             return key
         try:
-            return self.scheduler.run_on_model(lambda: self.kv.ensure(ids, collection),
+            return self.scheduler.run_on_model(lambda: self.kv.compute_put(ids, collection),
                                                label="upload: chunk KV precompute",
                                                cancelled=self.cancelled)
         except concurrent.futures.CancelledError:

@@ -25,7 +25,11 @@ import asyncio
 import logging
 import threading
 import time
+from functools import partial
 from typing import Any, Callable
+
+import anyio
+from tqdm import tqdm
 
 from app.config import Settings
 from app.engine.query import QueryParams
@@ -37,6 +41,10 @@ from app.tenants import current_tenant
 
 log = logging.getLogger("ragblend.server")
 
+# Blocking work the event loop hands off, by pool: each a bound on anyio's worker threads (the ones Starlette runs
+# sync routes, static files and form parsing on), never asyncio's default executor. "lookup": tokenizing, retrieval
+# and store lookups (CPU: a few at once); "store": leases and other database writes (I/O).
+POOLS = {"lookup": 2, "store": 4}
 DISK_FULL_S = 60.0  # /health says degraded this long after a write found the disk full
 STOP_MARGIN_S = 10.0  # at shutdown, after the grace period: time for cancelled work to reach its next check
 
@@ -65,8 +73,10 @@ class Service:
         self.stopping: float | None = None  # when shutdown began (monotonic)
         self.created = int(time.time())
         self.disk_full_at: float | None = None  # when a write last found the data disk full (monotonic)
+        self._pools: dict[str, anyio.CapacityLimiter] = {}  # made on the event loop, at first use
 
     def start(self) -> None:
+        tqdm.monitor_interval = 0  # no tqdm monitor thread for the model's loading bar: a server has no terminal
         self.lane = Worker(self.settings.server.queue_size, name="ragblend-ingest")  # an app may be restarted
         self.serving, self.stopping = None, None
         self.lane.start()
@@ -104,7 +114,7 @@ class Service:
         if self.scheduler is not None:
             self.scheduler.begin_stop()
             timer = threading.Timer(self.settings.server.shutdown_grace_s, self.scheduler.cancel_all)
-            timer.daemon = True
+            timer.name, timer.daemon = "ragblend-shutdown", True
             timer.start()
 
     def wait_drained(self, timeout_s: float) -> None:
@@ -201,10 +211,33 @@ class Service:
         return await self._started(lambda: scheduler.submit(
             lambda cancelled: engine.program(params, cancelled), label=kind), scheduler.retry_after)
 
+    async def blocking(self, pool: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` off the event loop, in `pool` (POOLS: at most that many at once)."""
+        if (limiter := self._pools.get(pool)) is None:
+            limiter = self._pools[pool] = anyio.CapacityLimiter(POOLS[pool])
+        return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=limiter)
+
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's tokens in the model's tokenizer, special tokens left out: the unit of the budgets."""
-        tokenizer = self.serving.engine.parts.tokenizer
+        tokenizer = self.serving.tokenizer
         return [len(ids) for ids in tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
+
+    def token_ids(self, prompt: str | list[int]) -> list[int]:
+        """A raw prompt's token ids: a string tokenized as the tokenizer does by default; ids checked against the
+        vocabulary (ValueError naming the first one past it)."""
+        if isinstance(prompt, str):
+            return self.serving.tokenizer(prompt)["input_ids"]
+        if max(prompt) >= (vocab := self.serving.vocab):
+            raise ValueError(f"token id {max(prompt)} is not in the vocabulary ({vocab})")
+        return prompt
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's text on its own (logprobs)."""
+        return self.serving.tokenizer.batch_decode([[t] for t in ids])
+
+    async def lookup(self, params: QueryParams) -> Any:
+        """What the request's prompt would read from the store, looked up off the loop (engine.lookup: a Plan)."""
+        return await self.blocking("lookup", self.serving.engine.lookup, params)
 
     async def start_on_lane(self, fn: Callable[[Callable[[], bool]], Any], label: str) -> Job:
         """Queue `fn(cancelled)` on the ingest lane and wait until it starts (its result: `job.result()`)."""

@@ -183,3 +183,24 @@ def test_a_prompt_of_mostly_new_text_is_computed_whole_past_its_exact_prefix():
     assert all(r.kv is None for r in loaded[1:]) and mostly_new.tail == 1
     some_new, _ = p.plan([Part("head", HEAD), message(new[:60], 0), message(seen, 1)], [1], mode="blend")
     assert "blended" in {s.source for s in some_new.spans[1:]}  # 40 of 100: blended
+
+
+def test_a_writer_with_no_room_left_gets_no_more_of_the_prompt():
+    """Backpressure: Planner.store stops at the store's first refusal, so what is stored is the prompt's first spans
+    (a clean prefix for its repeat), never scattered pieces of it."""
+    p = planner()
+    parts = [Part("head", HEAD), message(text(21, 120), 0)]
+    plan, loaded = p.plan(parts, [1, 2], mode="blend")
+    tokens = plan.spans[-1].end
+    layer = SimpleNamespace(keys=torch.zeros(1, 1, tokens, 2), values=torch.zeros(1, 1, tokens, 2))  # [1, H, T, D]
+    prefill = SimpleNamespace(cache=SimpleNamespace(layers=[layer, layer]))
+    offered: list[str] = []
+
+    def put_nowait(key, kv) -> bool:
+        offered.append(key)
+        return len(offered) <= 3  # room for three entries
+    p.kv.store.put_nowait = put_nowait
+    assert p.store(plan, loaded, prefill) == 3
+    entries = list(dict.fromkeys(key for s in plan.spans if s.source == "compute" and s.kind != "head"
+                                 for _, key in p.entries(s, s.after, plan.tenant, plan.collection)))
+    assert len(entries) > 4 and offered == entries[:4]  # the first three taken, the fourth refused, then no more

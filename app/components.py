@@ -23,7 +23,10 @@ from store.codecs import Codec
 
 
 class Components:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, housekeeping: Housekeeping | None = None):
+        """`housekeeping`: who runs periodic work (the server's, run from its event loop); None: its own thread."""
+        if housekeeping is not None:
+            self.housekeeping = housekeeping
         self.settings = settings
 
     @cached_property

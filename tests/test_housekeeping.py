@@ -27,3 +27,17 @@ def test_one_thread_runs_every_task_until_cancelled_or_closed():
     assert sorted(keeping.tasks()) == ["b", "bad"]
     keeping.close()
     assert not keeping._thread.is_alive()
+
+
+def test_without_a_thread_the_caller_runs_what_is_due():
+    now = [0.0]
+    keeping = Housekeeping(clock=lambda: now[0], thread=False)
+    ran: list[str] = []
+    keeping.every(1.0, lambda: ran.append("sweep"), "sweep")
+    keeping.every(2.5, lambda: ran.append("flush"), "flush")
+    assert keeping.run_due() == 1.0 and ran == []  # nothing due yet: the wait until the first is
+    now[0] = 2.6
+    assert keeping.run_due() == 1.0 and sorted(ran) == ["flush", "sweep"]  # both ran, next sweep one period on
+    assert keeping._thread is None  # no thread was started
+    keeping.close()
+    assert keeping.run_due() is None

@@ -38,6 +38,7 @@ from app.serving.parts import Engine, Serving
 from app.serving.scheduler import Scheduler
 from app.serving.worker import Job, QueueFull, QueueTimeout, Worker
 from app.tenants import current_tenant
+from common.housekeeping import Housekeeping
 
 log = logging.getLogger("ragblend.server")
 
@@ -45,6 +46,7 @@ log = logging.getLogger("ragblend.server")
 # sync routes, static files and form parsing on), never asyncio's default executor. "lookup": tokenizing, retrieval
 # and store lookups (CPU: a few at once); "store": leases and other database writes (I/O).
 POOLS = {"lookup": 2, "store": 4}
+HOUSEKEEPING_POLL_S = 1.0  # the longest the loop waits before asking housekeeping again (tasks come as parts load)
 DISK_FULL_S = 60.0  # /health says degraded this long after a write found the disk full
 STOP_MARGIN_S = 10.0  # at shutdown, after the grace period: time for cancelled work to reach its next check
 
@@ -74,10 +76,12 @@ class Service:
         self.created = int(time.time())
         self.disk_full_at: float | None = None  # when a write last found the data disk full (monotonic)
         self._pools: dict[str, anyio.CapacityLimiter] = {}  # made on the event loop, at first use
+        self.housekeeping = Housekeeping(thread=False)  # the engine it builds hands it to its parts: `housekeep`
 
     def start(self) -> None:
         tqdm.monitor_interval = 0  # no tqdm monitor thread for the model's loading bar: a server has no terminal
         self.lane = Worker(self.settings.server.queue_size, name="ragblend-ingest")  # an app may be restarted
+        self.housekeeping = Housekeeping(thread=False)  # (a stopped engine closed the last one)
         self.serving, self.stopping = None, None
         self.lane.start()
         if self.engine is not None:  # given a loaded engine (tests, benchmarks): ready at once
@@ -210,6 +214,13 @@ class Service:
         log.debug("request queued", extra={"kind": kind, "question": params.question[:200]})
         return await self._started(lambda: scheduler.submit(
             lambda cancelled: engine.program(params, cancelled), label=kind), scheduler.retry_after)
+
+    async def housekeep(self) -> None:
+        """Run the periodic work (`housekeeping`: the usage flush, the lease sweep) from the event loop, each task on
+        the "store" pool: a serving process keeps no thread for it. Runs until cancelled."""
+        while True:
+            wait = await self.blocking("store", self.housekeeping.run_due)
+            await asyncio.sleep(HOUSEKEEPING_POLL_S if wait is None else min(wait, HOUSEKEEPING_POLL_S))
 
     async def blocking(self, pool: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` off the event loop, in `pool` (POOLS: at most that many at once)."""

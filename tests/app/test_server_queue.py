@@ -107,7 +107,7 @@ def test_client_disconnect_stops_generation(stub_app, serve_live):
 def test_health_is_503_while_loading_then_200(monkeypatch, stub_settings, stub_engine_type):
     gate = threading.Event()
 
-    def slow_engine(settings):
+    def slow_engine(settings, parts):
         assert gate.wait(10)
         return stub_engine_type(settings)
 
@@ -125,7 +125,7 @@ def test_health_is_503_while_loading_then_200(monkeypatch, stub_settings, stub_e
 
 
 def test_health_reports_a_failed_load(monkeypatch, stub_settings):
-    def broken(settings):
+    def broken(settings, parts):
         raise FileNotFoundError("no model here")
 
     monkeypatch.setattr(server, "RagEngine", broken)

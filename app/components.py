@@ -17,13 +17,17 @@ from app.engine.usage import UsageLog
 from blend import Blender, DecodeRuntime, LoadedModel, PromptFormat, load_model
 from blend.cache import RoundTrip
 from blend.grammar import Grammars
+from common.housekeeping import Housekeeping
 from retrieval import Chunker, Embedder, Metadata, Retriever, open_embedder, open_metadata
 from store import TieredStore, build_store
 from store.codecs import Codec
 
 
 class Components:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, housekeeping: Housekeeping | None = None):
+        """`housekeeping`: who runs periodic work (the server's, run from its event loop); None: its own thread."""
+        if housekeeping is not None:
+            self.housekeeping = housekeeping
         self.settings = settings
 
     @cached_property
@@ -71,7 +75,7 @@ class Components:
         """The store, its leases kept in the metadata database (shared by replicas, kept across restarts)."""
         return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint,
                            self.blender.backend.placement,  # the gpu tier and pinned memory follow the model
-                           ledger=self.metadata, codecs=self.codecs)
+                           ledger=self.metadata, codecs=self.codecs, housekeeping=self.housekeeping)
 
     @cached_property
     def stored_round_trip(self) -> RoundTrip | None:
@@ -112,7 +116,8 @@ class Components:
 
     @cached_property
     def usage(self) -> UsageLog:
-        return UsageLog(self.metadata, store_counts=lambda: self.store.counts())  # the store's dropped entries
+        # store_counts: the store's dropped entries
+        return UsageLog(self.metadata, self.housekeeping, store_counts=lambda: self.store.counts())
 
     @cached_property
     def embedder(self) -> Embedder:
@@ -134,10 +139,15 @@ class Components:
                         max_chars=self.settings.limits.max_document_chars,
                         precompute_at=self.settings.blend.precompute_at)
 
+    @cached_property
+    def housekeeping(self) -> Housekeeping:
+        """The one thread for periodic work: the usage flush, the store's lease sweep."""
+        return Housekeeping()
+
     def close(self) -> None:
         """Write the last usage counts, close the store and the metadata database, stop the grammar compile
-        processes, if they were opened."""
-        for name in ("usage", "store", "retriever", "metadata", "grammars"):
+        processes, if they were opened, then stop housekeeping."""
+        for name in ("usage", "store", "retriever", "metadata", "grammars", "housekeeping"):
             part = self.__dict__.pop(name, None)
             if part is not None:
                 part.close()

@@ -1,15 +1,19 @@
 """Typed settings: configs/default.yaml < a --config file < RAGBLEND_* environment variables."""
 from __future__ import annotations
 
+import difflib
 import math
+import os
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from common.settings import Strict
 from retrieval.settings import ChunkingSettings, EmbedderSettings, RetrievalSettings
 from store.settings import StoreSettings
 
@@ -18,7 +22,7 @@ ENV_PREFIX = "RAGBLEND_"
 ENV_NESTED_DELIMITER = "__"
 
 
-class ModelSettings(BaseModel):
+class ModelSettings(Strict):
     name: str = "embedded"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # auto (CUDA if present) | cpu | cuda | cuda:N
@@ -37,7 +41,7 @@ class ModelSettings(BaseModel):
     weights: Literal["float32", "int8", "int4"] = "float32"  # CPU float32 linears (blend.quantized); CUDA: as loaded
 
 
-class BlendSettings(BaseModel):
+class BlendSettings(Strict):
     # A share of cached tokens to recompute, or "auto": the loading controller (blend.controller) picks
     # r >= ratio_floor per request so that loading each layer's KV hides behind the layer's compute.
     ratio: Annotated[float, Field(ge=0.0, le=1.0)] | Literal["auto"] = 0.15
@@ -62,7 +66,7 @@ class BlendSettings(BaseModel):
 
 
 
-class ServerSettings(BaseModel):
+class ServerSettings(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     api_key: str | None = None  # one key, the default tenant's
@@ -96,7 +100,7 @@ class ServerSettings(BaseModel):
         return set(self.admin_keys) | ({self.api_key} if self.api_key else set())
 
 
-class LimitsSettings(BaseModel):
+class LimitsSettings(Strict):
     max_question_chars: int = Field(2000, ge=1)
     max_top_k: int = Field(16, ge=1)
     max_new_tokens: int = Field(512, ge=1)
@@ -125,7 +129,7 @@ class LimitsSettings(BaseModel):
         return computed + math.ceil(self.read_token_cost * read) + self.piece_cost_tokens * pieces
 
 
-class PlannerSettings(BaseModel):
+class PlannerSettings(Strict):
     """How app.engine.planner cuts a prompt into spans (each a store entry): by content, or LMCache's fixed windows."""
     chunking: Literal["content", "windows"] = "content"
     window_tokens: int = Field(256, ge=8)  # chunking windows: the window, matched at any offset of a later prompt
@@ -205,4 +209,71 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
     if config_file is not None:
         values = _deep_merge(values, _read_yaml(Path(config_file)))
     values = _deep_merge(values, overrides)
-    return Settings(**values)
+    _check_environment()
+    try:
+        return Settings(**values)
+    except ValidationError as exc:
+        unknown = [_unknown(err["loc"]) for err in exc.errors() if err["type"] == "extra_forbidden"]
+        if not unknown:
+            raise
+        raise SettingsError("; ".join(unknown)) from None
+
+
+class SettingsError(ValueError):
+    """A setting no model declares (YAML, overrides or RAGBLEND_* variables): its dotted name and the nearest one."""
+
+
+def _unknown(loc: tuple[int | str, ...]) -> str:
+    """"blend.ratoi: unknown setting; did you mean blend.ratio?" for the extra key at `loc` (pydantic's path, which
+    names a union's member by its class: store.codec.TierCodecs.gpux)."""
+    model: type[BaseModel] = Settings
+    path: list[str] = []
+    for part in loc[:-1]:
+        if part == model.__name__ or not isinstance(part, str) or part not in model.model_fields:
+            continue  # a union member's tag, or a list index
+        path.append(part)
+        models = _models_in(model.model_fields[part].annotation)
+        tagged = [m for m in models if m.__name__ in loc]
+        model = (tagged or models or [model])[0]
+    return _unknown_message(path, str(loc[-1]), list(model.model_fields))
+
+
+def _unknown_message(path: list[str], key: str, valid: list[str], variable: str | None = None) -> str:
+    dotted = ".".join([*path, key])
+    hint = difflib.get_close_matches(key, valid, n=1)
+    variable = variable or (name if (name := _env_name([*path, key])) in _environment() else None)
+    where = f" (from {variable})" if variable else ""
+    if hint:
+        return f"{dotted}: unknown setting{where}; did you mean {'.'.join([*path, hint[0]])}?"
+    return f"{dotted}: unknown setting{where}; valid here: {', '.join(sorted(valid))}"
+
+
+def _env_name(path: list[str]) -> str:
+    return (ENV_PREFIX + ENV_NESTED_DELIMITER.join(path)).upper()
+
+
+def _environment() -> dict[str, str]:
+    return {name.upper(): value for name, value in os.environ.items() if name.upper().startswith(ENV_PREFIX)}
+
+
+def _check_environment() -> None:
+    """Refuse RAGBLEND_* variables pydantic-settings would skip without a word: a nested one (SECTION__KEY) whose
+    section is no setting, and a flat one close to a top-level setting's name (other flat RAGBLEND_* variables
+    belong to other tools: RAGBLEND_LOG_LEVEL, RAGBLEND_KERNEL_DIR)."""
+    fields = list(Settings.model_fields)
+    unknown = []
+    for name in _environment():
+        path = name[len(ENV_PREFIX):].lower().split(ENV_NESTED_DELIMITER)
+        if path[0] in fields:
+            continue
+        if len(path) > 1 or difflib.get_close_matches(path[0], fields, n=1, cutoff=0.8):
+            unknown.append(_unknown_message([], path[0], fields, name))
+    if unknown:
+        raise SettingsError("; ".join(unknown))
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The settings models a field's type holds (itself, or a union's members)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]

@@ -60,7 +60,7 @@ def measure(blender, kv_cache, item: dict, pool: list[dict], passages: int, mode
         elif mode == "full_kernels":
             prefill = blender.prefill([], ids, 1.0)
         else:
-            segments = [kv_cache.head()] + [kv_cache.get_or_compute(p)[0] for p in chosen]
+            segments = [kv_cache.head()] + [kv_cache.lookup_key(kv_cache.key(p), p)[0] for p in chosen]  # as read
             name, _, ratio = mode.partition("@")
             selection = None if name in ("reuse", "blend") else name
             prefill = blender.prefill(segments, suffix, float(ratio or 0), selection=selection)

@@ -5,6 +5,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from common.housekeeping import Housekeeping
 from common.placement import HOST, Placement
 from store.admission import Admission
 from store.base import Tier
@@ -41,7 +42,8 @@ def pinned_caps(settings: StoreSettings, gpu: int) -> dict[str, int]:
 
 def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None,
                 placement: Placement = HOST, ledger: LeaseLedger | None = None,
-                clock: Callable[[], float] = time.time, codecs: Mapping[str, Codec] | None = None) -> TieredStore:
+                clock: Callable[[], float] = time.time, codecs: Mapping[str, Codec] | None = None,
+                housekeeping: Housekeeping | None = None) -> TieredStore:
     """A gpu tier on the model's device (a model off the host only), memory (pinned when the placement
     says), disk under `kv_dir`, then Redis if a URL is set.
 
@@ -49,7 +51,8 @@ def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None,
     `ledger` (the metadata database): leases kept there, honoured by every tier from its first eviction;
     None: a store without leases. `clock`: the leases' time, unix seconds. `codecs`: each tier's codec
     (cachegen's with its tables: app/cachegen.py); default: by name from the settings (cachegen then only
-    reads and round-trips, it cannot encode).
+    reads and round-trips, it cannot encode). `housekeeping`: the process's thread for periodic work, which sweeps
+    the leases (None: the store starts its own).
     """
     gpu = gpu_bytes(settings.gpu_bytes, placement)
     leases = None if ledger is None else Leases(ledger, pinned_caps(settings, gpu), clock, settings.lease_refresh_s)
@@ -72,4 +75,5 @@ def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None,
     return TieredStore(tiers, codec=codecs or settings.codecs(), fingerprint=fingerprint, placement=placement,
                        read_threads=settings.read_threads, leases=leases,
                        admission=Admission(settings.admission, settings.admission_window),
-                       write_queue=settings.write_queue, write_queue_bytes=settings.write_queue_bytes)
+                       write_queue=settings.write_queue, write_queue_bytes=settings.write_queue_bytes,
+                       housekeeping=housekeeping)

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from common.settings import Strict
 from store.admission import AdmissionPolicy
 from store.codecs import DEFAULT_BINS, BinPlan
 
 
-class CacheGenBins(BaseModel):
+class CacheGenBins(Strict):
     """The cachegen codec's bins per layer: [first layer, bins] bands for keys and values (store.codecs.BinPlan)."""
 
     keys: list[tuple[int, int]] = list(DEFAULT_BINS.keys)
@@ -28,11 +29,9 @@ CodecName = Literal["native", "fp16", "int8", "int4", "cachegen"]
 TIERS = ("gpu", "memory", "disk", "redis")
 
 
-class TierCodecs(BaseModel):
+class TierCodecs(Strict):
     """The codec each tier keeps its entries in (configs/default.yaml says why each default). A tensor tier
     (gpu, memory) keeps the codec's round trip in the model's dtype; a byte tier, its encoding."""
-
-    model_config = ConfigDict(extra="forbid")
 
     gpu: CodecName = "int8"
     memory: CodecName = "int8"
@@ -40,7 +39,7 @@ class TierCodecs(BaseModel):
     redis: CodecName = "int8"
 
 
-class StoreSettings(BaseModel):
+class StoreSettings(Strict):
     codec: CodecName | TierCodecs = TierCodecs()  # one codec for every tier, or one per tier
     cachegen_bins: CacheGenBins = CacheGenBins()
     # auto: a share of the device's free memory; 0 for a model on the host

@@ -34,7 +34,6 @@ grammar-constrained decoding (app.engine.tool_calls). `stop_reason`: end_turn, m
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -70,7 +69,16 @@ from app.api.schemas.ragblend import MAX_SEED, check_budget, check_limits
 from app.config import LimitsSettings
 from app.engine.prompt_cache import LeaseNote, lease, lease_headers, prefix_keys
 from app.engine.query import KeyUse, QueryParams, QueryResult
-from app.engine.tool_calls import CLOSE, OPEN, CallStream, SchemaLimitError, ToolCallOut, tools_grammar
+from app.engine.tool_calls import (
+    CLOSE,
+    OPEN,
+    SchemaLimitError,
+    ToolCallOut,
+    ToolChoiceError,
+    answer_parts,
+    choice_grammar,
+    fragments,
+)
 from app.serving.service import Service
 from blend.prompt import hermes_tools
 
@@ -142,13 +150,11 @@ def openai_tools(body: CountTokensRequest) -> list[dict]:
 def tool_grammar(body: CountTokensRequest, tools: list[dict]) -> str | None:
     """The answer's grammar under tool_choice (app.engine.tool_calls); a 400 for a choice it cannot follow."""
     choice = body.tool_choice or ToolChoice(type="auto")
-    if choice.type == "tool" and choice.name not in [t.name for t in body.tools]:
-        raise ApiError(400, f"tool_choice: tool {choice.name!r} is not among the tools")
-    if choice.type in ("any", "tool") and not tools:
-        raise ApiError(400, f"tool_choice {choice.type} needs tools")
     name = choice.name if choice.type == "tool" else {"auto": "auto", "any": "required", "none": "none"}[choice.type]
     try:
-        return tools_grammar(tools, name, parallel=not choice.disable_parallel_tool_use)
+        return choice_grammar(tools, name, parallel=not choice.disable_parallel_tool_use, said=choice.type)
+    except ToolChoiceError as exc:
+        raise ApiError(400, str(exc), param="tool_choice") from None
     except SchemaLimitError as exc:
         raise ApiError(400, str(exc)) from None
 
@@ -223,7 +229,8 @@ async def messages(request: Request, svc: Service = Depends(service)):
     last = len(body.messages) - 1
 
     async def retain(result: QueryResult) -> LeaseNote | None:
-        return await lease(svc.serving.store, family, [(_prefix(result.kv_keys, at, last), ttl) for at, ttl in marks])
+        return await svc.blocking("store", lease, svc.serving.store, family,
+                                  [(_prefix(result.kv_keys, at, last), ttl) for at, ttl in marks])
 
     if body.stream:
         return sse(run, events(run, head, marks, last, retain, params.tool_calls))
@@ -244,7 +251,7 @@ async def count_tokens(request: Request, svc: Service = Depends(service)) -> Tok
     body = parse(await request.body(), CountTokensRequest)
     breakpoints(body)  # the same 400s as /v1/messages
     params = await engine_params(body, svc, 1)
-    plan = await asyncio.to_thread(svc.serving.engine.lookup, params)
+    plan = await svc.lookup(params)
     return TokenCount(input_tokens=plan.prompt_tokens)
 
 
@@ -259,7 +266,7 @@ async def engine_params(body: CountTokensRequest, svc: Service, max_tokens: int)
     check_limits(svc.settings.limits, question=question_text(body.messages[-1]) if body.retrieval else "",
                  top_k=body.retrieval_top_k, question_field="messages", max_tokens={"max_tokens": max_tokens})
     fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts))]
-    await asyncio.to_thread(check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
+    await svc.blocking("lookup", check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
     return svc.query_params(texts[-1], top_k=body.retrieval_top_k, max_tokens=max_tokens,
                             # each message a piece, indexed as in body.messages (the system text, which joins the
                             # head wherever it stands, goes last so the indices stay the client's)
@@ -332,36 +339,27 @@ async def events(run: QueryRun, head: dict[str, Any], marks: list[tuple[int | No
         blocks.append(kind)
         return out + [event("content_block_start", index=len(blocks) - 1, content_block=block)]
 
-    def deltas(parts: list[tuple[str, Any]]) -> list[ServerSentEvent]:
-        out: list[ServerSentEvent] = []
-        for kind, value in parts:
-            if kind == "text":
-                if not blocks or blocks[-1] != "text":
-                    out += open_block("text", {"type": "text", "text": ""})
-                out.append(event("content_block_delta", index=len(blocks) - 1,
-                                 delta={"type": "text_delta", "text": value}))
-                continue
-            out += open_block("tool_use", {"type": "tool_use", "id": _tool_use_id(value), "name": value.name,
-                                           "input": {}})
-            out += [event("content_block_delta", index=len(blocks) - 1,
-                          delta={"type": "input_json_delta", "partial_json": value.arguments[i:i + 16]})
-                    for i in range(0, len(value.arguments), 16)]
-        return out
+    def deltas(kind: str, value: Any) -> list[ServerSentEvent]:
+        if kind == "text":
+            out = open_block("text", {"type": "text", "text": ""}) if not blocks or blocks[-1] != "text" else []
+            return out + [event("content_block_delta", index=len(blocks) - 1,
+                                delta={"type": "text_delta", "text": value})]
+        out = open_block("tool_use", {"type": "tool_use", "id": _tool_use_id(value), "name": value.name, "input": {}})
+        return out + [event("content_block_delta", index=len(blocks) - 1,
+                            delta={"type": "input_json_delta", "partial_json": fragment})
+                      for fragment in fragments(value.arguments) if fragment]
 
     start = MessageOut(**head, content=[], stop_reason=None, usage=MessageUsage(
         input_tokens=0, cache_creation_input_tokens=0, cache_read_input_tokens=0, output_tokens=0,
         cache_creation=CacheCreation(ephemeral_5m_input_tokens=0, ephemeral_1h_input_tokens=0)))
-    split = CallStream()
     try:
         yield event("message_start", message=start.model_dump(exclude={"lease"}))
         yield event("ping")
-        async for item in run.events():
-            if isinstance(item, str):
-                for sent in deltas(split.feed(item) if calls else [("text", item)]):
+        async for kind, item in answer_parts(run.events(), calls):
+            if kind != "end":
+                for sent in deltas(kind, item):
                     yield sent
                 continue
-            for sent in deltas(split.finish()) if calls else []:
-                yield sent
             if not blocks:  # no text at all: one empty text block, as before
                 for sent in open_block("text", {"type": "text", "text": ""}):
                     yield sent

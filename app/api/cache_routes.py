@@ -11,7 +11,6 @@ them); leases are every replica's (from the metadata database, at most `store.le
 """
 from __future__ import annotations
 
-import asyncio
 from functools import partial
 from typing import Annotated, Any, Literal
 
@@ -70,7 +69,12 @@ class CacheReport(BaseModel):
     leases: int = Field(description="Running leases (family, entry pairs), all replicas.")
     families: int = Field(description="Families with a running lease.")
     leased_entries: int = Field(description="Entries some running lease holds.")
-    expired: int = Field(description="Lease holds this replica's sweeper ended by expiry.")
+    expired: int = Field(description="Lease holds this replica's lease sweep ended by expiry.")
+    dropped_puts: dict[str, int] | None = Field(description=(
+        "Chunks of requests' prompts this replica's store writer refused, not stored, by the bound that was full: "
+        "entries, bytes, closed (null for a tenant that is not an admin)."))
+    pending_bytes: int | None = Field(description="Bytes of chunks waiting for this replica's store writer "
+                                                  "(null for a tenant that is not an admin).")
     tiers: dict[str, TierCache]
     data: list[FamilyCache] = Field(description="The families pinning the most (or the one asked for).")
 
@@ -101,6 +105,8 @@ def cache_report(prompt_cache_key: CacheKey | None = None,
         hit_rate = _rate(read, own.get("computed", 0))
     return CacheReport(hit_rate=hit_rate, leases=leases["leases"], families=leases["families"],
                        leased_entries=leases["entries"], expired=leases["expired"], tiers=tiers,
+                       dropped_puts=stats["dropped_puts_by"] if tenant.admin else None,
+                       pending_bytes=stats["pending_bytes"] if tenant.admin else None,
                        data=leases["by_family"])
 
 
@@ -183,12 +189,12 @@ async def cache_lookup(body: LookupRequest, svc: Service = Depends(service)) -> 
     if body.prompt is not None:
         check_limits(svc.settings.limits, question=body.prompt, top_k=body.top_k, question_field="prompt",
                      max_tokens={"max_completion_tokens": body.max_completion_tokens, "max_tokens": body.max_tokens})
-        await asyncio.to_thread(check_budget, svc.settings.limits, [("prompt", body.prompt)], svc.count_tokens,
+        await svc.blocking("lookup", check_budget, svc.settings.limits, [("prompt", body.prompt)], svc.count_tokens,
                                 "prompt")
         params = svc.query_params(body.prompt, top_k=body.top_k, max_tokens=body.new_tokens(), mode=body.mode)
     else:
         params = await chat_params(body, svc)  # type: ignore[arg-type]
-    plan = await asyncio.to_thread(svc.serving.engine.lookup, params)
+    plan = await svc.lookup(params)
     cached = {"exact": "exact", "blended": "blendable", "compute": None}
     pieces = [LookupPiece(kind=s.kind, message=s.message, tokens=len(s.ids), cached=cached[s.source], tier=s.tier)
               for s in plan.spans]  # app.engine.planner's spans: a long message is cut into several

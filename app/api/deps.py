@@ -10,7 +10,7 @@ from fastapi import Depends, Request
 from app.api.errors import ApiError
 from app.serving.parts import Serving
 from app.serving.service import Service
-from app.serving.worker import Job, Worker, WorkerStopped
+from app.serving.worker import Job, WorkerStopped
 
 
 async def until_done(request: Request, job: Job, awaitable: Any) -> Any:
@@ -43,9 +43,7 @@ def serving(svc: Service = Depends(service)) -> Serving:
     return svc.serving
 
 
-async def on_lane(request: Request, svc: Service, fn: Callable[[Callable[[], bool]], Any], label: str,
-                  lane: Worker | None = None) -> Any:
-    """Run `fn(cancelled)` on `lane` (the ingest lane by default) and return its result; cancelled if the client
-    leaves."""
-    job = await svc.start_on_lane(fn, label, lane)
+async def on_lane(request: Request, svc: Service, fn: Callable[[Callable[[], bool]], Any], label: str) -> Any:
+    """Run `fn(cancelled)` on the ingest lane and return its result; cancelled if the client leaves."""
+    job = await svc.start_on_lane(fn, label)
     return await until_done(request, job, job.result())

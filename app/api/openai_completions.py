@@ -7,7 +7,6 @@ over 1 are refused with a 400 (stated in the schema). `logprobs` are the generat
 its logits, which a reused KV does not give)."""
 from __future__ import annotations
 
-import asyncio
 import itertools
 import time
 import uuid
@@ -128,7 +127,10 @@ async def completion_params(body: CompletionRequest, svc: Service) -> QueryParam
     limits = svc.settings.limits
     check_limits(limits, question="", top_k=None, max_tokens={"max_tokens": body.max_tokens})
     prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
-    ids = await asyncio.to_thread(_token_ids, svc, prompt)
+    try:
+        ids = await svc.blocking("lookup", svc.token_ids, prompt)
+    except ValueError as exc:  # a token id past the vocabulary
+        raise ApiError(400, f"prompt: {exc}", param="prompt") from None
     budget = min(limits.max_message_tokens, limits.max_prompt_tokens)
     if len(ids) > budget:
         raise LimitError("prompt", f"{len(ids)} tokens, over limits.max_message_tokens / max_prompt_tokens ({budget})")
@@ -136,18 +138,6 @@ async def completion_params(body: CompletionRequest, svc: Service) -> QueryParam
                             max_tokens=body.max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_new_tokens),
                             temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, stop=tuple(body.stop),
                             seed=body.seed, retrieve=False, prompt_ids=tuple(ids), top_logprobs=body.logprobs)
-
-
-def _token_ids(svc: Service, prompt: str | list[int]) -> list[int]:
-    """The prompt's token ids: a string tokenized as the tokenizer does by default; ids checked against the
-    vocabulary."""
-    parts = svc.serving.engine.parts
-    if isinstance(prompt, str):
-        return parts.tokenizer(prompt)["input_ids"]
-    if max(prompt) >= parts.runtime.vocab:
-        raise ApiError(400, f"prompt: token id {max(prompt)} is not in the vocabulary ({parts.runtime.vocab})",
-                       param="prompt")
-    return prompt
 
 
 async def completion_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool

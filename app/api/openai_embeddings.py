@@ -7,9 +7,9 @@ vector's little-endian bytes.
 
 Bounded as prompts are: a request is priced (its word pieces, each text a piece at limits.piece_cost_tokens) and
 refused over limits.max_embedding_tokens (422); a tenant's requests in flight together over
-limits.max_tenant_embedding_tokens are a 429. They run on their own lane (never the ingest lane, so an upload
-never waits for them, nor the model thread), a slice of embedder.batch_size texts a job, so concurrent requests
-take turns."""
+limits.max_tenant_embedding_tokens are a 429. They run on the ingest lane (never the model thread) a slice of
+embedder.batch_size texts a job, each request handing over its next slice once the last is done: concurrent
+requests and uploads take turns, so an upload waits for one slice per request in flight, not for whole requests."""
 from __future__ import annotations
 
 import asyncio
@@ -71,7 +71,7 @@ class EmbeddingList(BaseModel):
 @router.post("/v1/embeddings", response_model=EmbeddingList, responses={**ERRORS, **MODEL_NOT_FOUND})
 async def embeddings(body: EmbeddingRequest, request: Request, svc: Service = Depends(service)) -> EmbeddingList:
     """Each input's vector, in order (see the module docstring)."""
-    embedder = svc.serving.engine.parts.embedder
+    embedder = svc.serving.embedder
     if body.model != embedder.name:
         raise ApiError(404, f"The model {body.model!r} does not exist: this server embeds with {embedder.name!r}",
                        code="model_not_found", param="model")
@@ -100,7 +100,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, svc: Service = De
     with svc.embedding_share(price):
         vectors = np.concatenate([  # [len(texts), dim] float32, a slice a job: concurrent requests take turns
             await on_lane(request, svc, lambda _, part=texts[i:i + embedder.batch_size]: embedder.embed(part),
-                          "embed", svc.embed_lane)
+                          "embed")
             for i in range(0, len(texts), embedder.batch_size)])
     data = [Embedding(index=i, embedding=encoded(v, body.encoding_format)) for i, v in enumerate(vectors)]
     return EmbeddingList(data=data, model=embedder.name,

@@ -3,7 +3,6 @@ id it does not list is a 404 model_not_found), JSON or server-sent events. Both 
 slot on the model thread (app.api.openai_completions' /v1/completions too)."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -45,7 +44,14 @@ from app.api.schemas.ragblend import (
 from app.engine.conversation import Conversation
 from app.engine.prompt_cache import DEFAULT_FAMILY, RETENTION_TTL_S, LeaseNote, lease, lease_headers
 from app.engine.query import QueryParams, QueryResult
-from app.engine.tool_calls import CallStream, SchemaLimitError, response_schema, tools_grammar
+from app.engine.tool_calls import (
+    SchemaLimitError,
+    ToolChoiceError,
+    answer_parts,
+    choice_grammar,
+    fragments,
+    response_schema,
+)
 from app.serving.service import STOP_MARGIN_S, Service
 from app.serving.worker import Job, WorkerStopped
 from retrieval import embedder_name
@@ -175,7 +181,7 @@ def models(svc: Service = Depends(service)) -> ModelList:
 async def query(body: QueryRequest, request: Request, svc: Service = Depends(service)):
     check_limits(svc.settings.limits, question=body.question, top_k=body.top_k,
                  max_tokens={"max_tokens": body.max_tokens})
-    await asyncio.to_thread(check_budget, svc.settings.limits, [("question", body.question)], svc.count_tokens,
+    await svc.blocking("lookup", check_budget, svc.settings.limits, [("question", body.question)], svc.count_tokens,
                             "question")
     params = svc.query_params(body.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
                               selection=body.selection, max_tokens=body.max_tokens, temperature=body.temperature,
@@ -214,8 +220,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
         """prompt_cache_retention 24h: the prompt's KV leased to the prompt_cache_key (app.engine.prompt_cache)."""
         if body.prompt_cache_retention not in RETENTION_TTL_S:
             return None
-        return await lease(svc.serving.store, body.prompt_cache_key or DEFAULT_FAMILY,
-                           [([u.key for u in result.kv_keys], RETENTION_TTL_S[body.prompt_cache_retention])])
+        return await svc.blocking("store", lease, svc.serving.store, body.prompt_cache_key or DEFAULT_FAMILY,
+                                  [([u.key for u in result.kv_keys], RETENTION_TTL_S[body.prompt_cache_retention])])
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -238,7 +244,7 @@ async def choice_logprobs(svc: Service, result: QueryResult) -> ChoiceLogprobs |
     if result.logprobs is None:
         return None
     ids = [t for lp in result.logprobs for t in (lp.token, *(i for i, _ in lp.top))]
-    texts = iter(await asyncio.to_thread(svc.serving.engine.parts.tokenizer.batch_decode, [[t] for t in ids]))
+    texts = iter(await svc.blocking("lookup", svc.token_texts, ids))
 
     def entry(logprob: float) -> dict[str, Any]:
         text = next(texts)
@@ -273,7 +279,7 @@ async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     grammar = answer_grammar(body, tools)
     texts += [("tools", json.dumps(tools))] if tools else []
-    await asyncio.to_thread(check_budget, limits, texts, svc.count_tokens, "messages")
+    await svc.blocking("lookup", check_budget, limits, texts, svc.count_tokens, "messages")
     return svc.query_params(chat.question, top_k=body.top_k, mode=body.mode, ratio=body.recompute_ratio,
                             max_tokens=body.new_tokens(), temperature=body.temperature or 0.0,
                             top_p=body.top_p or 1.0, stop=tuple(body.stop), seed=body.seed,
@@ -292,16 +298,12 @@ def answer_grammar(body: ChatCompletionRequest, tools: list[dict]) -> str | None
                 raise ApiError(400, f"messages.{i}: a {part.type} part: this model reads text only",
                                param=f"messages.{i}.content")
     choice = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else body.tool_choice
-    names = [t["function"]["name"] for t in tools]
-    if choice not in (None, "none", "auto", "required") and choice not in names:
-        raise ApiError(400, f"tool_choice names {choice!r}, not among the tools ({', '.join(names) or 'none'})",
-                       param="tool_choice")
-    if choice == "required" and not tools:
-        raise ApiError(400, "tool_choice required needs tools", param="tool_choice")
     format_ = body.response_format.model_dump(by_alias=True) if body.response_format else None
     try:
-        return tools_grammar(tools, choice or "auto", body.parallel_tool_calls is not False,
-                             response_schema(format_))
+        return choice_grammar(tools, choice or "auto", body.parallel_tool_calls is not False,
+                              response_schema(format_))
+    except ToolChoiceError as exc:
+        raise ApiError(400, str(exc), param="tool_choice") from None
     except SchemaLimitError as exc:
         raise ApiError(400, str(exc), param="response_format" if "response_format" in str(exc) else "tools") from None
 
@@ -319,38 +321,23 @@ async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool,
                                                    lease=note).model_dump_json(exclude_none=False))
 
     yield chunk(Delta(role="assistant", content=""))
-    split = CallStream()
-
-    def deltas(parts: list[tuple[str, Any]]) -> list[ServerSentEvent]:
-        out = []
-        for kind, value in parts:
-            if kind == "text":
-                out.append(chunk(Delta(content=value)))
-                continue
-            index = split.tool_calls.index(value)
-            out.append(chunk(Delta(tool_calls=[{"index": index, "id": value.id, "type": "function",
-                                                "function": {"name": value.name, "arguments": ""}}])))
-            out += [chunk(Delta(tool_calls=[{"index": index, "function": {"arguments": fragment}}]))
-                    for fragment in _fragments(value.arguments)]
-        return out
-
-    async for event in run.events():
-        if isinstance(event, str):
-            for sent in deltas(split.feed(event)) if calls else [chunk(Delta(content=event))]:
-                yield sent
+    index = -1  # the last call's
+    async for kind, event in answer_parts(run.events(), calls):
+        if kind == "text":
+            yield chunk(Delta(content=event))
+        elif kind == "call":
+            index += 1
+            yield chunk(Delta(tool_calls=[{"index": index, "id": event.id, "type": "function",
+                                           "function": {"name": event.name, "arguments": ""}}]))
+            for fragment in fragments(event.arguments):
+                yield chunk(Delta(tool_calls=[{"index": index, "function": {"arguments": fragment}}]))
         else:
-            for sent in deltas(split.finish()) if calls else []:
-                yield sent
             note = await retain(event)
             yield chunk(Delta(), finish=finish_reason(event), dropped=event.stats.dropped_messages, note=note,
                         logprobs=await choice_logprobs(run.svc, event))
             if include_usage:
                 yield chunk(None, usage=usage_of(event))
     yield ServerSentEvent("[DONE]")
-
-
-def _fragments(text: str, size: int = 16) -> list[str]:
-    return [text[i:i + size] for i in range(0, len(text), size)] or [""]
 
 
 def usage_of(result: QueryResult) -> Usage:

@@ -13,11 +13,13 @@ Anthropic's (app/api/errors.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, Iterator
 
+import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -79,13 +81,17 @@ def metrics(request: Request) -> Response:
 
 def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
     """The API over `engine`, or over one loaded from `settings` at startup (in the background)."""
-    svc = Service(settings, engine, build_engine=lambda s: RagEngine(s, Components(s)))
+    svc = Service(settings, engine, build_engine=lambda s: RagEngine(s, Components(s, svc.housekeeping)))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         svc.start()
+        keeping = asyncio.create_task(svc.housekeep())
         yield
-        await asyncio.to_thread(svc.stop)  # blocking joins; the loop stays free to deliver last events
+        keeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeping  # a task under way ends first
+        await anyio.to_thread.run_sync(svc.stop)  # blocking joins; the loop stays free to deliver last events
 
     app = FastAPI(title="ragblend", version="0.1.0", lifespan=lifespan,
                   description="RAG answers with CacheBlend chunk-KV reuse; OpenAI-compatible chat completions.")

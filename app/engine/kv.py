@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Literal
 
-from app.engine.usage import COMPUTED
 from blend import Blender, ChunkKV, PromptFormat, hash_ids
 from blend.pipeline import LayerSource
 from store import TieredStore, kv_key
@@ -70,19 +69,17 @@ class ChunkKVCache:
             return self._context_hash
         return hashlib.sha256(f"{self._context_hash}\x00collection={collection}".encode()).hexdigest()
 
-    def get_or_compute(self, ids: Sequence[int]) -> tuple[ChunkKV, str]:
-        """A retrieved passage's KV and where it came from: a tier name or "computed" (then stored:
-        an entry Redis evicted, or one never precomputed, is back for the next query)."""
-        kv, source = self._load(list(ids), self.context_ids)
-        self.served(ids, source)
-        return kv, source
-
     def ensure(self, ids: Sequence[int], collection: str = "") -> str:
         """Make sure the passage's KV is stored (ingest) for `collection`; returns its key."""
         key = self.key(ids, collection)
         if not self.store.contains(key):
-            kv = self._compute(list(ids), self.context_ids)
-            self.store.put(key, replace(kv, context_hash=self.passage_context(collection)))
+            self.compute_put(ids, collection)
+        return key
+
+    def compute_put(self, ids: Sequence[int], collection: str = "") -> str:
+        """Compute the passage's KV and store it for `collection` (the model's part of `ensure`); returns its key."""
+        kv = self._compute(list(ids), self.context_ids)
+        self.store.put(key := self.key(ids, collection), replace(kv, context_hash=self.passage_context(collection)))
         return key
 
     def delete(self, key: str) -> None:
@@ -119,12 +116,6 @@ class ChunkKVCache:
             entry.close()
             return None, None
         return entry, entry.tier
-
-    def _load(self, ids: list[int], context_ids: list[int]) -> tuple[ChunkKV, str]:
-        kv, tier = self.lookup_key(self.key(ids), ids)
-        if kv is not None:
-            return kv, tier
-        return self.store.put(self.key(ids), self._compute(ids, context_ids)), COMPUTED
 
     def _compute(self, ids: list[int], context_ids: list[int]) -> ChunkKV:
         context = self.head() if context_ids and context_ids == self.head_ids else None

@@ -306,8 +306,10 @@ class Planner:
     def store(self, plan: Plan, loaded: Sequence[Loaded], prefill: Prefill) -> int:
         """Store what the next prompt may need, cut from this prefill's KV (no compute): each computed span under
         its key, each blended span of the client's text under its chain key (the same prompt again is an exact
-        prefix). Returns the entries written. (A full-prefill fallback's KV is the model's own: stored too.)
-        Each is handed to the store's writer thread (put_nowait): encoded and written off the model thread."""
+        prefix). Returns the entries handed over. (A full-prefill fallback's KV is the model's own: stored too.)
+        Each is handed to the store's writer thread (put_nowait): encoded and written off the model thread. Once
+        the writer refuses one (its queue has no room: counted there, by bound), no more of this prompt is handed
+        over: what is stored is the prompt's first spans, a clean prefix for its repeat, not scattered pieces."""
         written: set[str] = set()
         for span, read in zip(plan.spans, loaded):
             had = "compute" if read.tier == COMPUTED else span.source  # an entry that failed to load: again
@@ -318,7 +320,8 @@ class Planner:
                 if key not in written:  # one copy out of the prefill, named by each entry's context
                     kv = span_kv(prefill, span, context, self.fingerprint) if kv is None \
                         else replace(kv, context_hash=context)
-                    self.kv.store.put_nowait(key, kv)
+                    if not self.kv.store.put_nowait(key, kv):
+                        return len(written)  # backpressure: the writer is full
                     written.add(key)
             if self.settings.chunking == "windows" and len(span.ids) == self.settings.window_tokens:
                 self._remember_window(span.ids)

@@ -17,7 +17,6 @@ body (streamed: on the last event), see `LeaseNote`.
 """
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
@@ -55,9 +54,10 @@ def prefix_keys(uses: Sequence[KeyUse], through_message: int | None) -> list[str
     return [u.key for u in (*head, *(u for u in rest if u.message is not None and u.message <= through_message))]
 
 
-async def lease(store: TieredStore, family: str, asks: Iterable[tuple[Sequence[str], float]]) -> LeaseNote | None:
+def lease(store: TieredStore, family: str, asks: Iterable[tuple[Sequence[str], float]]) -> LeaseNote | None:
     """Lease each (keys, ttl_s) ask to `family` of the request's tenant (within its share of the pinned caps), a
-    key under several at the longest ttl; None: nothing asked."""
+    key under several at the longest ttl; None: nothing asked. It writes to the database: call it off the event
+    loop (Service.blocking's "store" pool)."""
     ttl_of: dict[str, float] = {}
     for keys, ttl_s in asks:
         for key in keys:
@@ -68,7 +68,7 @@ async def lease(store: TieredStore, family: str, asks: Iterable[tuple[Sequence[s
     for key, ttl_s in ttl_of.items():
         by_ttl.setdefault(ttl_s, []).append(key)
     tenant = current_tenant()
-    results = [await asyncio.to_thread(store.lease, keys, family, ttl_s, tenant=tenant.name, share=tenant.pinned_share)
+    results = [store.lease(keys, family, ttl_s, tenant=tenant.name, share=tenant.pinned_share)
                for ttl_s, keys in by_ttl.items()]
     return _note(results)
 

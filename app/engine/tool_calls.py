@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,3 +195,41 @@ def split_tool_calls(text: str) -> tuple[str, list[ToolCallOut]]:
     stream.feed(text)
     stream.finish()
     return "".join(stream.content).strip(), stream.tool_calls
+
+
+# ---- what both dialects share (OpenAI's chat completions, Anthropic's messages) ----------------------------------
+
+class ToolChoiceError(ValueError):
+    """A tool_choice the tools cannot satisfy (the route's 400, naming tool_choice)."""
+
+
+def choice_grammar(tools: list[dict], choice: str, parallel: bool = True, schema: dict | None = None,
+                   said: str | None = None) -> str | None:
+    """The answer's grammar under `choice` (auto, none, required, or a tool's name: each dialect's choice in these
+    words), checked first against the tools: ToolChoiceError for a name not among them or a call forced with no
+    tools (`said`: the client's word for the choice, for the message); SchemaLimitError from the schemas."""
+    names = [t["function"]["name"] for t in tools]
+    if choice not in ("auto", "none", "required") and choice not in names:
+        raise ToolChoiceError(f"tool_choice: {choice!r} is not among the tools ({', '.join(names) or 'none'})")
+    if choice != "auto" and choice != "none" and not tools:
+        raise ToolChoiceError(f"tool_choice {said or choice} needs tools")
+    return tools_grammar(tools, choice, parallel, schema)
+
+
+async def answer_parts(events: AsyncIterator[Any], calls: bool) -> AsyncIterator[tuple[str, Any]]:
+    """A streamed answer (its text deltas, then its result) as ("text", str) and, with `calls` (tools),
+    ("call", ToolCallOut) pieces in order (CallStream), then ("end", result)."""
+    split = CallStream()
+    async for event in events:
+        if isinstance(event, str):
+            for part in split.feed(event) if calls else [("text", event)]:
+                yield part
+            continue
+        for part in split.finish() if calls else []:
+            yield part
+        yield "end", event
+
+
+def fragments(text: str, size: int = 16) -> list[str]:
+    """A call's arguments in the pieces a stream sends them in (at least one, maybe empty)."""
+    return [text[i:i + size] for i in range(0, len(text), size)] or [""]

@@ -3,8 +3,8 @@
 Each retrieved chunk is served from a store tier (memory, disk, redis) or computed. The counts go
 to the metadata database (retrieval.Metadata.record_usage): the one store every replica and the
 CLI share, and one that keeps them (Redis may evict any key, and is optional; a tier's own
-counters die with its process). A background thread writes what piled up every `interval_s`
-and at close, so a query never waits on the database for bookkeeping.
+counters die with its process). The process's housekeeping thread (common/housekeeping.py) writes what piled up
+every `interval_s`, and close() the rest, so a query never waits on the database for bookkeeping.
 
 Entries a store tier dropped (corrupt: damaged; stale: an older format; both recomputed, never used)
 are counted there too, from the store's in-process counters, under the sources "corrupt:<tier>" and
@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
+from common.housekeeping import Housekeeping
 from retrieval import Metadata
 
 log = logging.getLogger("ragblend.usage")
@@ -28,7 +29,7 @@ FLUSH_INTERVAL_S = 1.0
 
 
 class UsageLog:
-    def __init__(self, metadata: Metadata, interval_s: float = FLUSH_INTERVAL_S,
+    def __init__(self, metadata: Metadata, housekeeping: Housekeeping, interval_s: float = FLUSH_INTERVAL_S,
                  store_counts: Callable[[], dict[str, dict[str, Any]]] = dict) -> None:
         """`store_counts`: the store's per-tier counters (TieredStore.counts), for its dropped entries."""
         self.metadata, self.interval_s, self.store_counts = metadata, interval_s, store_counts
@@ -36,9 +37,7 @@ class UsageLog:
         self._dropped_seen: Counter[str] = Counter()  # of the store's cumulative counters, already written
         self._served: Counter[str] = Counter()
         self._per_key: dict[str, tuple[int, int, float]] = {}  # key -> (hits, computes, last use)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ragblend-usage", daemon=True)
-        self._thread.start()
+        self._flushing = housekeeping.every(interval_s, self.flush, "usage: flush")
 
     def record(self, key: str, source: str) -> None:
         """One retrieved chunk whose KV (under `key`) came from `source`: a tier name or COMPUTED."""
@@ -64,13 +63,8 @@ class UsageLog:
         except Exception as exc:  # statistics only: never worth failing or retrying a query for
             log.warning("could not record KV usage", extra={"chunks": sum(served.values()), "error": str(exc)})
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.flush()
-
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._flushing.cancel()
         self.flush()
 
 

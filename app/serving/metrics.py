@@ -49,8 +49,24 @@ class _StoreCollector:
         yield misses
         yield from dropped.values()
         yield bandwidth
+        yield from _writer_metrics(stats)
         if "leases" in stats:
             yield from _lease_metrics(stats["leases"], stats.get("tiers", {}))
+
+
+def _writer_metrics(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The store's write queue (store/writer.py): what waits now, and the chunks it refused, by the bound that was
+    full (entries, bytes, closed): the reason a repeated prompt finds less of itself stored."""
+    refused = CounterMetricFamily("ragblend:kv_store_dropped_puts", "Chunks a request handed to the store's writer "
+                                  "that it refused (its queue full in chunks or bytes, or closing): not stored.",
+                                  labels=["bound"])
+    for bound, count in stats.get("dropped_puts_by", {}).items():
+        refused.add_metric([bound], count)
+    yield refused
+    yield CounterMetricFamily("ragblend:kv_store_dropped_put_bytes", "Bytes of the chunks the writer refused.",
+                              value=stats.get("dropped_put_bytes", 0))
+    yield GaugeMetricFamily("ragblend:kv_store_pending_bytes", "Bytes of chunks waiting for the store's writer.",
+                            value=stats.get("pending_bytes", 0))
 
 
 def _lease_metrics(leases: dict[str, Any], tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:

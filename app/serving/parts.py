@@ -18,7 +18,7 @@ from app.engine.tool_calls import tools_grammar
 from app.serving.scheduler import Scheduler
 from app.serving.worker import Worker
 from blend.driver import Output, Work
-from retrieval import Retriever
+from retrieval import Embedder, Retriever
 from store import TieredStore
 
 WARM_TENANT = "ragblend:warm-up"  # the warm-up requests' tenant: their store keys mix it in
@@ -39,11 +39,13 @@ class Engine(Protocol):
 
     def output(self, params: Any) -> Output: ...
 
+    def lookup(self, params: Any) -> Any: ...
+
 
 class Serving:
     """The service's parts once `engine` has loaded: its model thread (`scheduler`, not yet started), the
-    upload Ingestor (`uploads`), and what the routes read (`retriever`, `store`, `model_name`,
-    `blend_disabled`)."""
+    upload Ingestor (`uploads`), and what the routes read (`retriever`, `store`, `tokenizer`, `vocab`, `embedder`,
+    `model_name`, `blend_disabled`)."""
 
     def __init__(self, settings: Settings, engine: Engine, lane: Worker):
         parts, s = engine.parts, settings.server
@@ -60,6 +62,19 @@ class Serving:
     @property
     def store(self) -> TieredStore:
         return self._parts.store
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._parts.tokenizer
+
+    @property
+    def vocab(self) -> int:
+        """The model's vocabulary: token ids at or past it are none of its."""
+        return self._parts.runtime.vocab
+
+    @property
+    def embedder(self) -> Embedder:
+        return self._parts.embedder
 
     def owned_keys(self, keys: list[str]) -> set[str]:
         return self._parts.owned_keys(keys)
@@ -123,10 +138,11 @@ class ModelThreadKV:
         self.kv.delete(key)
 
     def ensure(self, ids: Sequence[int], collection: str = "") -> str:
+        """ChunkKVCache.ensure with its compute on the model thread (the store checked here, once)."""
         if self.kv.store.contains(key := self.kv.key(ids, collection)):
             return key
         try:
-            return self.scheduler.run_on_model(lambda: self.kv.ensure(ids, collection),
+            return self.scheduler.run_on_model(lambda: self.kv.compute_put(ids, collection),
                                                label="upload: chunk KV precompute", cost=len(ids),
                                                cancelled=self.cancelled)
         except concurrent.futures.CancelledError:

@@ -25,10 +25,13 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from typing import Any, Callable, Iterator
+
+import anyio
+from tqdm import tqdm
 
 from app.config import Settings
 from app.engine.query import QueryParams, RequestError
@@ -38,9 +41,16 @@ from app.serving.scheduler import Scheduler
 from app.serving.worker import Job, QueueFull, QueueTimeout, Worker, WorkerStopped
 from app.tenants import current_tenant
 from blend.grammar import Grammar, GrammarError
+from common.housekeeping import Housekeeping
 
 log = logging.getLogger("ragblend.server")
 
+# Blocking work the event loop hands off, by pool: each a bound on anyio's worker threads (the ones Starlette runs
+# sync routes, static files and form parsing on), never asyncio's default executor. "lookup": tokenizing, retrieval
+# and store lookups (CPU: a few at once); "store": leases and other database writes (I/O); "grammar": requests'
+# grammars, each waiting on a compile process (as many as limits.grammar_compile_workers).
+POOLS = {"lookup": 2, "store": 4}
+HOUSEKEEPING_POLL_S = 1.0  # the longest the loop waits before asking housekeeping again (tasks come as parts load)
 DISK_FULL_S = 60.0  # /health says degraded this long after a write found the disk full
 STOP_MARGIN_S = 10.0  # at shutdown, after the grace period: time for cancelled work to reach its next check
 
@@ -62,10 +72,6 @@ class Service:
         self.owns_engine = engine is None
         self.serving: Serving | None = None
         self.lane = Worker(settings.server.queue_size, name="ragblend-ingest")
-        # compile requests' grammars (each waits on a compile process: as many threads as processes)
-        self.grammar_threads = ThreadPoolExecutor(settings.limits.grammar_compile_workers,
-                                                  thread_name_prefix="ragblend-grammar")
-        self.embed_lane = Worker(settings.server.queue_size, name="ragblend-embed")  # /v1/embeddings' own
         self.embedding_use: dict[str, int] = {}  # tenant -> priced tokens of its embeddings requests in flight
         self.metrics = Metrics(lambda: self.waiting, lambda: self.running, self._store_stats,
                                lambda: self.scheduler.step_totals() if self.scheduler else {})
@@ -74,13 +80,15 @@ class Service:
         self.stopping: float | None = None  # when shutdown began (monotonic)
         self.created = int(time.time())
         self.disk_full_at: float | None = None  # when a write last found the data disk full (monotonic)
+        self._pools: dict[str, anyio.CapacityLimiter] = {}  # made on the event loop, at first use
+        self.housekeeping = Housekeeping(thread=False)  # the engine it builds hands it to its parts: `housekeep`
 
     def start(self) -> None:
+        tqdm.monitor_interval = 0  # no tqdm monitor thread for the model's loading bar: a server has no terminal
         self.lane = Worker(self.settings.server.queue_size, name="ragblend-ingest")  # an app may be restarted
-        self.embed_lane = Worker(self.settings.server.queue_size, name="ragblend-embed")
+        self.housekeeping = Housekeeping(thread=False)  # (a stopped engine closed the last one)
         self.serving, self.stopping = None, None
         self.lane.start()
-        self.embed_lane.start()
         if self.engine is not None:  # given a loaded engine (tests, benchmarks): ready at once
             return self._load()
         threading.Thread(target=self._load, name="ragblend-loader", daemon=True).start()
@@ -135,11 +143,10 @@ class Service:
         log.info("shutting down")
         self.ready.clear()
         self.lane.begin_stop()
-        self.embed_lane.begin_stop()
         if self.scheduler is not None:
             self.scheduler.begin_stop()
             timer = threading.Timer(self.settings.server.shutdown_grace_s, self.scheduler.cancel_all)
-            timer.daemon = True
+            timer.name, timer.daemon = "ragblend-shutdown", True
             timer.start()
 
     def wait_drained(self, timeout_s: float) -> None:
@@ -155,7 +162,6 @@ class Service:
         self.begin_shutdown()
         deadline = self.stopping + self.settings.server.shutdown_grace_s + STOP_MARGIN_S
         clean = self.lane.stop(timeout=max(0.1, deadline - time.monotonic()))
-        clean = self.embed_lane.stop(timeout=max(0.1, deadline - time.monotonic())) and clean
         if self.scheduler is not None:
             left = max(0.0, self.stopping + self.settings.server.shutdown_grace_s - time.monotonic())
             clean = self.scheduler.stop(grace_s=left, timeout_s=max(0.1, deadline - time.monotonic())) and clean
@@ -173,11 +179,11 @@ class Service:
 
     @property
     def waiting(self) -> int:
-        return self.lane.waiting + self.embed_lane.waiting + (self.scheduler.waiting if self.scheduler else 0)
+        return self.lane.waiting + (self.scheduler.waiting if self.scheduler else 0)
 
     @property
     def running(self) -> int:
-        return self.lane.running + self.embed_lane.running + (self.scheduler.active if self.scheduler else 0)
+        return self.lane.running + (self.scheduler.active if self.scheduler else 0)
 
     def _store_stats(self) -> dict[str, Any] | None:
         return self.serving.store.stats() if self.ready.is_set() else None
@@ -204,7 +210,6 @@ class Service:
             if degraded and report["status"] == "ok":  # still answering (200), but slowly or in part
                 report["status"], report["degraded"] = "degraded", degraded
         report["ingest"] = self.lane.snapshot()
-        report["embeddings"] = self.embed_lane.snapshot()
         if self.serving and self.serving.blend_disabled:
             report["blend_disabled"] = self.serving.blend_disabled  # the model gate: every prefill runs in full
         if problem:
@@ -247,22 +252,50 @@ class Service:
         (blend.grammar); one that fails is a 400 (RequestError)."""
         grammars = self.serving.engine.parts.grammars
         try:
-            return grammars.cached(grammar) or await asyncio.get_running_loop().run_in_executor(
-                self.grammar_threads, grammars.compile, grammar)
+            return grammars.cached(grammar) or await self.blocking("grammar", grammars.compile, grammar)
         except GrammarError as exc:
             raise RequestError(str(exc)) from None
 
+    async def housekeep(self) -> None:
+        """Run the periodic work (`housekeeping`: the usage flush, the lease sweep) from the event loop, each task on
+        the "store" pool: a serving process keeps no thread for it. Runs until cancelled."""
+        while True:
+            wait = await self.blocking("store", self.housekeeping.run_due)
+            await asyncio.sleep(HOUSEKEEPING_POLL_S if wait is None else min(wait, HOUSEKEEPING_POLL_S))
+
+    async def blocking(self, pool: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` off the event loop, in `pool` (POOLS: at most that many at once)."""
+        if (limiter := self._pools.get(pool)) is None:
+            size = self.settings.limits.grammar_compile_workers if pool == "grammar" else POOLS[pool]
+            limiter = self._pools[pool] = anyio.CapacityLimiter(size)
+        return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=limiter)
+
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's tokens in the model's tokenizer, special tokens left out: the unit of the budgets."""
-        tokenizer = self.serving.engine.parts.tokenizer
+        tokenizer = self.serving.tokenizer
         return [len(ids) for ids in tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]]
 
-    async def start_on_lane(self, fn: Callable[[Callable[[], bool]], Any], label: str, lane: Worker | None = None
-                            ) -> Job:
-        """Queue `fn(cancelled)` on `lane` (the ingest lane by default) and wait until it starts (its result:
-        `job.result()`)."""
-        lane = lane or self.lane
-        return await self._started(lambda: lane.submit(lambda cancelled: [fn(cancelled)], label), lane.retry_after)
+    def token_ids(self, prompt: str | list[int]) -> list[int]:
+        """A raw prompt's token ids: a string tokenized as the tokenizer does by default; ids checked against the
+        vocabulary (ValueError naming the first one past it)."""
+        if isinstance(prompt, str):
+            return self.serving.tokenizer(prompt)["input_ids"]
+        if max(prompt) >= (vocab := self.serving.vocab):
+            raise ValueError(f"token id {max(prompt)} is not in the vocabulary ({vocab})")
+        return prompt
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token's text on its own (logprobs)."""
+        return self.serving.tokenizer.batch_decode([[t] for t in ids])
+
+    async def lookup(self, params: QueryParams) -> Any:
+        """What the request's prompt would read from the store, looked up off the loop (engine.lookup: a Plan)."""
+        return await self.blocking("lookup", self.serving.engine.lookup, params)
+
+    async def start_on_lane(self, fn: Callable[[Callable[[], bool]], Any], label: str) -> Job:
+        """Queue `fn(cancelled)` on the ingest lane and wait until it starts (its result: `job.result()`)."""
+        return await self._started(lambda: self.lane.submit(lambda cancelled: [fn(cancelled)], label),
+                                   self.lane.retry_after)
 
     @contextmanager
     def embedding_share(self, price: int) -> Iterator[None]:
@@ -273,7 +306,7 @@ class Service:
         if held + price > cap:
             raise Refused(429, f"this key's embeddings requests in flight are priced at {held} tokens; {price} more "
                                f"is over limits.max_tenant_embedding_tokens ({cap}): retry once they end",
-                          "embedding_budget", self.embed_lane.retry_after())
+                          "embedding_budget", self.lane.retry_after())
         self.embedding_use[tenant] = held + price
         try:
             yield

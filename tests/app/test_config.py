@@ -1,6 +1,7 @@
 """Settings precedence, the compose file against the settings, the CLI's error paths."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from app.cli.main import main
 from app.config import ENV_NESTED_DELIMITER, ENV_PREFIX, Settings, load_settings
@@ -204,3 +206,81 @@ def test_the_settings_defaults_are_the_documented_ones():
     """configs/default.yaml documents every default; the settings classes hold the same ones (one default each)."""
     documented, built_in = load_settings().model_dump(), Settings().model_dump()
     assert built_in == documented
+
+
+def _models(model: type[BaseModel]) -> set[type[BaseModel]]:
+    """`model` and every settings model nested in it."""
+    from app.config import _models_in
+
+    found = {model}
+    for field in model.model_fields.values():
+        for nested in _models_in(field.annotation):
+            found |= _models(nested)
+    return found
+
+
+def test_every_settings_model_refuses_unknown_keys():
+    models = _models(Settings)
+    assert {"BlendSettings", "StoreSettings", "TierCodecs", "CacheGenBins", "RetrievalSettings"} <= \
+        {m.__name__ for m in models}
+    assert all(m.model_config.get("extra") == "forbid" for m in models), \
+        [m.__name__ for m in models if m.model_config.get("extra") != "forbid"]
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("blend: {ratoi: 0.2}\n", "blend.ratoi: unknown setting; did you mean blend.ratio?"),
+    ("store: {codec: {gpux: int4}}\n", "store.codec.gpux: unknown setting; did you mean store.codec.gpu?"),
+    ("store: {cachegen_bins: {keyz: [[0, 16]]}}\n",
+     "store.cachegen_bins.keyz: unknown setting; did you mean store.cachegen_bins.keys?"),
+    ("retrieval: {topk: 3}\n", "retrieval.topk: unknown setting; did you mean retrieval.top_k?"),
+    ("severs: {port: 1}\n", "severs: unknown setting; did you mean server?"),
+])
+def test_an_unknown_key_in_yaml_names_the_nearest_one(tmp_path, yaml_text, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml_text)
+    with pytest.raises(ValueError) as error:
+        load_settings(config)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize("variable, message", [
+    ("RAGBLEND_BLEND__RATOI", "blend.ratoi: unknown setting (from RAGBLEND_BLEND__RATOI); did you mean blend.ratio?"),
+    ("RAGBLEND_STORE__CODEC__MEMROY", "store.codec.memroy: unknown setting (from RAGBLEND_STORE__CODEC__MEMROY); "
+                                      "did you mean store.codec.memory?"),
+    ("RAGBLEND_BLNED__RATIO", "blned: unknown setting (from RAGBLEND_BLNED__RATIO); did you mean blend?"),
+    ("RAGBLEND_DATA_DIRR", "data_dirr: unknown setting (from RAGBLEND_DATA_DIRR); did you mean data_dir?"),
+])
+def test_an_unknown_environment_variable_names_the_nearest_setting(monkeypatch, variable, message):
+    monkeypatch.setenv(variable, "0.2" if "CODEC" not in variable else "int4")
+    with pytest.raises(ValueError) as error:
+        load_settings()
+    assert str(error.value) == message
+
+
+def test_other_tools_variables_and_known_settings_still_load(monkeypatch):
+    monkeypatch.setenv("RAGBLEND_LOG_LEVEL", "INFO")  # not a setting, nor close to one: left to its reader
+    monkeypatch.setenv("RAGBLEND_STORE__CODEC__DISK", "int4")
+    assert load_settings().store.codec_of("disk") == "int4"
+
+
+def test_every_key_of_the_default_config_is_a_setting():
+    documented = yaml.safe_load((REPO / "configs" / "default.yaml").read_text())
+
+    def leaves(values: dict, path: tuple = ()) -> list[tuple]:
+        return [leaf for key, value in values.items()
+                for leaf in (leaves(value, (*path, key)) if isinstance(value, dict) and key != "api_keys"
+                             else [(*path, key)])]
+    loaded = load_settings().model_dump()
+    for path in leaves(documented):
+        node = loaded
+        for key in path:
+            node = node[key]  # KeyError: a documented key the settings do not hold
+    assert len(leaves(documented)) > 50
+
+
+def test_cli_unknown_setting_is_one_line_with_the_nearest_key(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "app.cli.main", "store", "stats"], capture_output=True, text=True,
+                            cwd=REPO, env={**os.environ, "RAGBLEND_BLEND__RATOI": "0.2", "PYTHONPATH": str(REPO)})
+    assert result.returncode == 2
+    assert result.stderr == ("error: blend.ratoi: unknown setting (from RAGBLEND_BLEND__RATOI); "
+                             "did you mean blend.ratio?\n")

@@ -26,7 +26,10 @@ def test_same_question_twice_miss_then_hit_gives_identical_logits_and_answer(tmp
 
     def ask(kv_cache) -> tuple[list[str], torch.Tensor, list[int]]:
         passages = [kv_cache.prompt.text_passage_ids(c["text"][:500], c["title"] or None) for c in item["ctxs"][:3]]
-        loaded = [kv_cache.get_or_compute(ids) for ids in passages]
+        computed = [not kv_cache.store.contains(kv_cache.key(ids)) for ids in passages]
+        keys = [kv_cache.ensure(ids) for ids in passages]  # ingest's path: computed and stored where missing
+        loaded = [kv_cache.lookup_key(key, ids) for key, ids in zip(keys, passages)]  # the planner's read
+        loaded = [(kv, "computed" if fresh else tier) for fresh, (kv, tier) in zip(computed, loaded)]
         segments = [kv_cache.head()] + [kv for kv, _ in loaded]
         prefill = kv_cache.blender.prefill(segments, kv_cache.prompt.suffix_ids(item["question"]), 0.15)
         logits = prefill.logits.clone()

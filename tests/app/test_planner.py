@@ -266,3 +266,24 @@ def test_the_planner_blends_only_where_it_is_predicted_faster():
     again, _ = p.plan(parts, [1], mode="blend", ratio=1.0)  # recomputing every token saves nothing
     assert not again.choice["blend"] and p.plan(parts, [1], mode="reuse")[0].choice["blend_ms"] < dear.choice[
         "blend_ms"]
+
+
+def test_a_writer_with_no_room_left_gets_no_more_of_the_prompt():
+    """Backpressure: Planner.store stops at the store's first refusal, so what is stored is the prompt's first spans
+    (a clean prefix for its repeat), never scattered pieces of it."""
+    p = planner()
+    parts = [Part("head", HEAD), message(text(21, 120), 0)]
+    plan, loaded = p.plan(parts, [1, 2], mode="blend")
+    tokens = plan.spans[-1].end
+    layer = SimpleNamespace(keys=torch.zeros(1, 1, tokens, 2), values=torch.zeros(1, 1, tokens, 2))  # [1, H, T, D]
+    prefill = SimpleNamespace(cache=SimpleNamespace(layers=[layer, layer]))
+    offered: list[str] = []
+
+    def put_nowait(key, kv) -> bool:
+        offered.append(key)
+        return len(offered) <= 3  # room for three entries
+    p.kv.store.put_nowait = put_nowait
+    assert p.store(plan, loaded, prefill) == 3
+    entries = list(dict.fromkeys(key for s in plan.spans if s.source == "compute" and s.kind != "head"
+                                 for _, key in p.entries(s, s.after, plan.tenant, plan.collection)))
+    assert len(entries) > 4 and offered == entries[:4]  # the first three taken, the fourth refused, then no more

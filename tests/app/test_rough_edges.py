@@ -127,7 +127,7 @@ def test_an_upload_is_not_held_up_by_embeddings_calls(make_app, serve_live):
             ThreadPoolExecutor(5) as pool:
         embeds = [pool.submit(call, "embed", http) for _ in range(4)]
         svc = app.state.service
-        while svc.embed_lane.snapshot()["current"] is None:  # the embeddings lane is busy
+        while svc.lane.snapshot()["current"] is None:  # the ingest lane is busy with embeddings
             threading.Event().wait(0.02)
         upload = pool.submit(call, "upload", http)
         assert upload.result() == 201

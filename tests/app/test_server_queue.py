@@ -92,7 +92,7 @@ def test_client_disconnect_stops_generation(stub_app, serve_live):
 def test_health_is_503_while_loading_then_200(monkeypatch, stub_settings, stub_engine_type):
     gate = threading.Event()
 
-    def slow_engine(settings, parts=None):  # RagEngine(settings, parts)
+    def slow_engine(settings, parts):
         assert gate.wait(10)
         return stub_engine_type(settings)
 
@@ -110,7 +110,7 @@ def test_health_is_503_while_loading_then_200(monkeypatch, stub_settings, stub_e
 
 
 def test_health_reports_a_failed_load(monkeypatch, stub_settings):
-    def broken(settings, parts=None):
+    def broken(settings, parts):
         raise FileNotFoundError("no model here")
 
     monkeypatch.setattr(server, "RagEngine", broken)

@@ -4,8 +4,10 @@ real server: most passage tokens are read from the store (app.engine.planner fou
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -69,3 +71,44 @@ def test_anthropic_client_reuses_pasted_passages_in_another_order(live_server):
     first = ask([0, 1, 2, 3, 4], "Who won the Halden Open in 2019?")  # (the facts' spans may be known already)
     again = ask([3, 1, 4, 0, 2], "Who founded the Kestrel Bakery?")
     assert again.usage.cache_read_input_tokens >= max(0.6 * passage_tokens(docs), first.usage.cache_read_input_tokens)
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of a metric's samples in Prometheus text (every label)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+@pytest.mark.parametrize("queue_bytes", [512 << 20, 2 << 20], ids=["default-queue", "2MiB-queue"])
+def test_stuffed_chats_sent_at_once_are_stored_or_metrics_say_why_not(engine_with, serve_live, queue_bytes):
+    """Issue #57's case at a smaller scale: three pasted-document chats at once, then each again. Each repeat reads
+    >= 90% of its prompt from the store, or /metrics counts the chunks the store's writer refused (its queue full),
+    and what was stored of each is its first spans (the planner stops handing over at the first refusal)."""
+    from app.api.server import create_app
+
+    settings, engine = engine_with(store={"write_queue_bytes": queue_bytes})
+    tag = uuid.uuid4().hex[:8]
+    prompts = [stuffed(documents(f"{tag}-{n}"), [n % 5, (n + 1) % 5, (n + 2) % 5, (n + 3) % 5], "Who built it?")
+               for n in range(3)]
+    try:
+        with serve_live(create_app(settings, engine)) as live:
+            client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+            def ask(prompt: str):
+                return client.chat.completions.create(model=MODEL, max_tokens=2, extra_body={"retrieval": False},
+                                                      messages=[{"role": "user", "content": prompt}]).usage
+            with ThreadPoolExecutor(3) as pool:
+                list(pool.map(ask, prompts))  # at once: their spans reach the writer together
+                engine.parts.store.flush()
+                repeats = list(pool.map(ask, prompts))
+            metrics = httpx.get(f"{live.url}/metrics").text
+            cache = httpx.get(f"{live.url}/v1/cache").json()
+    finally:
+        engine.parts.close()
+    shares = [u.prompt_tokens_details.cached_tokens / u.prompt_tokens for u in repeats]
+    refused = metric(metrics, "ragblend:kv_store_dropped_puts_total")
+    assert refused == sum(cache["dropped_puts"].values())  # /metrics and /v1/cache agree
+    assert all(share >= 0.9 for share in shares) or refused > 0, (shares, refused)
+    if queue_bytes == 512 << 20:
+        assert refused == 0 and min(shares) >= 0.9, shares  # three small chats fit the default queue
+    else:
+        assert refused > 0 and cache["dropped_puts"]["bytes"] == refused, cache  # said why: the bytes bound

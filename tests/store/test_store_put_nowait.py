@@ -247,3 +247,22 @@ def test_sightings_count_within_a_window_of_recent_keys():
     assert seen.count("a") == 0 and seen.count("c") == 1  # "a" was the least recent past the window
     with pytest.raises(ValueError):
         Sightings(0)
+
+
+def test_room_says_what_the_queue_takes_and_refusals_are_counted_by_the_bound(tmp_path):
+    (first, kv), (second, kv2), (third, kv3) = random_kv(0), random_kv(1), random_kv(2)
+    store, gated = gated_store(tmp_path, write_queue=8, write_queue_bytes=2 * kv.nbytes)
+    assert store.put_room() == (8, 2 * kv.nbytes)
+    assert store.put_nowait(first, kv) and gated.entered.wait(10)  # in flight, still pending: its bytes held
+    assert store.put_room()[1] == kv.nbytes
+    assert store.put_nowait(second, kv2) and store.put_room()[1] == 0
+    assert not store.put_nowait(third, kv3)  # no bytes left: refused, not waited for
+    stats = store.stats()
+    assert stats["dropped_puts"] == 1 and stats["dropped_puts_by"] == {"entries": 0, "bytes": 1, "closed": 0}
+    assert stats["dropped_put_bytes"] == kv3.nbytes
+    assert (stats["put_queue_max"], stats["put_queue_max_bytes"]) == (8, 2 * kv.nbytes)
+    gated.gate.set()
+    store.flush()
+    assert store.put_room() == (8, 2 * kv.nbytes)
+    store.close()
+    assert not store.writer.put_nowait(third, kv3) and store.stats()["dropped_puts_by"]["closed"] == 1

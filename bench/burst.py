@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.serve import free_port  # noqa: E402
 from common import git_commit  # noqa: E402
 
 DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
@@ -33,12 +33,6 @@ DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
 
 def log(message: str) -> None:
     print(f"[bench/burst] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def prompts(dataset: list[dict], chats: int, tokens: int) -> list[str]:

@@ -116,8 +116,9 @@ class Service:
         async def run_all() -> None:
             for params in serving.warm_requests():
                 try:
-                    job = serving.scheduler.submit(lambda cancelled, p=params: serving.engine.program(p, cancelled),
-                                                   label="warm-up")
+                    job = serving.scheduler.submit(lambda p=params: serving.engine.request(p), label="warm-up",
+                                                   output=serving.engine.output(params))
+                    await job.wait_started(self.settings.server.request_timeout_s)  # (its output never sees STARTED)
                     await job.result()
                 except WorkerStopped:  # shutting down before ready: nothing left to warm for
                     return

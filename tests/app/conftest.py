@@ -153,6 +153,10 @@ def split_words(texts: list[str], add_special_tokens: bool = False, **_) -> dict
     return {"input_ids": [text.split() for text in texts]}
 
 
+# the sizes the server states in its OpenAPI description once ready (app.api.schemas.ragblend.state_sizes)
+STUB_VOCAB, STUB_EMBEDDING_DIM = 32000, 384
+
+
 class StubEngine:
     """Stands in for RagEngine: each query's answer is `max_tokens` tokens ("ok " each), one per decode step, each
     taking `step_s` after `gate` opens; it records what it saw (calls, tokens emitted, whether a query stopped
@@ -172,7 +176,8 @@ class StubEngine:
         self.parts = SimpleNamespace(llm=SimpleNamespace(name="stub"), tokenizer=split_words, kv_cache=None,
                                      ingestor=None, retriever=None, store=SimpleNamespace(stats=lambda: {"tiers": {}}),
                                      blender=SimpleNamespace(unsupported=None, num_layers=1),
-                                     runtime=SimpleNamespace(advance=self.advance),
+                                     runtime=SimpleNamespace(advance=self.advance, vocab=STUB_VOCAB),
+                                     embedder=SimpleNamespace(name="stub-embedder", dim=STUB_EMBEDDING_DIM),
                                      close=lambda: None)
 
     def token(self) -> int:
@@ -234,13 +239,22 @@ class StubQuery:
         self.engine.started.release()
 
     def prefill(self):
+        """Two pieces, as a real prefill's layer chunks: the prompt (one token-layer, after `gate` opens), then
+        the first token. With `server.step_token_budget` 1 they run in two steps, so a request whose client left
+        while the gate held its prompt ends before any token; closed early, it counts as stopped early."""
         engine = self.engine
         engine.active += 1
         engine.peak = max(engine.peak, engine.active)
+        try:
+            assert engine.gate.wait(30), "gate never opened"
+            yield 1
+        except GeneratorExit:  # ended before its first token (the runner closed its prefill)
+            engine.active -= 1
+            engine.cancelled.set()
+            raise
         sequence = StubSequence(engine, self.params.max_tokens or 4)
         sequence.accept(engine.token())  # the first token, from the "prefill"
         return sequence
-        yield  # (a generator: no prefill slices)
 
     def finish(self, sequence: StubSequence, reason: str) -> QueryResult:
         stats = QueryStats(mode=self.params.mode, ttft_ms=1.0, total_ms=2.0, prompt_tokens=10, cached_tokens=6,

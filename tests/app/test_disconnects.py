@@ -38,7 +38,7 @@ def tracebacks(caplog: pytest.LogCaptureFixture) -> list[str]:
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}),
     ("/v1/messages", {"model": "stub", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})])
 def test_a_client_gone_before_its_first_token_is_a_clean_cancel(stub_app, serve_live, caplog, path, body):
-    app, engine = stub_app()
+    app, engine = stub_app(server={"step_token_budget": 1})  # its prompt and its first token: two steps
     engine.gate.clear()  # the request holds the model thread before its first token
     caplog.set_level(logging.INFO, logger="ragblend")
     with serve_live(app) as live:
@@ -47,7 +47,7 @@ def test_a_client_gone_before_its_first_token_is_a_clean_cancel(stub_app, serve_
         assert engine.started.acquire(timeout=10)
         svc = app.state.service
         wait_until(lambda: all(slot.job.cancelled.is_set() for slot in svc.scheduler._slots))  # the server noticed
-        engine.gate.set()  # the program sees its cancel before any text
+        engine.gate.set()  # the next step sees its cancel before any token
         wait_until(lambda: "499" in counted(svc.metrics.render().decode(), path))
         statuses = counted(svc.metrics.render().decode(), path)
         assert engine.cancelled.is_set() and engine.emitted == 0
@@ -59,7 +59,7 @@ def test_a_client_gone_before_its_first_token_is_a_clean_cancel(stub_app, serve_
 
 
 def test_a_client_gone_mid_stream_is_one_info_line(stub_app, serve_live, caplog):
-    app, engine = stub_app(step_s=0.02, slices=True)
+    app, engine = stub_app(step_s=0.02)  # a decode step a token, through the real scheduler and runner
     caplog.set_level(logging.INFO, logger="ragblend")
     with serve_live(app) as live, httpx.Client(base_url=live.url, timeout=10) as http:
         with http.stream("POST", "/v1/query", json={"question": "long?", "max_tokens": 500, "stream": True}) as r:

@@ -26,6 +26,7 @@ class LoadingControl:
     def __init__(self, blender: Blender, store: TieredStore, floor: float):
         self.blender, self.store, self.floor = blender, store, floor
         self.calibration = Calibration()  # measured recompute cost, tier bandwidths and codec decode rates
+        self.planning: Rates | None = None  # the rates plans are priced by, fixed once measured (planning_rates)
 
     def ratio(self, pieces: Sequence[Piece], suffix_tokens: int, selection: str | None,
               recompute: Callable[[Any], ChunkKV]) -> Generator[None, None, tuple[float, dict]]:
@@ -71,8 +72,7 @@ class LoadingControl:
         """The planner's choice for a prompt past its exact prefix: blend `pieces` (the spans found, opened) with
         the `computed` tokens, or compute them all, priced by the measured rates (None before any prefill ran).
         A piece loads from the tier it was opened from (or a cheaper one: `_sources`)."""
-        rates = self.calibration.rates()
-        if rates is None:
+        if (rates := self.planning_rates()) is None:
             return None
         layers, policy = self.blender.num_layers, get_policy(self.blender.selection)
         chunks = [ChunkCost(len(p.ids), self._sources(p, rates) if hasattr(p.kv, "layer_nbytes") else ())
@@ -82,6 +82,15 @@ class LoadingControl:
                               question_layers=policy.layer_range(layers).stop if policy.question_layers else 0,
                               check_layers=self.blender.check_layer + 1 if policy.deviation else 0,
                               pipelined=pipelined)
+
+    def planning_rates(self) -> Rates | None:
+        """The rates a plan is priced by: the measured ones, fixed once a blended prefill's span costs have been
+        measured (the server's warm-up runs one); None before that (plans blend). Fixed, because a plan decides
+        between blending and computing whole, which may change an answer: the same prompt must get the same
+        answer whatever ran before it, not one that turns on the timings of its neighbours."""
+        if self.planning is None and self.calibration.span_s is not None:
+            self.planning = self.calibration.rates()
+        return self.planning
 
     def observe(self, tokens: int, seconds: float, *, question: tuple[float, float] = (0, 0.0),
                 spans: tuple[float, float] = (0, 0.0)) -> None:

@@ -45,6 +45,7 @@ from store import kv_key
 PartKind = Literal["head", "message", "opening", "passage"]
 Source = Literal["exact", "blended", "compute"]
 WINDOW_INDEX_MAX = 1 << 16  # window hashes remembered (mode windows): the oldest forgotten first
+WHOLE = "whole"  # a found span's Loaded tier once the plan computed the prompt whole (_blend_or_whole): its entry kept
 
 
 @dataclass(frozen=True)
@@ -237,10 +238,11 @@ class Planner:
         """Past the exact prefix, the found spans blended or, where computing it all with the question is predicted
         faster from the measured rates (app.engine.loading: blend.controller.blend_or_whole), all computed (prefix
         caching). Small scattered spans cost more to blend (each its own read, shift and run of keys, the selection)
-        than they save. Not measured yet (no prefill run): blended. Returns the prediction (the plan's `choice`)."""
+        than they save. Not measured yet (no prefill run), or planner.by_cost off: blended. Returns the prediction (the
+        plan's `choice`)."""
         start = next((i for i, s in enumerate(spans) if s.source != "exact"), len(spans))
         found = [i for i in range(start, len(spans)) if spans[i].source == "blended"]
-        if not found or self.costs is None:
+        if not found or self.costs is None or not self.settings.by_cost:
             return None
         computed = sum(len(s.ids) for s in spans[start:] if s.source == "compute") + suffix
         tail = len(spans[-1].ids) if found[-1] < len(spans) - 1 else 0  # computed with the question (Plan.tail)
@@ -251,7 +253,7 @@ class Planner:
         for i in found:
             loaded[i].close()
             spans[i] = replace(spans[i], source="compute", tier=None)
-            loaded[i] = Loaded(list(spans[i].ids), None, None, spans[i].start)
+            loaded[i] = Loaded(list(spans[i].ids), None, WHOLE, spans[i].start)  # found, computed: `store`
         return choice.as_dict()
 
     def entries(self, span: Span, before: str, tenant: str, collection: str = "") -> list[tuple[str, str]]:
@@ -312,7 +314,9 @@ class Planner:
         over: what is stored is the prompt's first spans, a clean prefix for its repeat, not scattered pieces."""
         written: set[str] = set()
         for span, read in zip(plan.spans, loaded):
-            had = "compute" if read.tier == COMPUTED else span.source  # an entry that failed to load: again
+            # an entry that failed to load: again; one found that the plan computed whole: as found (blended), so
+            # a shared passage's entry stays the one the plan priced, and its repeat is planned (and answered) alike
+            had = "compute" if read.tier == COMPUTED else "blended" if read.tier == WHOLE else span.source
             if not _kept(span, had):
                 continue
             entries, kv = self.entries(span, span.after, plan.tenant, plan.collection), None

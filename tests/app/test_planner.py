@@ -41,7 +41,7 @@ class FakeKV:
 
 
 def planner(**settings) -> Planner:
-    return Planner(FakeKV(), PlannerSettings(**settings))
+    return Planner(FakeKV(), PlannerSettings(**{"by_cost": True, **settings}))  # the cost rule is what is tested
 
 
 def text(seed: int, n: int) -> tuple[int, ...]:

@@ -76,6 +76,8 @@ async def embeddings(body: EmbeddingRequest, request: Request, svc: Service = De
         raise ApiError(404, f"The model {body.model!r} does not exist: this server embeds with {embedder.name!r}",
                        code="model_not_found", param="model")
     texts = [body.input] if isinstance(body.input, str) else body.input
+    if not texts:  # (an empty list validates as token ids)
+        raise ApiError(422, "input: at least one text", "invalid_value", param="input")
     if not all(isinstance(text, str) for text in texts):
         raise ApiError(400, "input: token ids are not served (they would be another tokenizer's); send text",
                        param="input")

@@ -49,6 +49,16 @@ def test_every_thread_while_serving_is_in_the_architecture_table(tmp_path):
     assert not any(name.startswith(("asyncio_", "Thread-")) for name in seen), seen  # no unnamed pool or thread
 
 
+def ready(client) -> bool:
+    """Whether /health/ready is 200 (False while uvicorn has not begun listening on the socket yet)."""
+    import httpx
+
+    try:
+        return client.get("/health/ready").status_code == 200
+    except httpx.ConnectError:
+        return False
+
+
 def probe(data_dir: str) -> None:
     import httpx
     import uvicorn
@@ -72,7 +82,7 @@ def probe(data_dir: str) -> None:
     def drive() -> None:
         try:
             with httpx.Client(base_url=url, timeout=600) as client:
-                while client.get("/health/ready").status_code != 200:
+                while not ready(client):
                     time.sleep(0.2)
                 seen.clear()  # serving from here on (the loader's thread has ended)
                 threading.Thread(target=sample, name=f"{PROBE}sampler", daemon=True).start()

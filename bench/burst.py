@@ -25,7 +25,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.serve import free_port  # noqa: E402
+from bench.serve import free_port, wait_ready  # noqa: E402
 from common import git_commit  # noqa: E402
 
 DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
@@ -76,15 +76,7 @@ def main() -> None:
         server = subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--host", "127.0.0.1", "--port",
                                    str(port)], cwd=REPO, env=env)
         try:
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"server exited with {server.returncode}")
-                try:
-                    if httpx.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
+            wait_ready(url, server, timeout=3600)
 
             def ask(text: str) -> dict:
                 start = time.perf_counter()

@@ -19,7 +19,6 @@ machine are noisy: compare ratios within one run.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -90,7 +89,7 @@ def run_variant(leased: bool, args: argparse.Namespace, shared: Components | Non
         lease = None
         if leased:
             keys = [u.key for u in first.kv_keys]  # as /v1/chat/completions with prompt_cache_retention 24h
-            note = asyncio.run(prompt_cache.lease(parts.store, "bench: leased context", [(keys, 86400.0)]))
+            note = prompt_cache.lease(parts.store, "bench: leased context", [(keys, 86400.0)])
             lease = note.model_dump() | {"pinned_bytes": parts.store.lease_stats()["pinned_bytes"]}
         hits = [engine.answer(params) for _ in range(args.repeats)]
 

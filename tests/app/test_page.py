@@ -109,11 +109,20 @@ class Page:
         return self.driver.find_elements(By.CSS_SELECTOR, css)
 
     def text(self, css: str) -> str:
+        """The element's text, found again where a re-render replaced it between the find and the read."""
+        from selenium.common.exceptions import StaleElementReferenceException
+        for _ in range(20):
+            try:
+                return self.find(css).text
+            except StaleElementReferenceException:
+                continue
         return self.find(css).text
 
     def wait(self, condition, timeout: float = WAIT_S):
+        from selenium.common.exceptions import StaleElementReferenceException
         from selenium.webdriver.support.ui import WebDriverWait
-        return WebDriverWait(self.driver, timeout, poll_frequency=0.1).until(condition)
+        return WebDriverWait(self.driver, timeout, poll_frequency=0.1,
+                             ignored_exceptions=(StaleElementReferenceException,)).until(condition)
 
     def fill(self, css: str, value: str) -> None:
         field = self.find(css)

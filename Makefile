@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+TEST_WORKERS ?= 2  # pytest-xdist workers; each loads the embedded model (~5 GiB at its peak)
 
 .PHONY: setup models ingest-demo serve test bench clean
 
@@ -34,7 +35,7 @@ test: models
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || echo "warning: PostgreSQL not installed; its tests will be skipped (apt-get install -y postgresql)"
 	$(BIN)/ruff check .  # pyflakes, pycodestyle, import order, line length (pyproject.toml)
 	$(BIN)/lint-imports --no-cache  # the layering (.importlinter): downward imports only, no circles
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 bench: models
 	$(BIN)/python bench/ttft.py

@@ -21,12 +21,24 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record comes (a redirect or a test's capture made later), never to a
+    stream closed since setup."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
 def setup_logging(level: str | None = None) -> None:
     """Route the `ragblend.*` loggers to stderr as JSON lines; silence chatty libraries."""
     root = logging.getLogger("ragblend")
     if getattr(root, "_ragblend_configured", False):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(JsonFormatter())
     root.addHandler(handler)
     root.setLevel((level or os.environ.get("RAGBLEND_LOG_LEVEL", "WARNING")).upper())

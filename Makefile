@@ -3,7 +3,9 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-TEST_WORKERS ?= 2  # pytest-xdist workers; each loads the embedded model (~5 GiB at its peak)
+# pytest-xdist workers, a core each (OMP_NUM_THREADS=1: two workers of two threads each spin against each other on
+# two cores); each loads the embedded model (~5 GiB at its peak)
+TEST_WORKERS ?= 2
 
 .PHONY: setup models ingest-demo serve test bench clean
 
@@ -35,7 +37,7 @@ test: models
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || echo "warning: PostgreSQL not installed; its tests will be skipped (apt-get install -y postgresql)"
 	$(BIN)/ruff check .  # pyflakes, pycodestyle, import order, line length (pyproject.toml)
 	$(BIN)/lint-imports --no-cache  # the layering (.importlinter): downward imports only, no circles
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 bench: models
 	$(BIN)/python bench/ttft.py

@@ -34,7 +34,8 @@ class Housekeeping:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, thread: bool = True) -> None:
         self._clock, self._own_thread = clock, thread
-        self._due: list[tuple[float, int, Task]] = []  # a heap: (when, order, task)
+        self._due: list[tuple[float, int, Task]] = []  # a heap: (when, order, task); a task running is not in it
+        self._registered: list[Task] = []
         self._order = itertools.count()
         self._wake = threading.Condition()
         self._closed = False
@@ -49,6 +50,7 @@ class Housekeeping:
             if self._closed:
                 raise RuntimeError("housekeeping is closed")
             heapq.heappush(self._due, (self._clock() + period_s, next(self._order), task))
+            self._registered.append(task)
             if self._thread is None and self._own_thread:
                 self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
                 self._thread.start()
@@ -56,9 +58,10 @@ class Housekeeping:
         return task
 
     def tasks(self) -> list[str]:
-        """The names of the tasks registered and not cancelled."""
+        """The names of the tasks registered and not cancelled (one running now too)."""
         with self._wake:
-            return [task.name for _, _, task in self._due if not task.cancelled]
+            self._registered = [task for task in self._registered if not task.cancelled]
+            return [task.name for task in self._registered]
 
     def run_due(self) -> float | None:
         """Run every task due now on the caller's thread; the seconds until the next one is due (None: no task)."""

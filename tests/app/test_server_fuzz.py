@@ -30,7 +30,7 @@ schemathesis.openapi.media_type(
 MAX_BODY_BYTES = 20_000
 CONFIG = SchemathesisConfig.from_dict({
     "seed": 41,
-    "generation": {"mode": "all", "max-examples": 8, "database": "none", "deterministic": True},
+    "generation": {"mode": "all", "max-examples": 3, "database": "none", "deterministic": True},
     "phases": {
         "stateful": {"enabled": False},  # the operations share one corpus: no chains of calls
         # Error feedback turns a 4xx's message into new "valid" cases outside the description, such as PNG

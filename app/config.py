@@ -81,8 +81,10 @@ class ServerSettings(Strict):
     request_timeout_s: float = Field(120.0, gt=0)
     max_batch: int = Field(8, ge=1)  # requests decoded together (slots on the model thread)
     # tokens a model-thread step runs (vLLM's max_num_batched_tokens): a decode row is one, a prefill slice the
-    # tokens it runs through one layer over the model's layers; at least one slice a step
-    step_token_budget: int = Field(2048, ge=1)
+    # tokens it runs through one layer over the model's layers; at least one slice a step. 64 measured on the 2-core
+    # CPU (bench/fairness.py, BENCHMARKS.md): a short query waits at most one step behind a long prefill, 2.4x its
+    # TTFT alone (2048, vLLM's GPU figure: 75x, the step ~10 s here), the long prefill no slower
+    step_token_budget: int = Field(64, ge=1)
     # a prefill's least piece of work: one layer over at most this many of its tokens (chunked prefill); null: a
     # whole layer
     prefill_chunk_tokens: int | None = Field(512, ge=1)

@@ -74,7 +74,7 @@ def task_due(in_flight: bool, work_since: int, last_cost: int, share: float = TA
 
 class Scheduler:
     def __init__(self, advance: Advance, *, layers: int, max_batch: int, queue_size: int,
-                 step_token_budget: int = 2048, offload_threads: int = 1):
+                 step_token_budget: int = 64, offload_threads: int = 1):
         self.max_batch, self.queue_size, self.layers, self.budget = max_batch, queue_size, layers, step_token_budget
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()   # guarded by _cond

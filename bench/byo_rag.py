@@ -190,7 +190,7 @@ def one_request(engine: RagEngine, params: QueryParams) -> tuple[Any, Any, Query
     seconds["flush_wait_s"] = time.perf_counter() - start
     seconds["background_s"] = store.stats().get("write_s_total", 0.0) - before
     seconds["dropped_puts"] = store.stats().get("dropped_puts", 0) - dropped  # spans the full put queue lost
-    return plan, prefill, stats, seconds
+    return (plan, loaded), prefill, stats, seconds
 
 
 def prompt_and_reused(planned: Any) -> tuple[list[int], list[bool]]:

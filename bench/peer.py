@@ -86,7 +86,7 @@ def decode_times(runtime, prefills: list, tokens: int) -> list[float]:
 def ragblend_request(engine, request: Request, answer_tokens: int) -> tuple[dict, Any, list[int]]:
     plan, prefill, stats, seconds = one_request(engine, params_for(request, "content", RATIO, answer_tokens))
     times = decode_times(engine.parts.runtime, [prefill], answer_tokens)
-    ids = [i for span in plan.spans for i in span.ids] + list(plan.suffix)
+    ids = [i for span in plan[0].spans for i in span.ids] + list(plan[0].suffix)
     return {"ttft_s": seconds["ttft_s"], "times": times, "prompt_tokens": len(ids)}, prefill, ids
 
 

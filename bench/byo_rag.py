@@ -168,7 +168,7 @@ def params_for(request: Request, mode: str, ratio: float, tokens: int) -> QueryP
                        max_tokens=tokens)
 
 
-def one_request(engine: RagEngine, params: QueryParams) -> tuple[Any, Any, QueryStats, dict[str, float]]:
+def one_request(engine: RagEngine, params: QueryParams) -> tuple[tuple[Any, Any], Any, QueryStats, dict[str, float]]:
     """Prefill (timed: TTFT), then the after-answer work on the model thread (timed apart), then the store's
     background writes (flushed, timed: they run off the model thread, before the next request here)."""
     stats, seconds = QueryStats(mode=params.mode), {}
@@ -266,13 +266,13 @@ def run_workload(engines_: dict[str, RagEngine], requests: list[Request], ratio:
     for n, request in enumerate(requests):
         was_seen = [d["text"] in seen for d in request.docs]
         for mode, engine in engines_.items():
-            plan, prefill, stats, seconds = one_request(engine, params_for(request, mode, ratio, tokens))
+            planned, prefill, stats, seconds = one_request(engine, params_for(request, mode, ratio, tokens))
             if mode == "full":
                 answer = greedy(engine, prefill, tokens)
                 ref_logp = torch.log_softmax(blender.teacher_force(prefill, answer), -1)
             kl, top1 = (0.0, 1.0) if mode == "full" else agreement(
                 ref_logp, torch.log_softmax(blender.teacher_force(prefill, answer), -1))
-            ids, reused = prompt_and_reused(plan)
+            ids, reused = prompt_and_reused(planned)
             shares = []
             for span, was in zip(passage_spans(tokenizer, ids, request.docs), was_seen):
                 if was and span is not None:
@@ -281,7 +281,7 @@ def run_workload(engines_: dict[str, RagEngine], requests: list[Request], ratio:
                                "seen_tokens": sum(t for _, t in shares), "seen_reused": sum(r for r, _ in shares),
                                "seen_passages": len(shares), "seen_passages_90": sum(r >= 0.9 * t for r, t in shares),
                                "cached_tokens": stats.cached_tokens, "recomputed_tokens": stats.recomputed_tokens,
-                               "choice": getattr(plan[0], "choice", None),
+                               "choice": getattr(planned[0], "choice", None),
                                **{k: round(v, 4) for k, v in seconds.items()}})
             log(f"{n + 1}/{len(requests)} q{request.question} {request.sight} {mode}: {len(ids)} tokens, TTFT "
                 f"{seconds['ttft_s']:.2f}s, after answer {seconds['after_answer_s']:.2f}s, background "

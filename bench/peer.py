@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from app.cli.compare import agreement  # noqa: E402
 from app.components import Components  # noqa: E402
 from app.config import load_settings  # noqa: E402
-from bench.byo_rag import Request, engines, greedy, one_request, params_for, stuffed, workload  # noqa: E402
+from bench.byo_rag import Request, engines, greedy, one_request, params_for, prompt_and_reused, stuffed, workload  # noqa: E402
 from blend import SamplingParams  # noqa: E402
 from blend.model import embedded_gguf_path  # noqa: E402
 from common import git_commit  # noqa: E402
@@ -84,9 +84,9 @@ def decode_times(runtime, prefills: list, tokens: int) -> list[float]:
 
 
 def ragblend_request(engine, request: Request, answer_tokens: int) -> tuple[dict, Any, list[int]]:
-    plan, prefill, stats, seconds = one_request(engine, params_for(request, "content", RATIO, answer_tokens))
+    planned, prefill, stats, seconds = one_request(engine, params_for(request, "content", RATIO, answer_tokens))
     times = decode_times(engine.parts.runtime, [prefill], answer_tokens)
-    ids = [i for span in plan[0].spans for i in span.ids] + list(plan[0].suffix)
+    ids, _ = prompt_and_reused(planned)
     return {"ttft_s": seconds["ttft_s"], "times": times, "prompt_tokens": len(ids)}, prefill, ids
 
 

@@ -16,7 +16,8 @@ their share of every tier's pinned cap reserved (the shares scaled down evenly w
 than 1): a tenant may always pin up to its reservation, and no other tenant's pins eat into what it leaves
 unused; the rest of the cap is shared first-come. So a lease is granted in a tier while its tenant's pins
 stay within the more of its reservation and the cap less what every other tenant takes (the more of its
-pins and its reservation). A refusal quotes the caller's own pins and reservation, never another's.
+pins and its reservation), checked on this store's snapshot of the leases (the cap itself is the ledger's, in
+its transaction). A refusal quotes the caller's own pins and reservation, never another's.
 
 Where leases live. In the metadata database (SQLite or PostgreSQL) through a `LeaseLedger`
 (retrieval.Metadata is one; app/components.py hands it to the store): replicas that share the database

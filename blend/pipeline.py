@@ -26,6 +26,7 @@ from typing import Protocol, Sequence
 import torch
 
 from common.chunk_kv import ChunkKV
+from common.threads import serially
 
 log = logging.getLogger("ragblend.blend")
 
@@ -136,7 +137,7 @@ class LayerLoader:
         self._stop = False
         self._thread: threading.Thread | None = None
         if pipelined and sources:
-            self._thread = threading.Thread(target=self._run, name="ragblend-kv-loader", daemon=True)
+            self._thread = threading.Thread(target=serially, args=(self._run,), name="ragblend-kv-loader", daemon=True)
             self._thread.start()
         else:
             self._run()

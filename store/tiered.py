@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from common.chunk_kv import ChunkKV, KVMismatchError
 from common.housekeeping import Housekeeping
 from common.placement import HOST, Placement
+from common.threads import serial_torch
 from store.admission import Admission
 from store.base import OpenEntry, Reading, Tier
 from store.counters import StoreCounters
@@ -91,7 +92,8 @@ class TieredStore:
         codecs = {t.name: get_codec(_codec_of(codec, t.name)) for t in self.tiers}
         self.codecs = {name: c.name for name, c in codecs.items()}  # tier name -> its codec's name
         self.fingerprint, self.placement = fingerprint, placement
-        self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="ragblend-store-read") \
+        self._pool = ThreadPoolExecutor(read_threads, thread_name_prefix="ragblend-store-read",
+                                        initializer=serial_torch) \
             if read_threads else None
         readings = {name: Reading(c, fingerprint, placement, self._pool, read_ahead) for name, c in codecs.items()}
         self._counters = StoreCounters(t.name for t in self.tiers)

@@ -11,6 +11,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from common.threads import serial_torch
+
 log = logging.getLogger("ragblend.store")
 Item = TypeVar("Item")
 
@@ -65,6 +67,7 @@ class WriteBehind(Generic[Item]):
             return self._tombstones.get(key, 0) >= seq
 
     def _run(self) -> None:
+        serial_torch()  # the model thread's decode steps keep their spinning workers (common.threads)
         while (job := self._queue.get()) is not None:
             seq, key, item = job
             try:

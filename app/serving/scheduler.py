@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator
 
 from app.serving.worker import END, Job, QueueFull, WorkerStopped
 from blend.driver import Advance, Output, Request, Runner, Step, Work, schedule
+from common.threads import model_torch, serial_torch
 
 __all__ = ["Scheduler", "task_due"]
 log = logging.getLogger("ragblend.scheduler")
@@ -84,7 +85,8 @@ class Scheduler:
         self._runner = Runner(advance, on_end=self._finished)
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="ragblend-model", daemon=True)
-        self._offload = concurrent.futures.ThreadPoolExecutor(offload_threads, thread_name_prefix="ragblend-prep")
+        self._offload = concurrent.futures.ThreadPoolExecutor(offload_threads, thread_name_prefix="ragblend-prep",
+                                                              initializer=serial_torch)
         self._current: tuple[str, float] | None = None  # (what the model thread runs, since when)
         self._decode_steps: Counter[int] = Counter()  # batched steps by their number of rows (step_totals)
         self._decode_seconds: Counter[int] = Counter()  # ... and the seconds they took
@@ -225,6 +227,7 @@ class Scheduler:
     # ---- the model thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        model_torch()  # torch's intra-op threads are this thread's (common.threads)
         while True:
             with self._cond:
                 self._admit()

@@ -42,6 +42,7 @@ from app.serving.worker import Job, QueueFull, QueueTimeout, Worker, WorkerStopp
 from app.tenants import current_tenant
 from blend.grammar import Grammar, GrammarError
 from common.housekeeping import Housekeeping
+from common.threads import model_torch, serially
 
 log = logging.getLogger("ragblend.server")
 
@@ -94,6 +95,7 @@ class Service:
         threading.Thread(target=self._load, name="ragblend-loader", daemon=True).start()
 
     def _load(self) -> None:
+        model_torch()  # loading (and quantising) the model is the model's work
         try:
             engine = self.engine or self.build_engine(self.settings)
             serving = Serving(self.settings, engine, self.lane)
@@ -269,7 +271,7 @@ class Service:
         if (limiter := self._pools.get(pool)) is None:
             size = self.settings.limits.grammar_compile_workers if pool == "grammar" else POOLS[pool]
             limiter = self._pools[pool] = anyio.CapacityLimiter(size)
-        return await anyio.to_thread.run_sync(partial(fn, *args, **kwargs), limiter=limiter)
+        return await anyio.to_thread.run_sync(partial(serially, fn, *args, **kwargs), limiter=limiter)
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Each text's tokens in the model's tokenizer, special tokens left out: the unit of the budgets."""

@@ -19,6 +19,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Iterable
 
 from blend.driver import Output
+from common.threads import serial_torch
 
 Cancelled = Callable[[], bool]
 Work = Callable[[Cancelled], Iterable[Any]]
@@ -198,6 +199,7 @@ class Worker:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        serial_torch()  # a lane's embedder leaves the model thread's workers spinning (common.threads)
         while (job := self._queue.get()) is not None:
             if job.claim():
                 self._execute(job)

@@ -222,7 +222,7 @@ def main() -> None:
                 messages = [{"role": "system", "content": system},
                             {"role": "user", "content": stuffed(request.text, request.docs)}]
                 prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                prompt = prompt["input_ids"] if isinstance(prompt, dict) else list(prompt)
+                prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)  # a BatchEncoding in 5.x
                 order = [*settings, "llama_cpp"] if n % 2 == 0 else ["llama_cpp", *settings]
                 for name in order:
                     if name == "llama_cpp":

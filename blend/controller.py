@@ -19,7 +19,8 @@ against computing it whole (after its exact prefix), from the same rates and the
 per layer (its read, RoPE shift and layout, its own run of keys), and the cheaper taken.
 
 `Calibration` keeps the measured inputs as moving averages: the per-token-per-layer recompute cost (a prefill's
-layers' time over the tokens they ran), a question pass's per token and layer, each blended span's per layer (the
+layers' time over the tokens they ran; a question pass's rows are priced at it too: measured apart, its tiny passes
+gave per-token rates 3-4x too dear), each blended span's per layer (the
 time a blended prefill waited for its reads and laid them out), each tier's bandwidth and each codec's decode rate
 (from the store's per-layer read and decode counts, real reads), and each codec's stored bytes per token and layer
 (to price a copy of a chunk in a tier it was not opened from). A rate not measured yet counts as free: the chunk is
@@ -55,7 +56,6 @@ class Rates:
     bandwidth: dict[str, float] = field(default_factory=dict)    # tier -> stored bytes read per second
     decode_rate: dict[str, float] = field(default_factory=dict)  # codec -> stored bytes decoded per second
     span_s: float = 0.0                                   # one blended span, one layer: its reads not hidden
-    question_s: float | None = None                       # one token through one layer of a question pass
 
     def load_s(self, source: Source) -> float:
         """Seconds to load one layer of a chunk from `source` (an unmeasured rate costs nothing)."""
@@ -149,8 +149,7 @@ def blend_or_whole(chunks: Sequence[ChunkCost], computed: int, rates: Rates, *, 
     cached = sum(c.tokens for c in chunks)
     compute = rates.recompute_s * (ratio * cached + computed)                    # one layer
     per_layer = (max(compute, load) if pipelined else compute + load) + rates.span_s * len(chunks)
-    selection = (rates.question_s or rates.recompute_s) * question_tokens * question_layers \
-        + rates.recompute_s * cached * check_layers
+    selection = rates.recompute_s * (question_tokens * question_layers + cached * check_layers)
     return Choice(layers * per_layer + (load if pipelined else 0.0) + selection, whole)
 
 
@@ -168,7 +167,6 @@ class Calibration:
 
     recompute_s: float | None = None                           # per token per layer
     span_s: float | None = None                                # per blended span per layer: reads not hidden
-    question_s: float | None = None                            # per token per layer of a question pass
     bandwidth: dict[str, float] = field(default_factory=dict)    # stored bytes/s per tier
     decode_rate: dict[str, float] = field(default_factory=dict)  # stored bytes/s per codec
     token_layer_bytes: dict[str, float] = field(default_factory=dict)  # stored bytes of a token in a layer, per codec
@@ -182,15 +180,11 @@ class Calibration:
             with self._lock:
                 self.recompute_s = _ema(self.recompute_s, seconds / tokens_through_layers, self.alpha)
 
-    def observe_prefill(self, token_layers: float, seconds: float, *, question: tuple[float, float] = (0, 0.0),
-                        spans: tuple[float, float] = (0, 0.0)) -> None:
+    def observe_prefill(self, token_layers: float, seconds: float, *, spans: tuple[float, float] = (0, 0.0)) -> None:
         """A prefill's layers ran `token_layers` (tokens x layers) in `seconds` (its reads' waits not counted); its
-        question pass `question` (token-layers, seconds); its blended spans `spans` (span-layers, the seconds its
-        layers waited for their reads and its layout took)."""
+        blended spans `spans` (span-layers, the seconds its layers waited for their reads and its layout took)."""
         self.observe_compute(token_layers, seconds)
         with self._lock:
-            if question[0] > 0 and question[1] > 0:
-                self.question_s = _ema(self.question_s, question[1] / question[0], self.alpha)
             if spans[0] > 0:
                 self.span_s = _ema(self.span_s, max(0.0, spans[1]) / spans[0], self.alpha)
 
@@ -230,8 +224,7 @@ class Calibration:
         with self._lock:
             if self.recompute_s is None:
                 return None
-            return Rates(self.recompute_s, dict(self.bandwidth), dict(self.decode_rate), self.span_s or 0.0,
-                         self.question_s)
+            return Rates(self.recompute_s, dict(self.bandwidth), dict(self.decode_rate), self.span_s or 0.0)
 
     def estimate(self, tier: str, codec: str, tokens: int) -> Source | None:
         """A chunk of `tokens` tokens in `tier` as `codec` keeps it, priced by that codec's measured bytes per
@@ -244,7 +237,6 @@ class Calibration:
         with self._lock:
             return {"recompute_us_per_token_layer": None if self.recompute_s is None else self.recompute_s * 1e6,
                     "span_us_per_layer": None if self.span_s is None else self.span_s * 1e6,
-                    "question_us_per_token_layer": None if self.question_s is None else self.question_s * 1e6,
                     "tier_bandwidth_mb_s": {t: round(b / 1e6, 2) for t, b in self.bandwidth.items()},
                     "codec_decode_mb_s": {c: round(r / 1e6, 2) for c, r in self.decode_rate.items()}}
 

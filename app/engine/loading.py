@@ -92,11 +92,9 @@ class LoadingControl:
             self.planning = self.calibration.rates()
         return self.planning
 
-    def observe(self, tokens: int, seconds: float, *, question: tuple[float, float] = (0, 0.0),
-                spans: tuple[float, float] = (0, 0.0)) -> None:
-        """After a prefill: its live costs (`tokens` token-layers computed in `seconds`, a question pass's
-        token-layers and seconds, its blended span-layers and the seconds they cost past the compute:
-        Calibration.observe_prefill), and the store's reads since the last prefill: each tier's bandwidth and each
-        codec's decode rate."""
-        self.calibration.observe_prefill(tokens, seconds, question=question, spans=spans)
+    def observe(self, tokens: int, seconds: float, *, spans: tuple[float, float] = (0, 0.0)) -> None:
+        """After a prefill: its live costs (`tokens` token-layers computed in `seconds`, its blended span-layers
+        and the seconds they cost past the compute: Calibration.observe_prefill), and the store's reads since the
+        last prefill: each tier's bandwidth and each codec's decode rate."""
+        self.calibration.observe_prefill(tokens, seconds, spans=spans)
         self.calibration.observe_reads(self.store.counts(), self.store.decode_counts())

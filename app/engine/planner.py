@@ -39,7 +39,6 @@ from app.engine.usage import COMPUTED
 from blend import ChunkKV, Prefill, hash_ids
 from blend.chunking import content_cuts
 from blend.pipeline import LayerSource
-from blend.selection import get_policy
 from store import kv_key
 
 PartKind = Literal["head", "message", "opening", "passage"]
@@ -340,20 +339,16 @@ class Planner:
 
     def observe(self, plan: Plan, loaded: Sequence[Loaded], prefill: Prefill) -> None:
         """Feed a blended prefill's measured costs to the rates blends are priced by (app.engine.loading): its
-        layers' time per token-layer run, its question pass's per token-layer (the computed tail and the question
-        through the policy's layers), its waits for reads and its layout per blended span-layer."""
+        layers' time per token-layer run (a question pass is priced at it), its waits for reads and its layout per
+        blended span-layer."""
         p = prefill.stats
         if self.costs is None or p.fallback is not None:
             return
         layers, timings = self.kv.blender.num_layers, p.timings_ms
         run = p.prompt_tokens - p.cached_tokens + p.recomputed_tokens  # the rows the layers ran
         layers_ms = timings.get("layers_selected", timings.get("layers", 0.0)) + timings.get("layers_full", 0.0)
-        policy = get_policy(p.selection) if p.selection else None
-        question = (p.prompt_tokens - sum(len(s.ids) for s in plan.spans[:plan.tail])) * (
-            policy.layer_range(layers).stop if policy and policy.question_layers else 0)
         blended = sum(s.source == "blended" and r.tier != COMPUTED for s, r in zip(plan.spans, loaded)) * layers
         self.costs.observe(run * layers, max(layers_ms - p.load_wait_ms, 0.0) / 1000,
-                           question=(question, timings.get("question_pass", 0.0) / 1000),
                            spans=(blended, (p.load_wait_ms + timings.get("assemble", 0.0)) / 1000))
 
     @staticmethod

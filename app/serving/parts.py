@@ -23,9 +23,22 @@ from store import TieredStore
 
 WARM_TENANT = "ragblend:warm-up"  # the warm-up requests' tenant: their store keys mix it in
 WARM_TOKENS = 2
+# A passage of a few hundred tokens: the planner's cost rates (planner.by_cost) are fixed from these prefills, and a
+# prompt of a few dozen tokens would price every token-layer by the layers' fixed costs.
+WARM_PASSAGE = (
+    "The lighthouse at the harbour mouth was built of granite in the last century and has guided fishing boats "
+    "home through fog and storms ever since. Its keeper lives in the cottage beside the tower, with a garden of "
+    "potatoes and a goat that eats the washing. Every evening at dusk the keeper climbs one hundred and twelve "
+    "steps to trim the wick, wind the clockwork that turns the lens, and write the weather in the log book.\n\n"
+    "The harbour itself is older than the town. Its first quay was laid by monks who traded wool for salt and "
+    "wine, and the stones they cut still hold the iron rings where their boats were moored. In the great storm "
+    "of the winter the sea broke over the quay, carried away the fish market and left a whale on the slipway, "
+    "which the children of the town remember to this day.\n\n"
+    "Today the boats bring in mackerel in summer and crab in autumn. The market opens at five in the morning, "
+    "the auction is over by seven, and the cafe on the corner sells fried fish to the tourists who come on the "
+    "afternoon ferry from the island, where the old fort has become a museum of the coast and its wrecks.")
 WARM_CHAT = (("system", "Answer briefly."),
-             ("user", "The lighthouse at the harbour mouth was built of granite in the last century and has guided "
-                      "fishing boats home through fog and storms ever since. Its keeper lives in the cottage."),
+             ("user", WARM_PASSAGE),
              ("assistant", "Noted."),
              ("user", "What is the lighthouse built of?"))
 

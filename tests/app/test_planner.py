@@ -231,13 +231,14 @@ def test_the_rates_come_from_prefills_whole_and_blended():
     cal = Calibration(alpha=1.0)
     cal.observe_prefill(1000 * 30, 3.0)            # computed whole: 100 µs a token-layer
     rates = cal.rates()
-    assert rates.recompute_s == pytest.approx(1e-4) and rates.span_s == 0 and rates.question_s is None
-    # blended: 300 tokens through the layers, 100 through 24 layers' question pass, 20 spans waited for 0.6 s
-    cal.observe_prefill(300 * 30, 0.9, question=(100 * 24, 0.48), spans=(20 * 30, 0.6))
+    assert rates.recompute_s == pytest.approx(1e-4) and rates.span_s == 0
+    # blended: 300 tokens through the layers, 20 spans waited for 0.6 s
+    cal.observe_prefill(300 * 30, 0.9, spans=(20 * 30, 0.6))
     rates = cal.rates()
-    assert rates.span_s == pytest.approx(1e-3) and rates.question_s == pytest.approx(2e-4)
+    assert rates.span_s == pytest.approx(1e-3)
+    # a question pass's rows priced as the layers' rows: 5 tokens through 24 layers at 100 µs
     assert blend_or_whole([ChunkCost(10, ())], 5, rates, layers=30, ratio=0.15, question_tokens=5,
-                          question_layers=24).blend_s == pytest.approx(30 * (1e-4 * 6.5 + 1e-3) + 2e-4 * 5 * 24)
+                          question_layers=24).blend_s == pytest.approx(30 * (1e-4 * 6.5 + 1e-3) + 1e-4 * 5 * 24)
 
 
 def costs(recompute_s: float, span_s: float) -> LoadingControl:

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import count, cycle
@@ -34,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from app.api.openai_embeddings import MAX_INPUTS  # noqa: E402
 from app.config import load_settings  # noqa: E402
-from bench.serve import free_port, wait_ready  # noqa: E402
+from bench.serve import served_with  # noqa: E402
 from common import git_commit  # noqa: E402
 from retrieval.embedder import embedded_model_path, embedder_name  # noqa: E402
 
@@ -50,8 +48,7 @@ def maximal_inputs(passages: list[str], calls: int) -> tuple[list[list[str]], in
     """`calls` lists of MAX_INPUTS texts, each of at most the pieces a maximal request allows; and that count."""
     from transformers import AutoTokenizer
 
-    settings = load_settings()
-    limits = settings.limits
+    limits = load_settings().limits
     path = embedded_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(path), model_max_length=sys.maxsize)  # no length warning
     reads = json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"]
@@ -108,49 +105,37 @@ def main() -> None:
     keys = {f"k-{n}": f"tenant-{n}" for n in range(args.tenants)} if args.tenants > 1 else {}
     headers = [{"Authorization": f"Bearer {key}"} for key in keys] or [{}]
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "RAGBLEND_DATA_DIR": tmp, "RAGBLEND_MODEL__CACHE_DIR": str(REPO / "data" / "models"),
-               **({"RAGBLEND_SERVER__API_KEYS": json.dumps(keys)} if keys else {})}
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--host", "127.0.0.1", "--port",
-                                   str(port)], cwd=REPO, env=env)
-        try:
-            wait_ready(url, server, timeout=3600)
-            http = httpx.Client(base_url=url, timeout=3600)
+    variables = {"RAGBLEND_SERVER__API_KEYS": json.dumps(keys)} if keys else {}
+    with served_with(variables) as url, httpx.Client(base_url=url, timeout=3600) as http:
 
-            def upload() -> dict:
-                return timed(lambda: http.post("/v1/documents", json=next(docs), headers=headers[0]))
-            log(f"warm-up upload: {upload()}")
-            alone = upload()
-            log(f"upload alone: {alone}")
-            model = embedder_name(load_settings().embedder)
+        def upload() -> dict:
+            return timed(lambda: http.post("/v1/documents", json=next(docs), headers=headers[0]))
+        log(f"warm-up upload: {upload()}")
+        alone = upload()
+        log(f"upload alone: {alone}")
+        model = embedder_name(load_settings().embedder)
 
-            def embed(n: int) -> dict:
-                body = {"model": model, "input": inputs[n]}
-                return timed(lambda: http.post("/v1/embeddings", json=body, headers=headers[n % len(headers)]))
-            with ThreadPoolExecutor(args.calls + 1) as pool:
-                log(f"{args.calls} calls of {MAX_INPUTS} texts of <= {pieces} word pieces at once")
-                start = time.perf_counter()
-                calls = [pool.submit(embed, n) for n in range(args.calls)]
-                lane_s = lane_runs(http, "embed", start, calls)  # each call is priced first: the lane is free
-                log(f"the lane embeds {lane_s} s after the calls' start")
-                time.sleep(args.delay)
-                sent = time.perf_counter()
-                sending = pool.submit(upload)
-                waited = lane_runs(http, "upload", sent, [sending])
-                during = sending.result()
-                log(f"upload during them: {during}, on the lane after {waited} s")
-                embeddings = [call.result() for call in calls]
-            http.close()
-        finally:
-            server.terminate()
-            server.wait(60)
+        def embed(n: int) -> dict:
+            body = {"model": model, "input": inputs[n]}
+            return timed(lambda: http.post("/v1/embeddings", json=body, headers=headers[n % len(headers)]))
+        with ThreadPoolExecutor(args.calls + 1) as pool:
+            log(f"{args.calls} calls of {MAX_INPUTS} texts of <= {pieces} word pieces at once")
+            start = time.perf_counter()
+            calls = [pool.submit(embed, n) for n in range(args.calls)]
+            lane_s = lane_runs(http, "embed", start, calls)  # each call is priced first: the lane is free
+            log(f"the lane embeds {lane_s} s after the calls' start")
+            time.sleep(args.delay)
+            sent = time.perf_counter()
+            sending = pool.submit(upload)
+            waited = lane_runs(http, "upload", sent, [sending])
+            during = sending.result()
+            log(f"upload during them: {during}, on the lane after {waited} s")
+            embeddings = [call.result() for call in calls]
     print(json.dumps({"bench": "embed_lane", "commit": git_commit(), "loadavg_before": load_before,
                       "loadavg_after": os.getloadavg(), "calls": args.calls, "tenants": args.tenants,
                       "lane_embeds_after_s": lane_s, "delay_s": args.delay, "inputs_per_call": MAX_INPUTS,
-                      "pieces_per_input": pieces,
-                      "upload_s": during["seconds"], "upload_status": during["status"], "upload_lane_wait_s": waited,
+                      "pieces_per_input": pieces, "upload_s": during["seconds"], "upload_status": during["status"],
+                      "upload_lane_wait_s": waited,
                       "upload_alone_s": alone["seconds"], "embeddings": embeddings,
                       "target_met": during["status"] == 201 and during["seconds"] <= TARGET_S}, indent=2))
 

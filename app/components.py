@@ -75,7 +75,8 @@ class Components:
         """The store, its leases kept in the metadata database (shared by replicas, kept across restarts)."""
         return build_store(self.settings.store, self.settings.kv_dir, self.llm.fingerprint,
                            self.blender.backend.placement,  # the gpu tier and pinned memory follow the model
-                           ledger=self.metadata, codecs=self.codecs, housekeeping=self.housekeeping)
+                           ledger=self.metadata, codecs=self.codecs, housekeeping=self.housekeeping,
+                           tenant_shares=self.settings.server.tenant_shares())
 
     @cached_property
     def stored_round_trip(self) -> RoundTrip | None:

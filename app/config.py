@@ -73,7 +73,9 @@ class ServerSettings(Strict):
     # API key -> tenant name (JSON in RAGBLEND_SERVER__API_KEYS): each tenant's leases, cache views and metrics
     # are its own; its documents too with retrieval.documents: tenant
     api_keys: dict[Annotated[str, Field(min_length=1)], Annotated[str, Field(min_length=1, max_length=64)]] = {}
-    tenant_pinned_share: float = Field(0.5, gt=0, le=1)  # a named tenant's leases pin at most this of each tier's cap
+    # each tenant's leases (the default tenant's included) have this share of each tier's pinned cap reserved (scaled
+    # down evenly where the tenants' shares add up to more than 1); what no tenant reserved is shared first-come
+    tenant_pinned_share: float = Field(0.5, gt=0, le=1)
     # more keys that may read /metrics and /v1/cache's global counters (api_key may too): each names its tenant in
     # api_keys, else it is a key of the default tenant; with keys configured, no other key reads them (a 403)
     admin_keys: list[Annotated[str, Field(min_length=1)]] = []
@@ -96,6 +98,11 @@ class ServerSettings(Strict):
     def tenant_keys(self) -> dict[str, str]:
         """API key -> tenant: `api_keys`, and `api_key` and any other admin key as the default tenant ("")."""
         return dict.fromkeys(self.admin_keys, "") | ({self.api_key: ""} if self.api_key else {}) | self.api_keys
+
+    def tenant_shares(self) -> dict[str, float]:
+        """Tenant -> the share of each pinned cap reserved to it: every tenant a key names (the default tenant
+        alone where no key is configured)."""
+        return dict.fromkeys(set(self.tenant_keys().values()) or {""}, self.tenant_pinned_share)
 
     def admins(self) -> set[str]:
         """The keys that may read every tenant's counts: admin_keys, and the single api_key."""

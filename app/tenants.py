@@ -9,10 +9,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Tenant:
     """Who a request is for: the name its API key maps to (server.api_keys; "" is the default tenant: the single
-    server.api_key, or a server without keys) and the share of each tier's pinned cap its leases may take."""
+    server.api_key, or a server without keys)."""
 
     name: str = ""
-    pinned_share: float = 1.0
     admin: bool = True  # may read /metrics and the global counters (server.admin_keys; every caller without keys)
 
     @property

@@ -43,7 +43,8 @@ def pinned_caps(settings: StoreSettings, gpu: int) -> dict[str, int]:
 def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None,
                 placement: Placement = HOST, ledger: LeaseLedger | None = None,
                 clock: Callable[[], float] = time.time, codecs: Mapping[str, Codec] | None = None,
-                housekeeping: Housekeeping | None = None) -> TieredStore:
+                housekeeping: Housekeeping | None = None,
+                tenant_shares: Mapping[str, float] | None = None) -> TieredStore:
     """A gpu tier on the model's device (a model off the host only), memory (pinned when the placement
     says), disk under `kv_dir`, then Redis if a URL is set.
 
@@ -52,10 +53,12 @@ def build_store(settings: StoreSettings, kv_dir: Path, fingerprint: str | None,
     None: a store without leases. `clock`: the leases' time, unix seconds. `codecs`: each tier's codec
     (cachegen's with its tables: app/cachegen.py); default: by name from the settings (cachegen then only
     reads and round-trips, it cannot encode). `housekeeping`: the process's thread for periodic work, which sweeps
-    the leases (None: the store starts its own).
+    the leases (None: the store starts its own). `tenant_shares`: tenant name ("" the default tenant) -> the share of
+    each tier's pinned cap reserved to its leases (store/leases.py); a tenant left out has none.
     """
     gpu = gpu_bytes(settings.gpu_bytes, placement)
-    leases = None if ledger is None else Leases(ledger, pinned_caps(settings, gpu), clock, settings.lease_refresh_s)
+    leases = None if ledger is None else Leases(ledger, pinned_caps(settings, gpu), clock, settings.lease_refresh_s,
+                                                tenant_shares)
 
     def pinned(tier: str) -> Pinned:
         return never_pinned if leases is None else leases.pinned_in(tier)

@@ -11,6 +11,14 @@ many families hold it, at the bytes it takes in that tier). A lease that would p
 refused in that tier as a whole - its entries fall back to LRU there - and the result says which tiers
 refused and why, for the request side to tell the client. A cap of 0 turns leases off in a tier.
 
+Reservations. The tenants the store is told of (`shares`: name -> share, "" the default tenant) each have
+their share of every tier's pinned cap reserved (the shares scaled down evenly where they add up to more
+than 1): a tenant may always pin up to its reservation, and no other tenant's pins eat into what it leaves
+unused; the rest of the cap is shared first-come. So a lease is granted in a tier while its tenant's pins
+stay within the more of its reservation and the cap less what every other tenant takes (the more of its
+pins and its reservation), checked on this store's snapshot of the leases (the cap itself is the ledger's, in
+its transaction). A refusal quotes the caller's own pins and reservation, never another's.
+
 Where leases live. In the metadata database (SQLite or PostgreSQL) through a `LeaseLedger`
 (retrieval.Metadata is one; app/components.py hands it to the store): replicas that share the database
 (and the disk dir or Redis) honour one another's leases, and leases survive a restart. Eviction never
@@ -28,9 +36,9 @@ the renewals that hits made (batched) and deletes the leases that have ended. Th
 
 API for the request side (on store.TieredStore):
 
-    store.lease(keys, family, ttl_s, soft=True) -> LeaseResult
+    store.lease(keys, family, ttl_s, soft=True, tenant="") -> LeaseResult
         Hold the entries under `keys` (put or found first: a key no tier holds is `missing`) for the
-        family, for `ttl_s` seconds. `family` is free text: it is hashed here (`family_id`) and never
+        family of `tenant`, for `ttl_s` seconds. `family` is free text: it is hashed here (`family_id`) and never
         reaches a path, a Redis key or the database. The result: `family` (its id), `leased`, `missing`,
         `tiers` the lease holds in, `refused` {tier: why} (its entries fall back to LRU there),
         `expires_at`, `pinned_bytes` {tier: bytes pinned now}; `complete` when nothing was refused or
@@ -140,10 +148,14 @@ class Leases:
     the caller (the store reports them)."""
 
     def __init__(self, ledger: LeaseLedger, caps: Mapping[str, int], clock: Callable[[], float] = time.time,
-                 refresh_s: float = REFRESH_S) -> None:
-        """`caps`: tier name -> its pinned cap in bytes (a tier left out is never leased); `clock`: unix seconds."""
+                 refresh_s: float = REFRESH_S, shares: Mapping[str, float] | None = None) -> None:
+        """`caps`: tier name -> its pinned cap in bytes (a tier left out is never leased); `clock`: unix seconds;
+        `shares`: tenant name -> the share of each cap reserved to it (a tenant left out has none)."""
         self.ledger, self.caps, self.clock, self.refresh_s = ledger, dict(caps), clock, refresh_s
+        scale = max(1.0, sum((shares or {}).values()))  # reservations never add up to more than the cap
+        self.shares = {tenant_tag(name): share / scale for name, share in (shares or {}).items()}  # tag -> share
         self._lock = threading.Lock()
+        self._granting = threading.Lock()  # one grant at a time here: a reservation checked is still free
         self._by_key: dict[str, tuple[Lease, ...]] = {}  # replaced whole by refresh(), renewals patch it
         self._hits: dict[str, float] = {}  # renewals not yet in the ledger: key -> its last hit
         self._refused: Counter[str] = Counter()
@@ -190,39 +202,51 @@ class Leases:
     # --- changes: each goes to the ledger, then the snapshot is read again -----------------------
 
     def grant(self, family: str, sizes: Mapping[str, Mapping[str, int]], missing: Collection[str], ttl_s: float,
-              soft: bool, share: float = 1.0) -> LeaseResult:
-        """Lease the keys of `sizes` (key -> tier -> bytes) to `family` (an id) where the caps allow, and a
-        named tenant's share of them (`share`)."""
+              soft: bool) -> LeaseResult:
+        """Lease the keys of `sizes` (key -> tier -> bytes) to `family` (an id) where the caps and the other
+        tenants' reservations allow."""
         self._flush_hits()
-        now = self.clock()
-        over_share = self._over_share(family, sizes, share)
-        # a refusal quotes the caller's own pins, never what other tenants hold
-        mine = self.pinned_bytes([lease for lease in self._running() if _tag_of(lease.family) == _tag_of(family)])
-        caps = {tier: cap for tier, cap in self.caps.items() if tier not in over_share}
-        outcome = self.ledger.grant_leases(family, sizes, caps, ttl_s, soft, now)
-        self.refresh()
+        with self._granting:
+            now = self.clock()
+            mine = self._pinned_by_tenant().get(_tag_of(family), {})  # a refusal quotes the caller's own pins
+            reserved = self._past_reservation(family, sizes)
+            caps = {tier: cap for tier, cap in self.caps.items() if tier not in reserved}
+            outcome = self.ledger.grant_leases(family, sizes, caps, ttl_s, soft, now)
+            self.refresh()
         refused = {tier: _why(self.caps[tier], mine.get(tier, 0), adds) for tier, (granted, _, adds) in outcome.items()
-                   if not granted} | over_share
+                   if not granted} | reserved
         with self._lock:
             self._refused.update(refused.keys())
         tiers = tuple(tier for tier, (granted, _, _) in outcome.items() if granted)
         return LeaseResult(family, tuple(sizes) if tiers else (), tuple(missing), tiers, refused,
                            now + ttl_s if tiers else None, self.pinned_bytes())
 
-    def _over_share(self, family: str, sizes: Mapping[str, Mapping[str, int]], share: float) -> dict[str, str]:
-        """Tier -> why, for each tier where this lease would take the family's tenant past its share."""
-        tag = _tag_of(family)
-        if not tag or share >= 1.0:
-            return {}
-        mine = [lease for lease in self._running() if _tag_of(lease.family) == tag]
-        pinned, held = self.pinned_bytes(mine), {(lease.tier, lease.key) for lease in mine}
+    def _past_reservation(self, family: str, sizes: Mapping[str, Mapping[str, int]]) -> dict[str, str]:
+        """Tier -> why, for each tier where this lease would take its tenant past both its reservation and the
+        cap less what the other tenants take (each the more of its pins and its reservation)."""
+        tag, pinned = _tag_of(family), self._pinned_by_tenant()
+        held = {(lease.tier, lease.key) for lease in self._running() if _tag_of(lease.family) == tag}
         over = {}
         for tier, cap in self.caps.items():
             adds = sum(s.get(tier, 0) for key, s in sizes.items() if (tier, key) not in held)
-            if pinned.get(tier, 0) + adds > share * cap:
-                over[tier] = (f"{adds} bytes more would pass this tenant's share of the tier's pinned cap "
-                              f"({share:g} of {cap}; {pinned.get(tier, 0)} pinned already)")
+            mine, reserved = pinned.get(tag, {}).get(tier, 0), int(self.shares.get(tag, 0.0) * cap)
+            others = sum(max(pinned.get(t, {}).get(tier, 0), int(self.shares.get(t, 0.0) * cap))
+                         for t in (pinned.keys() | self.shares.keys()) - {tag})
+            if adds and cap and mine + adds > max(reserved, cap - others):
+                over[tier] = (f"{adds} bytes more pass this tenant's reservation of {reserved} bytes of the tier's "
+                              f"pinned cap of {cap} ({mine} pinned already), and the unreserved rest is in use")
         return over
+
+    def _pinned_by_tenant(self) -> dict[str, dict[str, int]]:
+        """Tenant tag -> tier -> the bytes its running leases pin (each key once per tenant)."""
+        by_tenant: dict[str, list[Lease]] = {}
+        for lease in self._running():
+            by_tenant.setdefault(_tag_of(lease.family), []).append(lease)
+        return {tag: self.pinned_bytes(leases) for tag, leases in by_tenant.items()}
+
+    def reserved(self, tenant: str) -> dict[str, int]:
+        """Per tier, the bytes reserved to `tenant`."""
+        return {tier: int(self.shares.get(tenant_tag(tenant), 0.0) * cap) for tier, cap in self.caps.items()}
 
     def release(self, family: str) -> list[Freed]:
         self._flush_hits()
@@ -280,7 +304,7 @@ class Leases:
         """Leases (family, key pairs), families, entries, pinned bytes and caps per tier, refusals per tier and
         lease holds ended by expiry (this process's counts), and `by_family`: the `limit` families pinning the
         most (or `family` alone, an id), each with its entries, bytes per tier, softness and latest end. With
-        `tenant`, the leases of that tenant's families alone."""
+        `tenant`, the leases of that tenant's families alone, and `reserved`: the bytes reserved to it per tier."""
         running = self._running()
         if tenant is not None:
             running = [lease for lease in running if _tag_of(lease.family) == tenant_tag(tenant)]
@@ -299,6 +323,7 @@ class Leases:
         return {"leases": len({(lease.family, lease.key) for lease in running}), "families": len(families),
                 "entries": len({lease.key for lease in running}), "pinned_bytes": self.pinned_bytes(running),
                 "caps": dict(self.caps), "refused": refused, "expired": expired,
+                "reserved": self.reserved(tenant) if tenant is not None else None,
                 "by_family": [f | {"entries": len(f["entries"])} for f in chosen]}
 
 

@@ -29,8 +29,8 @@ class Leasing:
         """Whether a running lease holds `key` in any tier."""
         return any(self.leases.holds(t.name, key) for t in self.tiers)
 
-    def lease(self, keys: Iterable[str], family: str, ttl_s: float, soft: bool = True, tenant: str = "",
-              share: float = 1.0) -> LeaseResult:
+    def lease(self, keys: Iterable[str], family: str, ttl_s: float, soft: bool = True,
+              tenant: str = "") -> LeaseResult:
         """TieredStore.lease: `keys` are valid store keys."""
         if not ttl_s > 0:
             raise ValueError(f"a lease's ttl_s must be > 0, got {ttl_s}")
@@ -49,7 +49,7 @@ class Leasing:
         if not sizes:
             return LeaseResult(family, (), tuple(missing), (), {}, None, self.leases.pinned_bytes())
         try:
-            result = self.leases.grant(family, sizes, missing, ttl_s, soft, share)
+            result = self.leases.grant(family, sizes, missing, ttl_s, soft)
         except Exception as exc:  # the database is down: the request still answers, unleased
             log.warning("store: lease not granted: %s: %s", type(exc).__name__, exc)
             why = f"the lease ledger failed ({type(exc).__name__})"

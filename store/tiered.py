@@ -192,15 +192,16 @@ class TieredStore:
 
     # --- leases (store/leasing.py, store/leases.py) -----------------------------------------------
 
-    def lease(self, keys: Iterable[str], family: str, ttl_s: float, soft: bool = True, tenant: str = "",
-              share: float = 1.0) -> LeaseResult:
-        """Hold the entries under `keys` for `family` (free text, hashed) for `ttl_s` seconds in every tier
-        whose pinned cap allows; see store/leases.py. Reads no entry that every tier already holds."""
+    def lease(self, keys: Iterable[str], family: str, ttl_s: float, soft: bool = True,
+              tenant: str = "") -> LeaseResult:
+        """Hold the entries under `keys` for `family` of `tenant` (free text, hashed) for `ttl_s` seconds in every
+        tier whose pinned cap and the other tenants' reservations allow; see store/leases.py. Reads no entry that
+        every tier already holds."""
         keys = list(keys)
         leasing = self._leasing()
         for key in keys:
             validate_key(key)
-        return leasing.lease(keys, family, ttl_s, soft, tenant, share)
+        return leasing.lease(keys, family, ttl_s, soft, tenant)
 
     def release(self, family: str, tenant: str = "") -> int:
         """End the family's leases now; the number of entries they held (they stay, under LRU)."""

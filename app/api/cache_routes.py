@@ -46,7 +46,9 @@ class TierCache(BaseModel):
     bytes: int | None = Field(description="Bytes held (Redis: the server's memory used).")
     capacity: int | None = Field(None, description="The tier's byte cap (null: Redis's own maxmemory).")
     pinned_bytes: int = Field(description="Bytes running leases pin in this tier.")
-    pinned_cap: int = Field(description="The most bytes leases may pin here (store.*_pinned_bytes).")
+    pinned_cap: int = Field(description="The most bytes leases may pin here (store.*_pinned_bytes); a tenant's "
+                                        "view: the bytes reserved to its leases (it may pin more while room no "
+                                        "tenant reserved is free).")
     hits: int = Field(description="This replica's lookups found here (a tenant's own: its chunks read here).")
     misses: int | None = Field(description="This replica's lookups not found here (null: a tenant's view).")
     hit_rate: float | None = Field(description="hits / (hits + misses); null before any lookup.")
@@ -100,7 +102,7 @@ def cache_report(prompt_cache_key: CacheKey | None = None,
     hit_rate = _rate(stats["hits"], stats["misses"])
     if not tenant.admin:
         own = svc.metrics.tenant_chunks.get(tenant.name, {})
-        tiers = {name: _own(name, tier, own, leases, tenant.pinned_share) for name, tier in tiers.items()}
+        tiers = {name: _own(name, tier, own, leases) for name, tier in tiers.items()}
         read = sum(own.get(name, 0) for name in tiers)
         hit_rate = _rate(read, own.get("computed", 0))
     return CacheReport(hit_rate=hit_rate, leases=leases["leases"], families=leases["families"],
@@ -110,10 +112,10 @@ def cache_report(prompt_cache_key: CacheKey | None = None,
                        data=leases["by_family"])
 
 
-def _own(name: str, tier: TierCache, own: dict[str, int], leases: dict[str, Any], share: float) -> TierCache:
-    """A tier as one tenant sees it: its chunks read there, its pins against its share of the cap."""
+def _own(name: str, tier: TierCache, own: dict[str, int], leases: dict[str, Any]) -> TierCache:
+    """A tier as one tenant sees it: its chunks read there, its pins against its reservation of the cap."""
     return TierCache(entries=None, bytes=None, capacity=tier.capacity, pinned_bytes=tier.pinned_bytes,
-                     pinned_cap=int(share * leases["caps"].get(name, 0)), hits=own.get(name, 0), misses=None,
+                     pinned_cap=leases["reserved"].get(name, 0), hits=own.get(name, 0), misses=None,
                      hit_rate=None, evictions=None, lease_held=None, lease_refusals=None)
 
 

@@ -34,6 +34,7 @@ from app.api.schemas.ragblend import (
     DISK_FULL,
     DOCUMENT_ERRORS,
     ERRORS,
+    NOT_TEXT,
     UPLOAD_SCHEMA,
     UPLOAD_TYPES,
     DeletedDocument,
@@ -63,7 +64,8 @@ def collection(svc: Service = Depends(service)) -> str:
 
 
 @router.post("/v1/documents", status_code=201, response_model=IngestResponse, responses=DOCUMENT_ERRORS,
-             openapi_extra=openapi_body(DocumentIn, multipart=UPLOAD_SCHEMA))
+             openapi_extra=openapi_body(DocumentIn, multipart=UPLOAD_SCHEMA, description=(
+                 "A JSON document, or a multipart form with one `file` (.txt, .md, .jsonl). " + NOT_TEXT)))
 async def add_document(request: Request, replace: bool = REPLACE, svc: Service = Depends(service),
                        parts: Serving = Depends(serving), scope: str = Depends(collection)) -> IngestResponse:
     """Ingest JSON `{id?, title?, text}` or a multipart `file` (.txt, .md, .jsonl) like `ragblend ingest`, into the

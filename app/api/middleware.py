@@ -53,11 +53,11 @@ class RequireApiKey:
     keys are configured; the key names the request's tenant (TENANT)."""
 
     def __init__(self, app: ASGIApp, keys: Mapping[str, str], public: tuple[str, ...] = HEALTH_PATHS,
-                 public_prefix: str | None = None, pinned_share: float = 1.0, admin_keys: Collection[str] = ()):
+                 public_prefix: str | None = None, admin_keys: Collection[str] = ()):
         """`keys`: API key -> tenant name; none: no key asked, every request the default tenant (""), an admin.
-        `pinned_share`: each tenant's share of each tier's pinned cap; `admin_keys`: the keys that are admins."""
+        `admin_keys`: the keys that are admins."""
         self.app, self.public, self.public_prefix = app, public, public_prefix
-        self.keys = [(key.encode(), Tenant(name, pinned_share, admin=key in admin_keys)) for key, name in keys.items()]
+        self.keys = [(key.encode(), Tenant(name, admin=key in admin_keys)) for key, name in keys.items()]
 
     def _is_public(self, path: str) -> bool:
         return path in self.public or bool(self.public_prefix and path.startswith(self.public_prefix))

@@ -122,8 +122,7 @@ def create_app(settings: Settings, engine: Engine | None = None) -> FastAPI:
         app.add_exception_handler(exc_type, handle_error)
     app.add_middleware(LimitBody, max_bytes=settings.limits.max_body_bytes)
     app.add_middleware(RequireApiKey, keys=settings.server.tenant_keys(), public=(*HEALTH_PATHS, *PUBLIC_PATHS),
-                       public_prefix=PUBLIC_PREFIX, pinned_share=settings.server.tenant_pinned_share,
-                       admin_keys=settings.server.admins())
+                       public_prefix=PUBLIC_PREFIX, admin_keys=settings.server.admins())
     # outermost: sees every status
     app.add_middleware(CountRequests, metrics=svc.metrics, routes=[*(r for rt in routers for r in rt.routes), *page])
     return app

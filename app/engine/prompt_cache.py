@@ -8,7 +8,7 @@ for which family and how long, and what the response says about it.
   an entry under several gets the longest.
 
 A family is its tenant's (app.api.middleware.Tenant): another tenant's family of the same name is another family,
-and a named tenant's leases pin at most `server.tenant_pinned_share` of each tier's cap.
+and each tenant has `server.tenant_pinned_share` of each tier's pinned cap reserved to its leases (store/leases.py).
 Leases are soft (a hit runs the ttl again) and taken after the answer is decoded, off the model thread
 (`lease()` writes to the metadata database). One that a tier refuses (its pinned cap, `store.*_pinned_bytes`,
 is reached; the database is down) never fails the request: its entries stay under LRU there, and the response
@@ -55,7 +55,7 @@ def prefix_keys(uses: Sequence[KeyUse], through_message: int | None) -> list[str
 
 
 def lease(store: TieredStore, family: str, asks: Iterable[tuple[Sequence[str], float]]) -> LeaseNote | None:
-    """Lease each (keys, ttl_s) ask to `family` of the request's tenant (within its share of the pinned caps), a
+    """Lease each (keys, ttl_s) ask to `family` of the request's tenant (its reservation of the pinned caps), a
     key under several at the longest ttl; None: nothing asked. It writes to the database: call it off the event
     loop (Service.blocking's "store" pool)."""
     ttl_of: dict[str, float] = {}
@@ -67,9 +67,8 @@ def lease(store: TieredStore, family: str, asks: Iterable[tuple[Sequence[str], f
     by_ttl: dict[float, list[str]] = {}
     for key, ttl_s in ttl_of.items():
         by_ttl.setdefault(ttl_s, []).append(key)
-    tenant = current_tenant()
-    results = [store.lease(keys, family, ttl_s, tenant=tenant.name, share=tenant.pinned_share)
-               for ttl_s, keys in by_ttl.items()]
+    tenant = current_tenant().name
+    results = [store.lease(keys, family, ttl_s, tenant=tenant) for ttl_s, keys in by_ttl.items()]
     return _note(results)
 
 

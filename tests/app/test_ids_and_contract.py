@@ -1,16 +1,34 @@
 """Ids and the contract on the real engine: an id with an invisible or private-use character is refused wherever
 the API takes one (a look-alike of another id would be), and normalised otherwise; a 422 names the field and the
 rule, never pydantic's internals; a JSON Schema of `true` is a schema; `/openapi.json` states the model's own
-sizes once it has loaded."""
+sizes once it has loaded, and every rule the reliability probe (#57) found the server enforcing unstated."""
 from __future__ import annotations
 
+import jsonschema
 import pytest
 from fastapi.testclient import TestClient
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
 
 from tests.helpers import MODEL
 
 pytestmark = pytest.mark.slow
 HI = [{"role": "user", "content": "hi"}]
+TOOLS = [{"name": "f", "input_schema": {"type": "object"}}]
+# Requests the probe sent as valid by the description that the server refused: each is invalid by it now
+UNSTATED = {
+    "json_schema: null": ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": None}},
+                          "needs json_schema"),
+    "an image part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+                      "reads text only"),
+    "top_logprobs without logprobs": ("/v1/chat/completions", {"top_logprobs": 2, "logprobs": False},
+                                      "top_logprobs needs logprobs: true"),
+    "a token id past the vocabulary": ("/v1/completions", {"prompt": [10 ** 6]}, "is not in the vocabulary"),
+    "dimensions: 1": ("/v1/embeddings", {"input": "hi", "dimensions": 1}, "384 dimensions only"),
+    "tool_choice name: null": ("/v1/messages", {"tools": TOOLS, "tool_choice": {"type": "tool", "name": None}},
+                               "tool_choice.tool.name"),
+}
 INVISIBLE = ["\u200b", "\ufeff", "\u2060", "\u00ad", "\U000e0041", "\U000f0001"]
 
 
@@ -86,3 +104,31 @@ def test_warm_up_runs_a_first_requests_paths_before_ready(make_app, corpus):
         assert counted == []  # no client's request yet: the warm-up's are not counted as requests
         answer = client.post("/v1/query", json={"question": corpus.questions[0][0], "max_tokens": 2})
         assert answer.status_code == 200 and answer.json()["answer"]
+
+
+@pytest.mark.parametrize("case", UNSTATED)
+def test_what_the_server_refuses_the_schema_states(client, case):
+    """Each body is invalid by /openapi.json (so a client generating from it never sends it as valid) and refused
+    with a 4xx that names the rule."""
+    path, fields, rule = UNSTATED[case]
+    spec = client.get("/openapi.json").json()
+    embedder = spec["components"]["schemas"]["EmbeddingRequest"]["properties"]["model"]["enum"][0]
+    chat = {"model": MODEL, "messages": HI, "max_tokens": 1}
+    valid = {"/v1/chat/completions": chat, "/v1/messages": chat, "/v1/embeddings": {"model": embedder, "input": "hi"},
+             "/v1/completions": {"model": MODEL, "prompt": [1], "max_tokens": 1}}[path]
+    pointer = "/".join(part.replace("/", "~1") for part in ("paths", path, "post", "requestBody", "content",
+                                                            "application/json", "schema"))
+    validator = jsonschema.Draft202012Validator({"$ref": f"urn:openapi#/{pointer}"}, registry=Registry().with_resource(
+        "urn:openapi", Resource.from_contents(spec, default_specification=DRAFT202012)))
+    assert validator.is_valid(valid) and not validator.is_valid(valid | fields)
+    refused = client.post(path, json=valid | fields)
+    assert refused.status_code in (400, 422) and rule in refused.text, refused.text
+
+
+def test_a_binary_file_sent_as_text_is_refused_as_the_description_says(client):
+    body = client.get("/openapi.json").json()["paths"]["/v1/documents"]["post"]["requestBody"]
+    assert "sent as text/plain is a 422" in body["description"]
+    png = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
+    refused = client.post("/v1/documents", files={"file": ("picture", png, "text/plain")})
+    assert refused.status_code == 422 and "not text" in refused.json()["error"]["message"], refused.text
+    assert client.get("/v1/documents/picture").status_code == 404  # nothing written

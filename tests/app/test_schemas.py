@@ -3,7 +3,8 @@ clients and the OpenAI Agents SDK: a schema whose grammar would compile for minu
 stopped at `limits.grammar_compile_s`) and its resend too, while another request is served; a schema with no finite
 document is a 400 before any prefill, plain and streamed, and a dead end met mid-answer ends that answer cleanly;
 a tool name holding the call markup is a 400; tools whose parameters use `$defs`/`$ref` (pydantic's nested and
-recursive models, the Agents SDK's strict schemas, Anthropic's input_schema) are called under every tool_choice;
+recursive models, the Agents SDK's and openai's strict schemas, Anthropic's input_schema) are called under every
+tool_choice; openai's own pydantic helpers (`parse`, `stream`, `pydantic_function_tool`) get their objects back;
 response_format with tools under auto is a call or a document of the schema."""
 from __future__ import annotations
 
@@ -116,6 +117,11 @@ class Node(BaseModel):
     children: list[Node] = []
 
 
+class Employee(BaseModel):
+    name: str
+    manager: Employee | None = None
+
+
 def tool(model: type[BaseModel], name: str) -> dict:
     return {"type": "function", "function": {"name": name, "description": f"Record a {name}.",
                                              "parameters": model.model_json_schema()}}
@@ -168,6 +174,22 @@ def test_an_agents_sdk_tool_taking_a_nested_model_runs(live_server):
     assert ran and isinstance(ran[0].address, Address) and result.final_output == "Recorded."
 
 
+def test_the_official_clients_strict_pydantic_schemas_come_back_parsed(live_server):
+    """openai's own pydantic helpers send what pydantic-ai (NativeOutput, ToolOutput), instructor (JSON_SCHEMA,
+    TOOLS_STRICT) and LangChain (json_schema, function_calling with strict) send for a nested model: a strict schema
+    ($defs, every property required, no additional ones) as response_format, plain and streamed, and as a strict
+    tool; each comes back parsed into the model."""
+    client = client_of(live_server.url)
+    ask = dict(model=MODEL, messages=ASK, max_tokens=80, temperature=0, extra_body=CHAT)
+    assert isinstance(client.chat.completions.parse(response_format=Person, **ask).choices[0].message.parsed, Person)
+    with client.chat.completions.stream(response_format=Person, **ask) as stream:
+        assert isinstance(stream.get_final_completion().choices[0].message.parsed, Person)
+    strict = openai.pydantic_function_tool(Person, name="record_person")
+    assert strict["function"]["strict"] and "$defs" in strict["function"]["parameters"]
+    out = client.chat.completions.parse(tools=[strict], tool_choice="required", **ask)
+    assert isinstance(out.choices[0].message.tool_calls[0].function.parsed_arguments, Person)
+
+
 def test_response_format_with_tools_under_auto_is_a_call_or_a_document(live_server):
     client = client_of(live_server.url)
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 60}},
@@ -215,5 +237,13 @@ def test_defs_parameters_take_a_valid_call_under_every_choice_and_response_forma
         both = tools_grammar(tools, "auto", answer_schema=answer)
         assert takes(both, '{"answer": "London"}') and takes(both, call("mark"))
         assert not takes(both, "Hello " + call("mark")) and not takes(both, "London")
+        # openai's strict form of a recursive model (its $ref under anyOf with null, every property required):
+        # a chain that ends in null is taken, one that leaves the required field out is not
+        strict = openai.pydantic_function_tool(Employee, name="record_employee")
+        calls["record_employee"] = {"name": "Bob", "manager": {"name": "Alice", "manager": None}}
+        for grammar, text in ((tools_grammar([strict], "required"), call("record_employee")),
+                              (tools_grammar([], None, answer_schema=strict["function"]["parameters"]),
+                               json.dumps(calls["record_employee"]))):
+            assert takes(grammar, text) and not takes(grammar, text.replace(', "manager": null', "")), text
     finally:
         grammars.close()

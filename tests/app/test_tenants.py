@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from app.config import load_settings
+from app.config import ServerSettings, load_settings
 from store import family_id
 from tests.helpers import MODEL
 
@@ -20,6 +20,21 @@ def test_api_keys_come_from_the_environment_as_json(monkeypatch):
     monkeypatch.setenv("RAGBLEND_SERVER__API_KEYS", '{"key-alice": "alice", "key-bob": "bob"}')
     settings = load_settings(server={"api_key": "old"})
     assert settings.server.tenant_keys() == {"old": "", **KEYS}
+    assert settings.server.tenant_shares() == {"": 0.5, "alice": 0.5, "bob": 0.5}  # the default tenant's too
+    assert ServerSettings().tenant_shares() == {"": 0.5}  # no keys: the default tenant alone
+
+
+def test_each_tenant_sees_its_reservation_of_the_pinned_caps(engine_with):
+    """server.tenant_pinned_share reaches the store a server builds: each tenant's /v1/cache says its reservation."""
+    from app.api.server import create_app
+
+    settings, engine = engine_with(server={"api_keys": KEYS, "admin_keys": ["key-admin"], "tenant_pinned_share": 0.25})
+    with TestClient(create_app(settings, engine)) as client:
+        caps = {name: t["pinned_cap"] for name, t in client.get("/v1/cache", headers=ADMIN).json()["tiers"].items()}
+        assert caps and all(cap > 0 for cap in caps.values())
+        for headers in (ALICE, BOB):
+            mine = client.get("/v1/cache", headers=headers).json()["tiers"]
+            assert {name: t["pinned_cap"] for name, t in mine.items()} == {n: int(cap / 4) for n, cap in caps.items()}
 
 
 @pytest.fixture

@@ -46,14 +46,16 @@ both_databases = pytest.mark.parametrize("database_url", ["sqlite", "postgresql"
 @pytest.fixture
 def stores(database_url, tmp_path):
     """open(clock, **settings) -> a store with leases in the test's database; every one closed at the end.
-    Settings default to one entry-sized tier of each kind given; the sweeper runs only when a test asks."""
+    Settings default to one entry-sized tier of each kind given; the sweeper runs only when a test asks.
+    `tenant_shares`: each tenant's reserved share of the pinned caps (none: no tenant has a reservation)."""
     opened = []
 
-    def open_(clock: Clock, placement: Placement = HOST, **settings) -> TieredStore:
+    def open_(clock: Clock, placement: Placement = HOST, tenant_shares: dict[str, float] | None = None,
+              **settings) -> TieredStore:
         ledger = open_metadata(database_url, tmp_path)
         defaults = {"memory_bytes": 0, "disk_bytes": 0, "read_threads": 0, "lease_refresh_s": 3600.0, "codec": "fp16"}
         store = build_store(StoreSettings(**(defaults | settings)), tmp_path / "kv", FP, placement, ledger=ledger,
-                            clock=clock)
+                            clock=clock, tenant_shares=tenant_shares)
         opened.append((store, ledger))
         return store
     yield open_
@@ -207,25 +209,58 @@ def test_release_and_drop_family(stores):
     assert store.lease_stats()["leases"] == 0
 
 
-def test_tenants_families_are_their_own_and_each_pins_at_most_its_share(stores):
-    store = stores(Clock(), memory_bytes=8 * KV_BYTES, memory_pinned_bytes=4 * KV_BYTES)
+def test_tenants_families_are_their_own_and_each_pins_within_its_reservation(stores):
+    store = stores(Clock(), memory_bytes=8 * KV_BYTES, memory_pinned_bytes=4 * KV_BYTES,
+                   tenant_shares={"alice": 0.5, "bob": 0.5})
     keys = [random_kv(i)[0] for i in range(4)]
     for i in range(4):
         store.put(*random_kv(i))
     # one family name, two tenants: two families, each seen and dropped by its own tenant alone
-    alice = store.lease(keys[:1], "team", ttl_s=300, tenant="alice", share=0.5)
-    bob = store.lease(keys[1:2], "team", ttl_s=300, tenant="bob", share=0.5)
+    alice = store.lease(keys[:1], "team", ttl_s=300, tenant="alice")
+    bob = store.lease(keys[1:2], "team", ttl_s=300, tenant="bob")
     assert alice.complete and bob.complete and alice.family != bob.family != family_id("team")
     assert [f["family"] for f in store.lease_stats(tenant="alice")["by_family"]] == [alice.family]
     assert store.lease_stats("team", tenant="bob")["by_family"][0]["family"] == bob.family
     assert store.lease_stats(tenant="")["families"] == 0  # the default tenant's: none
-    # alice's share is half the cap (2 entries): one more fits, two more do not, whatever bob holds
-    assert store.lease(keys[2:3], "more", ttl_s=300, tenant="alice", share=0.5).complete
-    over = store.lease(keys[3:], "most", ttl_s=300, tenant="alice", share=0.5)
-    assert list(over.refused) == ["memory"] and "tenant's share" in over.refused["memory"]
-    assert store.lease(keys[3:], "most", ttl_s=300, tenant="bob", share=0.5).complete
+    # alice's reservation is half the cap (2 entries) and nothing is left unreserved: one more fits, two more not
+    assert store.lease(keys[2:3], "more", ttl_s=300, tenant="alice").complete
+    over = store.lease(keys[3:], "most", ttl_s=300, tenant="alice")
+    assert list(over.refused) == ["memory"] and "tenant's reservation" in over.refused["memory"]
+    assert store.lease(keys[3:], "most", ttl_s=300, tenant="bob").complete
     assert store.drop_family("team", tenant="bob") == (1, 1)  # bob's own: alice's "team" stays
     assert store.contains(keys[0]) and store.lease_stats(tenant="alice")["families"] == 2
+
+
+def test_each_tenant_may_always_pin_its_reservation_and_shares_the_rest_first_come(stores):
+    """The issue's case: a tenant's first lease within its reservation is granted however much the others pinned
+    (the default tenant's too); past its reservation a tenant takes room no tenant reserved, first come; a refusal
+    quotes the caller's own pins and reservation alone."""
+    shares = {"alice": 0.25, "bob": 0.25, "carol": 0.25, "": 0.125}  # 2, 2, 2 and 1 entries of 8; 1 left unreserved
+    store = stores(Clock(), memory_bytes=16 * KV_BYTES, memory_pinned_bytes=8 * KV_BYTES, tenant_shares=shares)
+    keys = [random_kv(i)[0] for i in range(9)]
+    for i in range(9):
+        store.put(*random_kv(i))
+    assert store.lease(keys[:3], "a", ttl_s=300, tenant="alice").complete  # past its 2: the unreserved one
+    assert list(store.lease(keys[3:4], "a2", ttl_s=300, tenant="alice").refused) == ["memory"]
+    # 3 of 8 pinned, yet a tenant with no reservation finds no room: the rest is reserved to the others
+    stranger = store.lease(keys[3:4], "s", ttl_s=300, tenant="mallory").refused["memory"]
+    assert f"reservation of 0 bytes of the tier's pinned cap of {8 * KV_BYTES} (0 pinned already)" in stranger
+    assert store.lease(keys[3:5], "b", ttl_s=300, tenant="bob").complete
+    assert store.lease(keys[5:7], "c", ttl_s=300, tenant="carol").complete  # the first lease after two others'
+    assert store.lease(keys[7:8], "d", ttl_s=300).complete  # the default tenant's reservation is its own too
+    assert store.lease_stats()["pinned_bytes"]["memory"] == 8 * KV_BYTES  # the whole cap, every tenant in it
+    why = store.lease(keys[8:], "b2", ttl_s=300, tenant="bob").refused["memory"]
+    assert f"reservation of {2 * KV_BYTES} bytes" in why and f"({2 * KV_BYTES} pinned already)" in why
+    assert str(3 * KV_BYTES) not in why and str(6 * KV_BYTES) not in why  # alice's pins, the others' together
+    assert store.lease_stats(tenant="carol")["reserved"] == {"memory": 2 * KV_BYTES}
+    assert store.release("a", tenant="alice") == 3  # alice's unreserved entry is free again: bob may take it
+    assert store.lease(keys[8:], "b2", ttl_s=300, tenant="bob").complete
+
+
+def test_tenants_shares_past_the_whole_cap_are_scaled_down_evenly(stores):
+    store = stores(Clock(), memory_bytes=8 * KV_BYTES, memory_pinned_bytes=6 * KV_BYTES,
+                   tenant_shares={"alice": 0.5, "bob": 0.5, "": 0.5})
+    assert all(store.lease_stats(tenant=t)["reserved"] == {"memory": 2 * KV_BYTES} for t in ("alice", "bob", ""))
 
 
 def test_a_leased_redis_entry_keeps_no_ttl_until_its_last_lease_ends(stores, redis_url):

@@ -164,6 +164,8 @@ class DocumentIn(DocumentMeta):
 
 
 # A multipart upload's file: its format is its name's suffix, else its part's content type.
+NOT_TEXT = ("Its bytes must be UTF-8 text with no NUL whatever content type its part declares: a binary file (an "
+            "image, a PDF) sent as text/plain is a 422 whose message says it is not text.")
 UPLOAD_TYPES = {"text/plain": ".txt", "text/markdown": ".md", "application/jsonl": ".jsonl",
                 "application/x-ndjson": ".jsonl"}
 _FORM_ID = {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS, "pattern": ONE_LINE_NOT_BLANK}
@@ -171,7 +173,8 @@ UPLOAD_SCHEMA = {
     "schema": {"type": "object", "required": ["file"], "additionalProperties": False, "properties": {
         "file": {"type": "string", "format": "binary", "description": (
             f"UTF-8 text, read as its file name's suffix says ({', '.join(SUFFIXES)}), else as its content type "
-            f"says ({', '.join(UPLOAD_TYPES)}); a .jsonl file holds one {{id?, title?, text}} object a line.")},
+            f"says ({', '.join(UPLOAD_TYPES)}); a .jsonl file holds one {{id?, title?, text}} object a line. "
+            f"{NOT_TEXT}")},
         "id": {**_FORM_ID, "description": "Document id (default: the file name without its suffix); one line, "
                                           "not blank, no control characters."},
         "title": {"type": "string", "maxLength": MAX_TITLE_CHARS, "pattern": NO_CONTROL_CHARS,
@@ -311,10 +314,12 @@ def state_sizes(openapi: dict[str, Any], vocab: int, dimensions: int) -> None:
     next(s for s in dims.get("anyOf", [dims]) if s.get("type") == "integer")["enum"] = [dimensions]
 
 
-def openapi_body(model: type[BaseModel], *, multipart: dict[str, Any] | None = None) -> dict[str, Any]:
+def openapi_body(model: type[BaseModel], *, multipart: dict[str, Any] | None = None,
+                 description: str | None = None) -> dict[str, Any]:
     """An `openapi_extra` request body for routes that read the body themselves; `multipart`: the media
     type object (schema and encoding) of a multipart/form-data alternative."""
     content: dict[str, Any] = {"application/json": {"schema": model.model_json_schema()}}
     if multipart:
         content["multipart/form-data"] = multipart
-    return {"requestBody": {"required": True, "content": content}}
+    return {"requestBody": {"required": True, "content": content} | ({"description": description} if description
+                                                                     else {})}

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +23,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.serve import free_port, wait_ready  # noqa: E402
+from bench.serve import served_with  # noqa: E402
 from common import git_commit  # noqa: E402
 
 DATASET = REPO.parent / "shared" / "data" / "musique_dev.json"
@@ -65,36 +63,26 @@ def main() -> None:
     args = parser.parse_args()
     texts = prompts(json.loads(args.dataset.read_text()), args.chats, args.tokens)
     load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "RAGBLEND_DATA_DIR": tmp, "RAGBLEND_MODEL__CACHE_DIR": str(REPO / "data" / "models"),
-               "RAGBLEND_LIMITS__MAX_MESSAGE_TOKENS": "8000", "RAGBLEND_LIMITS__MAX_PROMPT_TOKENS": "8000",
-               "RAGBLEND_LIMITS__MAX_QUESTION_CHARS": "200000", "RAGBLEND_SERVER__REQUEST_TIMEOUT_S": "3600",
-               **({"RAGBLEND_STORE__WRITE_QUEUE_BYTES": str(args.write_queue_bytes)}
-                  if args.write_queue_bytes else {})}
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--host", "127.0.0.1", "--port",
-                                   str(port)], cwd=REPO, env=env)
-        try:
-            wait_ready(url, server, timeout=3600)
+    variables = {"RAGBLEND_LIMITS__MAX_MESSAGE_TOKENS": "8000", "RAGBLEND_LIMITS__MAX_PROMPT_TOKENS": "8000",
+                 "RAGBLEND_LIMITS__MAX_QUESTION_CHARS": "200000", "RAGBLEND_SERVER__REQUEST_TIMEOUT_S": "3600",
+                 **({"RAGBLEND_STORE__WRITE_QUEUE_BYTES": str(args.write_queue_bytes)}
+                    if args.write_queue_bytes else {})}
+    with served_with(variables) as url:
 
-            def ask(text: str) -> dict:
-                start = time.perf_counter()
-                body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2, "retrieval": False}
-                usage = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=3600).raise_for_status().json()
-                usage = usage["usage"]
-                return {"prompt_tokens": usage["prompt_tokens"],
-                        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                        "seconds": round(time.perf_counter() - start, 2)}
-            with ThreadPoolExecutor(args.chats) as pool:
-                log(f"{args.chats} chats of ~{args.tokens} tokens at once")
-                first = list(pool.map(ask, texts))
-                log("each again")
-                again = list(pool.map(ask, texts))
-            metrics = httpx.get(f"{url}/metrics").text
-        finally:
-            server.terminate()
-            server.wait(60)
+        def ask(text: str) -> dict:
+            start = time.perf_counter()
+            body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2, "retrieval": False}
+            usage = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=3600).raise_for_status().json()
+            usage = usage["usage"]
+            return {"prompt_tokens": usage["prompt_tokens"],
+                    "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                    "seconds": round(time.perf_counter() - start, 2)}
+        with ThreadPoolExecutor(args.chats) as pool:
+            log(f"{args.chats} chats of ~{args.tokens} tokens at once")
+            first = list(pool.map(ask, texts))
+            log("each again")
+            again = list(pool.map(ask, texts))
+        metrics = httpx.get(f"{url}/metrics").text
     shares = [round(r["cached_tokens"] / r["prompt_tokens"], 4) for r in again]
     print(json.dumps({"bench": "burst", "commit": git_commit(), "load_avg_before": load_before,
                       "load_avg_after": os.getloadavg(), "chats": args.chats, "tokens": args.tokens,

@@ -82,6 +82,25 @@ def served(max_batch: int = 8, queue_size: int = 16) -> Iterator[str]:
             server.wait(60)
 
 
+@contextmanager
+def served_with(variables: dict[str, str]) -> Iterator[str]:
+    """One `ragblend serve` with these RAGBLEND_* variables over the defaults, on a temporary data dir, ready: its
+    URL (the server terminated on exit)."""
+    with tempfile.TemporaryDirectory() as data_dir:
+        env = {**os.environ, "RAGBLEND_DATA_DIR": data_dir, "RAGBLEND_MODEL__CACHE_DIR": str(REPO / "data" / "models"),
+               **variables}
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        server = subprocess.Popen([sys.executable, "-m", "app.cli.main", "serve", "--host", "127.0.0.1", "--port",
+                                   str(port)], cwd=REPO, env=env)
+        try:
+            wait_ready(url, server, timeout=3600)
+            yield url
+        finally:
+            server.terminate()
+            server.wait(60)
+
+
 def wait_ready(url: str, server: subprocess.Popen, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

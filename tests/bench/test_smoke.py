@@ -124,3 +124,14 @@ def test_leases_keeps_the_leased_context_in_memory_through_churn():
     assert unleased["churn_bytes"] >= 1.5 * unleased["memory_bytes"] and unleased["memory_evictions"] > 0
     assert {"ttft_after_over_hit", "hit_ttft_ms", "after_churn_ttft_ms"} <= set(leased)
     assert {"commit", "loadavg_before", "loadavg_after"} <= set(result)
+
+
+@pytest.mark.slow
+@needs_musique
+def test_embed_lane_uploads_beside_a_maximal_embeddings_call():
+    result = bench("embed_lane.py", "--calls", "1", "--delay", "0")
+    assert result["inputs_per_call"] == 256 and 0 < result["pieces_per_input"] <= 254
+    assert result["embeddings"][0]["status"] == 200 and result["upload_status"] == 201
+    assert result["lane_embeds_after_s"] > 0 and result["upload_s"] > 0 and result["upload_alone_s"] > 0
+    assert result["target_met"] == (result["upload_s"] <= 10)
+    assert {"commit", "loadavg_before", "loadavg_after", "upload_lane_wait_s"} <= set(result)

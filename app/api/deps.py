@@ -43,7 +43,9 @@ def serving(svc: Service = Depends(service)) -> Serving:
     return svc.serving
 
 
-async def on_lane(request: Request, svc: Service, fn: Callable[[Callable[[], bool]], Any], label: str) -> Any:
-    """Run `fn(cancelled)` on the ingest lane and return its result; cancelled if the client leaves."""
-    job = await svc.start_on_lane(fn, label)
+async def on_lane(request: Request, svc: Service, fn: Callable[[Callable[[], bool]], Any], label: str,
+                  yields: bool = False) -> Any:
+    """Run `fn(cancelled)` on the ingest lane (behind uploads and deletes if it `yields`) and return its result;
+    cancelled if the client leaves."""
+    job = await svc.start_on_lane(fn, label, yields)
     return await until_done(request, job, job.result())

@@ -100,9 +100,10 @@ async def embeddings(body: EmbeddingRequest, request: Request, svc: Service = De
                                   f"{limits.piece_cost_tokens} more, limits.piece_cost_tokens), over "
                                   f"limits.max_embedding_tokens ({limits.max_embedding_tokens})")
     with svc.embedding_share(price):
-        vectors = np.concatenate([  # [len(texts), dim] float32, a slice a job: concurrent requests take turns
+        vectors = np.concatenate([  # [len(texts), dim] float32, a slice a job: concurrent requests take turns,
+            # uploads and deletes first
             await on_lane(request, svc, lambda _, part=texts[i:i + embedder.batch_size]: embedder.embed(part),
-                          "embed")
+                          "embed", yields=True)
             for i in range(0, len(texts), embedder.batch_size)])
     data = [Embedding(index=i, embedding=encoded(v, body.encoding_format)) for i, v in enumerate(vectors)]
     return EmbeddingList(data=data, model=embedder.name,

@@ -295,9 +295,10 @@ class Service:
         """What the request's prompt would read from the store, looked up off the loop (engine.lookup: a Plan)."""
         return await self.blocking("lookup", self.serving.engine.lookup, params)
 
-    async def start_on_lane(self, fn: Callable[[Callable[[], bool]], Any], label: str) -> Job:
-        """Queue `fn(cancelled)` on the ingest lane and wait until it starts (its result: `job.result()`)."""
-        return await self._started(lambda: self.lane.submit(lambda cancelled: [fn(cancelled)], label),
+    async def start_on_lane(self, fn: Callable[[Callable[[], bool]], Any], label: str, yields: bool = False) -> Job:
+        """Queue `fn(cancelled)` on the ingest lane (behind uploads and deletes if it `yields`) and wait until it
+        starts (its result: `job.result()`)."""
+        return await self._started(lambda: self.lane.submit(lambda cancelled: [fn(cancelled)], label, yields),
                                    self.lane.retry_after)
 
     @contextmanager

@@ -5,7 +5,9 @@ token ids and result, an ingest's result) reach the event loop through an asynci
 `call_soon_threadsafe`; a query's output (the engine's QueryOutput) turns them into text there. The model thread
 (app.serving.scheduler) runs query jobs several at a time; the
 Worker here runs jobs one at a time in arrival order — the server's ingest lane (uploads and
-deletes: chunking and embedding happen there, off the model thread). Either way the queue of
+deletes: chunking and embedding happen there, off the model thread), where a job that `yields` (a
+slice of an embeddings call) waits behind every job that does not: an upload waits for the slice
+that runs, not for every call's next one. Either way the queue of
 waiting jobs is bounded (a full one is the caller's 429), and a job that waited past its deadline is
 dropped unstarted (503).
 """
@@ -16,6 +18,7 @@ import math
 import queue
 import threading
 import time
+from itertools import count
 from typing import Any, AsyncIterator, Callable, Iterable
 
 from blend.driver import Output
@@ -129,7 +132,9 @@ class Job:
 
 class Worker:
     def __init__(self, queue_size: int, name: str = "ragblend-worker"):
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        # (0, order, job): the lane's own work, in arrival order; (1, ...): jobs that yield to it; (-1, ...): stop
+        self._queue: queue.PriorityQueue[tuple[int, int, Job | None]] = queue.PriorityQueue(maxsize=queue_size)
+        self._order = count()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = False
         self._current: Job | None = None
@@ -162,13 +167,14 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, work: Work, label: str = "") -> Job:
-        """Queue `work` (call from the event loop); QueueFull / WorkerStopped if it cannot wait."""
+    def submit(self, work: Work, label: str = "", yields: bool = False) -> Job:
+        """Queue `work` (call from the event loop), behind every job that does not yield if it `yields`;
+        QueueFull / WorkerStopped if it cannot wait."""
         if self._stopping:
             raise WorkerStopped
         job = Job(work, asyncio.get_running_loop(), label)
         try:
-            self._queue.put_nowait(job)
+            self._queue.put_nowait((int(yields), next(self._order), job))
         except queue.Full:
             raise QueueFull from None
         return job
@@ -180,7 +186,7 @@ class Worker:
             current.cancel()
         while True:
             try:
-                job = self._queue.get_nowait()
+                _, _, job = self._queue.get_nowait()
             except queue.Empty:
                 break
             if job is not None and job.claim():
@@ -192,7 +198,7 @@ class Worker:
         self.begin_stop()
         if self._thread.is_alive():
             try:
-                self._queue.put(None, timeout=timeout)
+                self._queue.put((-1, next(self._order), None), timeout=timeout)
             except queue.Full:
                 pass
             self._thread.join(timeout)
@@ -200,7 +206,7 @@ class Worker:
 
     def _run(self) -> None:
         serial_torch()  # a lane's embedder leaves the model thread's workers spinning (common.threads)
-        while (job := self._queue.get()) is not None:
+        while (job := self._queue.get()[2]) is not None:
             if job.claim():
                 self._execute(job)
 

@@ -38,7 +38,7 @@ class ModelSettings(Strict):
     kv_pool_tokens: int = Field(8192, ge=16)  # decode KV pool: positions per slot (prompt + answer); slots = max_batch
     cuda_graphs: Literal["auto", "on", "off"] = "auto"  # the decode step as CUDA graphs (auto: on CUDA)
     cpu_kernel: Literal["auto", "off"] = "auto"  # CPU kernels (blend.cpu_kernels: torch ops built at first use)
-    weights: Literal["float32", "int8", "int4"] = "float32"  # CPU float32 linears (blend.quantized); CUDA: as loaded
+    weights: Literal["float32", "int8", "int4"] = "int4"  # CPU float32 linears (blend.quantized); CUDA: as loaded
 
 
 class BlendSettings(Strict):

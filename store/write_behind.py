@@ -67,7 +67,7 @@ class WriteBehind(Generic[Item]):
             return self._tombstones.get(key, 0) >= seq
 
     def _run(self) -> None:
-        serial_torch()  # the model thread's decode steps keep their spinning workers (common.threads)
+        serial_torch()  # serially: the model thread's workers keep spinning (common.threads)
         while (job := self._queue.get()) is not None:
             seq, key, item = job
             try:

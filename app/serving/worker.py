@@ -205,7 +205,7 @@ class Worker:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        serial_torch()  # a lane's embedder leaves the model thread's workers spinning (common.threads)
+        serial_torch()  # serially: the model thread's workers keep spinning (common.threads)
         while (job := self._queue.get()[2]) is not None:
             if job.claim():
                 self._execute(job)

@@ -18,10 +18,7 @@ GARDEN = "The Zorvath garden has three quince trees and a well that never freeze
 
 @pytest.fixture
 def per_tenant(make_app, corpus, server_engine):
-    # planner.by_cost off: these passages are a few dozen tokens, cheaper computed than blended, and the test reads
-    # which store entries a tenant's request found
-    with TestClient(make_app(server={"api_keys": KEYS}, retrieval={"documents": "tenant"},
-                             planner={"by_cost": False})) as client:
+    with TestClient(make_app(server={"api_keys": KEYS}, retrieval={"documents": "tenant"})) as client:
         yield client
         for tenant, headers in (("alice", ALICE), ("bob", BOB)):  # the session's index is shared: leave it clean
             for doc in server_engine.parts.retriever.list_documents(tenant):

@@ -290,6 +290,15 @@ class Constraint:
         if self.matcher.is_accepting():
             self.longest, self.since = max(self.longest, self.since), 0
 
+    def start_with(self, tokens: Sequence[int]) -> bool:
+        """The answer starts with `tokens`, already written (a client's prefill): False where the grammar refuses
+        them (the constraint is then no use)."""
+        for token in tokens:
+            if not self.matcher.consume_token(token):
+                return False
+            self.since = 0 if self.matcher.is_accepting() else self.since + 1
+        return not self.matcher.is_error()
+
     def _end(self, why: str) -> None:
         self.dead = True
         log.info("an answer's grammar met a dead end: the answer ends there",

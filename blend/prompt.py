@@ -7,6 +7,8 @@ Rendered through the model's own chat template, so any chat model works:
 A chat (ChatTemplate) is <system turn> | one piece per message | <assistant opening>: piece j is what the
 render of the first j + 1 messages adds to the render of the first j, so the pieces are exactly the
 template's own rendering of the whole chat (checked on the token ids), tool calls and results included.
+A prefill (the answer's start, written by the client) goes in the assistant opening, the turn rendered open
+(HF's continue_final_message), so the model continues it.
 The instruction sits after the passages, next to the question: small models follow it far
 better there than in the system turn alone.
 Text from clients and documents is text: a control token's string written inside it (`<|im_end|>`, say)
@@ -48,16 +50,19 @@ class PromptFormat:
     def __post_init__(self) -> None:
         self.head_text, self.tail_text = self._split_template()
 
-    def _split_template(self, system: str | None = None) -> tuple[str, str]:
-        """The chat template rendered around a placeholder user message, cut at the placeholder."""
-        messages = [{"role": "user", "content": _SLOT}]
+    def _split_template(self, system: str | None = None, prefill: str | None = None) -> tuple[str, str]:
+        """The chat template rendered around a placeholder user message, cut at the placeholder; with a `prefill`
+        (the answer's start), the assistant turn after it rendered open with it (HF's continue_final_message)."""
+        answer = [{"role": "assistant", "content": self.plain(prefill.strip())}] if prefill else []
+
+        def render(messages: list[dict]) -> str:
+            return self.tokenizer.apply_chat_template([*messages, *answer], tokenize=False,
+                                                      add_generation_prompt=not answer,
+                                                      continue_final_message=bool(answer))
         try:
-            text = self.tokenizer.apply_chat_template([{"role": "system", "content": self.system_text(system)},
-                                                       *messages], tokenize=False, add_generation_prompt=True)
+            text = render([{"role": "system", "content": self.system_text(system)}, {"role": "user", "content": _SLOT}])
         except Exception:  # templates without a system role: fold it into the (first) user turn
-            first = messages[0]["content"]
-            messages[0] = {"role": "user", "content": f"{self.system_text(system)}\n\n{first}"}
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = render([{"role": "user", "content": f"{self.system_text(system)}\n\n{_SLOT}"}])
         head, tail = text.split(_SLOT)
         return head, tail
 
@@ -125,9 +130,11 @@ class PromptFormat:
         """`passage_ids` of a raw text (the compare harness's dataset passages)."""
         return self.passage_ids(self.encode(self.plain(text.strip())), title)
 
-    def suffix_ids(self, question: str, system: str | None = None) -> list[int]:
-        """Instruction, question, the user turn's end and the assistant turn's opening."""
-        tail = self.tail_text if not system or not system.strip() else self._split_template(system)[1]
+    def suffix_ids(self, question: str, system: str | None = None, prefill: str | None = None) -> list[int]:
+        """Instruction, question, the user turn's end and the assistant turn's opening (and `prefill`, the
+        answer's start, in it)."""
+        custom = (system and system.strip()) or prefill
+        tail = self._split_template(system, prefill)[1] if custom else self.tail_text
         return self.encode(f"{INSTRUCTION}\nQuestion: {self.plain(question.strip())}{tail}")
 
     @cached_property
@@ -195,21 +202,26 @@ class ChatTemplate:
         return self.prompt.plain_data(out)
 
     def render(self, system: dict, messages: Sequence[dict], tools: Sequence[dict] | None,
-               generation: bool) -> str:
+               generation: bool, continued: bool = False) -> str:
+        """`continued`: the last message (an assistant's) rendered open, to be continued (no generation prompt)."""
         return self.prompt.tokenizer.apply_chat_template(
             [system, *messages], tools=self.prompt.plain_data(list(tools)) if tools and self.native_tools else None,
-            tokenize=False, add_generation_prompt=generation)
+            tokenize=False, add_generation_prompt=generation and not continued, continue_final_message=continued)
 
     def layout(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-               system: str | None = None) -> ChatLayout:
+               system: str | None = None, prefill: dict | None = None) -> ChatLayout:
         """`messages` (no system ones: `system` is the client's system text) as a ChatLayout. The span of a
         message is what rendering it adds to the render of the messages before it: each message is rendered
         after the system turn alone (linear in the chat), and only where that does not give the whole chat's
-        rendering (a template that renders a message by its neighbours) after every message before it."""
+        rendering (a template that renders a message by its neighbours) after every message before it.
+        `prefill`: an assistant's message after them, the answer's start: the tail is the assistant turn
+        rendered open with it (HF's continue_final_message), which the model continues."""
         sys_message, chat = self.system_message(system, tools), [self.normalized(m) for m in messages]
         render = lambda part, generation=False: self.render(sys_message, part, tools, generation)  # noqa: E731
         try:
-            base, body, whole = render([]), render(chat), render(chat, True)
+            base, body = render([]), render(chat)
+            whole = self.render(sys_message, [*chat, self.normalized(prefill)], tools, False, continued=True) \
+                if prefill else render(chat, True)
         except Exception as exc:  # noqa: BLE001 - the template's own rules (alternating roles, say)
             raise ChatTemplateError(f"the model's chat template refuses these messages: {exc}") from exc
         texts = _spans(render, base, body, chat)

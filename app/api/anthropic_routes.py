@@ -3,14 +3,17 @@ counts the prompt a Messages body would run (the engine's own plan of it, nothin
 ids GET /v1/models lists (another is a 404 not_found_error).
 
 A request becomes the same engine request /v1/chat/completions builds: `tools` and `system` form the system
-turn (so the prompt head), every message but the last an earlier turn (tool_use and tool_result blocks as
-text), the last message (a user's) the question. Retrieval is off unless the request sets the ragblend extra
+turn (so the prompt head), every message an earlier turn (tool_use and tool_result blocks as text) but the last
+user message, the question. An assistant's message last is a prefill, as Anthropic's: the assistant turn rendered
+open with it (blend.prompt), the model continues it, and `content` holds the continuation alone; under tools or a
+grammar its tokens are the answer's start (a prefill the grammar refuses is a 400), and a call it opens comes back
+whole as a tool_use block. Retrieval is off unless the request sets the ragblend extra
 `retrieval: true` (then `retrieval_top_k` passages, as `top_k` on the chat endpoint). Anthropic's own `top_k` is a
 sampling parameter: accepted and ignored (ragblend samples with temperature and top_p), never the passages.
 
 Prompt caching. ragblend stores every piece of every prompt anyway (the head, each exchange: blend.prompt);
 a `cache_control: {"type": "ephemeral", "ttl": "5m" | "1h"}` breakpoint (on a tool, a system block or a
-message's block, or the request's own for its last block; at most 4) leases the prefix up to it for its ttl
+message's block, or the request's own for its last block; any number) leases the prefix up to it for its ttl
 (app.engine.prompt_cache): the head for one on a tool or the system, the head and the exchanges through that
 message for one on a message (on the last message: the whole prompt, passages too). Leases go to the family
 `anthropic:<metadata.user_id>` (`anthropic` without one). Usage counts each prompt token once:
@@ -26,7 +29,7 @@ content_block_stop, message_delta (stop reason and the whole usage: the prompt's
 the end, so message_start's usage says 0 input tokens), message_stop; a failure after the start is an
 `error` event. Errors are Anthropic's ({"type": "error", "error": {"type", "message"}}, app/api/errors.py), and
 `x-api-key` is accepted where `server.api_key` is set; `anthropic-version` is not checked.
-Not supported (a 400): image, document and thinking blocks; the assistant's own last turn (prefill).
+Not supported (a 400): image, document and thinking blocks.
 Tools are rendered as the chat endpoint renders them (blend.prompt), and the model's calls come back as tool_use
 blocks (`stop_reason` tool_use; streamed as input_json_delta) after any text; `tool_choice` is enforced by
 grammar-constrained decoding (app.engine.tool_calls). `stop_reason`: end_turn, max_tokens, stop_sequence (with
@@ -83,7 +86,6 @@ from app.serving.service import Service
 from blend.prompt import hermes_tools
 
 router = APIRouter()
-MAX_BREAKPOINTS = 4
 TTL_S = {"5m": 300.0, "1h": 3600.0}
 STOP_REASONS = {"length": "max_tokens"}  # else end_turn
 
@@ -160,7 +162,8 @@ def tool_grammar(body: CountTokensRequest, tools: list[dict]) -> str | None:
 
 
 def breakpoints(body: CountTokensRequest) -> list[tuple[int | None, float]]:
-    """(message index or None for tools and system, ttl_s) of each cache_control; a 400 past MAX_BREAKPOINTS."""
+    """(message index or None for tools and system, ttl_s) of each cache_control, as many as the request has: the
+    store's leases are capped per tenant in bytes (app.engine.prompt_cache), so a count would protect nothing."""
     found: list[tuple[int | None, CacheControl]] = []
     system = body.system if isinstance(body.system, list) else []
     found += [(None, b.cache_control) for b in (*body.tools, *system) if b.cache_control]
@@ -169,9 +172,6 @@ def breakpoints(body: CountTokensRequest) -> list[tuple[int | None, float]]:
             for block in message.content:
                 found += [(i, c) for c in _controls(block)]
     found += [(len(body.messages) - 1, body.cache_control)] if body.cache_control else []
-    if len(found) > MAX_BREAKPOINTS:
-        raise ApiError(400, f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
-                            f"Found {len(found)}.")
     return [(i, TTL_S[c.ttl]) for i, c in found]
 
 
@@ -185,8 +185,6 @@ def parse(raw: bytes, model: type[CountTokensRequest] = MessagesRequest) -> Any:
         body = model.model_validate_json(raw)
     except ValidationError as exc:
         raise ApiError(400, _invalid(exc.errors(include_url=False))) from None
-    if body.messages[-1].role != "user":
-        raise ApiError(400, "messages: the last message must be a user message (assistant prefill is not supported)")
     return body
 
 
@@ -233,7 +231,7 @@ async def messages(request: Request, svc: Service = Depends(service)):
                                   [(_prefix(result.kv_keys, at, last), ttl) for at, ttl in marks])
 
     if body.stream:
-        return sse(run, events(run, head, marks, last, retain, params.tool_calls))
+        return sse(run, events(run, head, marks, last, retain, params.tool_calls, params.prefill))
     result = await run.result(request)
     note = await retain(result)
     out = MessageOut(**head, content=content_blocks(result), stop_reason=_stop_reason(result),
@@ -263,18 +261,19 @@ async def engine_params(body: CountTokensRequest, svc: Service, max_tokens: int)
     grammar = tool_grammar(body, tools)
     # the question's limit is on what the user writes, and only with retrieval (without it a message may carry
     # documents: the token budget alone); a tool result counts against the budgets, as an OpenAI tool message does
-    check_limits(svc.settings.limits, question=question_text(body.messages[-1]) if body.retrieval else "",
+    question = next((m for m in reversed(body.messages) if m.role == "user"), body.messages[-1])
+    check_limits(svc.settings.limits, question=question_text(question) if body.retrieval else "",
                  top_k=body.retrieval_top_k, question_field="messages", max_tokens={"max_tokens": max_tokens})
     fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts))]
     await svc.blocking("lookup", check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
-    return svc.query_params(texts[-1], top_k=body.retrieval_top_k, max_tokens=max_tokens,
+    return svc.query_params(message_text(question), top_k=body.retrieval_top_k, max_tokens=max_tokens,
                             # each message a piece, indexed as in body.messages (the system text, which joins the
                             # head wherever it stands, goes last so the indices stay the client's)
                             messages=tuple({"role": m.role, "content": t} for m, t in zip(body.messages, texts))
                             + (({"role": "system", "content": system},) if system else ()),
                             grammar=grammar,
                             tool_calls=bool(tools) and getattr(body.tool_choice, "type", "auto") != "none",
-                            retrieve=body.retrieval)
+                            retrieve=body.retrieval, continue_final=body.messages[-1].role == "assistant")
 
 
 def _prefix(uses: Sequence[KeyUse], at: int | None, last: int) -> list[str]:
@@ -325,10 +324,11 @@ def _stop_reason(result: QueryResult) -> str:
 
 
 async def events(run: QueryRun, head: dict[str, Any], marks: list[tuple[int | None, float]], last: int,
-                 retain: Callable[[QueryResult], Awaitable[LeaseNote | None]], calls: bool = False
+                 retain: Callable[[QueryResult], Awaitable[LeaseNote | None]], calls: bool = False, prefill: str = ""
                  ) -> AsyncIterator[ServerSentEvent]:
     """Anthropic's event stream; a failure once it has begun is an `error` event. The text block opens at the
-    first text; with `calls` (tools) each call is a tool_use block, its input streamed as input_json_delta."""
+    first text; with `calls` (tools) each call is a tool_use block, its input streamed as input_json_delta (a
+    call the `prefill` opened, whole)."""
     def event(kind: str, **data: Any) -> ServerSentEvent:
         return ServerSentEvent(json.dumps({"type": kind, **data}), event=kind)
 
@@ -355,7 +355,7 @@ async def events(run: QueryRun, head: dict[str, Any], marks: list[tuple[int | No
     try:
         yield event("message_start", message=start.model_dump(exclude={"lease"}))
         yield event("ping")
-        async for kind, item in answer_parts(run.events(), calls):
+        async for kind, item in answer_parts(run.events(), calls, prefill):
             if kind != "end":
                 for sent in deltas(kind, item):
                     yield sent

@@ -19,7 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from app.api.deps import service, serving
 from app.api.query_routes import chat_params
-from app.api.schemas.openai import TOP_LOGPROBS_RULE, USER_TEXT, ChatCompletionRequest, ChatMessage
+from app.api.schemas.openai import CHAT_RULES, USER_TEXT, ChatCompletionRequest, ChatMessage
 from app.api.schemas.ragblend import (
     ERRORS,
     ID_RULE,
@@ -152,7 +152,7 @@ class LookupRequest(ChatCompletionRequest):
     """A chat completions request (its `messages`, `tools`, `retrieval`, `model`, `top_k`), or a /v1/query
     question as `prompt`: what its prompt would read from the store, looked up, nothing computed."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={**_ONE_PROMPT, **TOP_LOGPROBS_RULE})
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={**_ONE_PROMPT, **CHAT_RULES})
     messages: list[ChatMessage] | None = Field(None, description="A chat's messages (or give `prompt`).")  # type: ignore[assignment]
     prompt: NonBlank | None = Field(None, description="A /v1/query question (or give `messages`).")
 

@@ -225,7 +225,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, respon
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse(run, chat_chunks(run, head, include_usage, retain, params.tool_calls))
+        return sse(run, chat_chunks(run, head, include_usage, retain, params.tool_calls, params.prefill))
     result = await run.result(request)
     note = await retain(result)
     response.headers.update(lease_headers(note))
@@ -286,7 +286,8 @@ async def chat_params(body: ChatCompletionRequest, svc: Service) -> QueryParams:
                             messages=tuple(m.as_prompt() for m in body.messages), tools=tuple(tools),
                             retrieve=retrieve, retrieval_query=chat.retrieval_query(),
                             grammar=grammar, tool_calls=bool(tools) and body.tool_choice != "none",
-                            top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                            top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                            continue_final=body.continue_final_message and body.messages[-1].role == "assistant")
 
 
 def answer_grammar(body: ChatCompletionRequest, tools: list[dict]) -> str | None:
@@ -309,11 +310,11 @@ def answer_grammar(body: ChatCompletionRequest, tools: list[dict]) -> str | None
 
 
 async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool,
-                      retain: Callable[[QueryResult], Awaitable[LeaseNote | None]], calls: bool = False
-                      ) -> AsyncIterator[ServerSentEvent]:
+                      retain: Callable[[QueryResult], Awaitable[LeaseNote | None]], calls: bool = False,
+                      prefill: str = "") -> AsyncIterator[ServerSentEvent]:
     """OpenAI's stream: a role chunk, content chunks, a finish chunk (with the lease), [a usage chunk,] [DONE].
     With `calls` (tools), a call's chunks instead of its text: its index, id and name, then its arguments in
-    fragments."""
+    fragments (a call the `prefill` opened, whole)."""
     def chunk(delta: Delta | None, finish: str | None = None, usage: Usage | None = None, dropped: int | None = None,
               note: LeaseNote | None = None, logprobs: ChoiceLogprobs | None = None) -> ServerSentEvent:
         choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)]
@@ -322,7 +323,7 @@ async def chat_chunks(run: QueryRun, head: dict[str, Any], include_usage: bool,
 
     yield chunk(Delta(role="assistant", content=""))
     index = -1  # the last call's
-    async for kind, event in answer_parts(run.events(), calls):
+    async for kind, event in answer_parts(run.events(), calls, prefill):
         if kind == "text":
             yield chunk(Delta(content=event))
         elif kind == "call":

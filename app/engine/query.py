@@ -46,6 +46,17 @@ class QueryParams:
     tool_calls: bool = False  # parse the calls in the answer (with tools, but for tool_choice none)
     prompt_ids: tuple[int, ...] = ()  # a raw prompt's tokens (/v1/completions): no template, no messages
     top_logprobs: int | None = None  # None: no logprobs; n: each answer token's, with n alternatives
+    # the last message (an assistant's) is the answer's start, a prefill: rendered open, the model continues it
+    continue_final: bool = False
+
+    @property
+    def prefill(self) -> str:
+        """The answer's start the client wrote ("" without continue_final): the answer is what follows it."""
+        return message_text(self.messages[-1]) if self.continue_final and self.messages else ""
+
+
+def message_text(message: dict | None) -> str:
+    return ((message or {}).get("content") or "").strip()
 
 
 @dataclass

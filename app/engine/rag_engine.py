@@ -31,7 +31,7 @@ from app.engine.explain import Explain, explain_prompt
 from app.engine.kv import ChunkKVCache
 from app.engine.loading import LoadingControl
 from app.engine.planner import Loaded, Part, Plan, Planner
-from app.engine.query import QueryParams, QueryResult, QueryStats, RequestError, Source
+from app.engine.query import QueryParams, QueryResult, QueryStats, RequestError, Source, message_text
 from app.engine.tool_calls import split_tool_calls
 from app.engine.usage import COMPUTED
 from blend import Blender, DecodeRuntime, LoadedModel, Prefill, PromptFormat, SamplingParams, StoredSpans, TextStream
@@ -212,6 +212,9 @@ class RagEngine:
         system = "\n\n".join(message_text(m) for m in params.messages
                              if m["role"] in SYSTEM_ROLES and message_text(m)) or None
         indexed = [(i, m) for i, m in enumerate(params.messages) if m["role"] not in SYSTEM_ROLES]
+        # a prefill (the assistant's message last) is the tail's: the assistant turn rendered open, after the rest
+        prefill = indexed.pop()[1] if params.continue_final and indexed[-1:] and \
+            indexed[-1][1]["role"] == "assistant" else None
         question = None
         if params.retrieve:  # the last user message with text is the question, after its passages
             q = max((k for k, (_, m) in enumerate(indexed) if m["role"] == "user" and message_text(m)), default=None)
@@ -222,8 +225,8 @@ class RagEngine:
         keep = 0 if params.retrieve else 1  # without retrieval the last message is what is answered
         limit = self._context_limit()
         start = within_chars(indexed, limit, keep)
-        layout = template.layout([m for _, m in indexed[start:]], params.tools, system)
-        suffix = prompt.suffix_ids(message_text(question), system) if question else layout.tail
+        layout = template.layout([m for _, m in indexed[start:]], params.tools, system, prefill)
+        suffix = prompt.suffix_ids(message_text(question), system, message_text(prefill)) if question else layout.tail
         fixed = len(opening) + sum(len(p.ids) for p in passages) + len(suffix) + max_tokens
         while limit and len(layout.head) + sum(map(len, layout.messages)) + fixed > limit \
                 and start < len(indexed) - keep:  # drop the oldest messages, as many as the excess
@@ -231,9 +234,9 @@ class RagEngine:
             while excess > 0 and drop < min(len(layout.messages), len(indexed) - keep - start):
                 excess, drop = excess - len(layout.messages[drop]), drop + 1
             start += max(drop, 1)
-            layout = template.layout([m for _, m in indexed[start:]], params.tools, system)
+            layout = template.layout([m for _, m in indexed[start:]], params.tools, system, prefill)
         kept = indexed[start:]
-        numbers = [i for i, _ in kept] if layout.split else [kept[-1][0]] * len(layout.messages)
+        numbers = [i for i, _ in kept] if layout.split else [i for i, _ in kept[-1:]] * len(layout.messages)
         given = [Part("head", tuple(layout.head))] + [Part("message", tuple(ids), number)
                                                       for ids, number in zip(layout.messages, numbers)]
         if opening:
@@ -291,6 +294,11 @@ class Query:
             self.constraint = self.engine.parts.grammars.constraint(grammar) if grammar else None
         except GrammarError as exc:
             raise RequestError(str(exc)) from None
+        prompt = self.engine.parts.prompt
+        if self.constraint and self.params.prefill and \
+                not self.constraint.start_with(prompt.encode(prompt.plain(self.params.prefill))):
+            raise RequestError("messages: the assistant's prefill (the last message) is not a start of an answer "
+                               "the request allows (its tools, tool_choice or output schema)")
         self.plan, self.loaded = self.engine.plan(self.params, self.max_tokens, self.stats)
 
     def prefill(self) -> Generator[int | None, None, Decoding]:
@@ -343,8 +351,9 @@ class QueryOutput:
 
     def _result(self, done: QueryResult) -> QueryResult:
         text, params = self.text, self.params
-        answer = text.text if params.prompt_ids else text.text.strip()  # a raw prompt's continuation as it is
-        content, calls = split_tool_calls(answer) if params.tool_calls else (answer, [])
+        # a raw prompt's continuation as it is; a prefill's with the space it may start with
+        answer = text.text if params.prompt_ids else text.text.rstrip() if params.prefill else text.text.strip()
+        content, calls = split_tool_calls(answer, params.prefill) if params.tool_calls else (answer, [])
         done.stats.completion_tokens = len(text.tokens)  # (no eos; none decoded past a stop string)
         logprobs = None if done.logprobs is None else done.logprobs[:len(text.tokens)]
         return replace(done, answer=content, tool_calls=calls, finish_reason="stop" if self.stopped else
@@ -360,10 +369,6 @@ def within_chars(indexed: list[tuple[int, dict]], limit: int | None, keep: int) 
         if limit and chars > CHARS_PER_TOKEN_BOUND * limit and start < len(indexed) - keep:
             return start + 1
     return 0
-
-
-def message_text(message: dict | None) -> str:
-    return ((message or {}).get("content") or "").strip()
 
 
 def _ms(since: float) -> float:

@@ -133,12 +133,17 @@ class CallStream:
     events ("text", str) and ("call", ToolCallOut) in order. Text that could open a call is held back until it
     cannot; a call is released when closed. A call left open at the end (cut by max_tokens or a stop string) is
     dropped (`cut`): never returned as a call, nor as text. A call identical to an earlier one (name and
-    arguments: a small model repeats itself) is dropped too: its tool would answer it the same."""
+    arguments: a small model repeats itself) is dropped too: its tool would answer it the same. `prefill`: the
+    answer's start the client wrote (app.engine.query.QueryParams.prefill), read first and not returned: a call
+    it opens comes back whole once the answer closes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefill: str = "") -> None:
         self.buffer, self.in_call, self.cut = "", False, False
         self.content: list[str] = []
         self.tool_calls: list[ToolCallOut] = []
+        if prefill:
+            self.feed(prefill)
+            self.content, self.tool_calls = [], []
 
     def feed(self, delta: str) -> list[tuple[str, Any]]:
         self.buffer += delta
@@ -189,12 +194,14 @@ class CallStream:
         return [("call", out)]
 
 
-def split_tool_calls(text: str) -> tuple[str, list[ToolCallOut]]:
-    """A whole answer: its content (the text outside calls, stripped) and its calls."""
-    stream = CallStream()
+def split_tool_calls(text: str, prefill: str = "") -> tuple[str, list[ToolCallOut]]:
+    """A whole answer: its content (the text outside calls, stripped; after a prefill, only at its end: the
+    continuation may start with a space) and its calls."""
+    stream = CallStream(prefill)
     stream.feed(text)
     stream.finish()
-    return "".join(stream.content).strip(), stream.tool_calls
+    content = "".join(stream.content)
+    return content.rstrip() if prefill else content.strip(), stream.tool_calls
 
 
 # ---- what both dialects share (OpenAI's chat completions, Anthropic's messages) ----------------------------------
@@ -216,10 +223,10 @@ def choice_grammar(tools: list[dict], choice: str, parallel: bool = True, schema
     return tools_grammar(tools, choice, parallel, schema)
 
 
-async def answer_parts(events: AsyncIterator[Any], calls: bool) -> AsyncIterator[tuple[str, Any]]:
+async def answer_parts(events: AsyncIterator[Any], calls: bool, prefill: str = "") -> AsyncIterator[tuple[str, Any]]:
     """A streamed answer (its text deltas, then its result) as ("text", str) and, with `calls` (tools),
-    ("call", ToolCallOut) pieces in order (CallStream), then ("end", result)."""
-    split = CallStream()
+    ("call", ToolCallOut) pieces in order (CallStream, after the `prefill`), then ("end", result)."""
+    split = CallStream(prefill)
     async for event in events:
         if isinstance(event, str):
             for part in split.feed(event) if calls else [("text", event)]:

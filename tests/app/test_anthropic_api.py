@@ -1,6 +1,7 @@
 """The official `anthropic` client against a real uvicorn server: POST /v1/messages with system, tool_use and
 tool_result blocks and cache_control breakpoints, streamed and not, over several turns; cache usage; leases;
-Anthropic's errors and x-api-key."""
+the assistant's prefill continued (free text, under a tool's grammar, with retrieval); Anthropic's errors and
+x-api-key."""
 from __future__ import annotations
 
 import anthropic
@@ -124,21 +125,16 @@ def test_bad_cache_control_gets_anthropics_400(live_server, control, where):
     assert where in error.value.body["error"]["message"]
 
 
-def test_more_than_four_breakpoints_get_anthropics_400(live_server):
-    blocks = [{"type": "text", "text": f"part {i}", "cache_control": EPHEMERAL} for i in range(5)]
-    with pytest.raises(anthropic.BadRequestError) as error:
-        make_client(live_server.url).messages.create(model=MODEL, max_tokens=4,
-                                                     messages=[{"role": "user", "content": blocks}])
-    assert error.value.body["error"] == {"type": "invalid_request_error", "message": (
-        "A maximum of 4 blocks with cache_control may be provided. Found 5.")}
+def test_more_than_four_breakpoints_each_lease_their_prefix(live_server):
+    """Past Anthropic's 4: the leases are capped per tenant in bytes, so the count is not limited."""
+    blocks = [{"type": "text", "text": f"part {i} (six breakpoints)", "cache_control": EPHEMERAL} for i in range(5)]
+    raw = make_client(live_server.url).messages.with_raw_response.create(
+        model=MODEL, max_tokens=2, cache_control=EPHEMERAL, messages=[{"role": "user", "content": blocks}])
+    assert raw.headers[LEASE_HEADER] == "held" and raw.parse().usage.cache_creation_input_tokens > 0
 
 
 def test_other_errors_are_anthropic_shaped(live_server):
     client = make_client(live_server.url)
-    with pytest.raises(anthropic.BadRequestError) as error:  # the assistant's prefill
-        client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"},
-                                                                  {"role": "assistant", "content": "Well"}])
-    assert "last message must be a user message" in error.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as error:  # a limit from settings: OpenAI's 422, Anthropic's 400
         client.messages.create(model=MODEL, max_tokens=100_000, messages=[{"role": "user", "content": "hi"}])
     assert error.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in \
@@ -161,3 +157,70 @@ def test_x_api_key_and_anthropic_version_are_accepted(make_app, corpus, serve_li
         assert bearer.status_code == 200  # Bearer still works everywhere
         assert httpx.get(f"{live.url}/v1/models", headers={"x-api-key": "k-123"}).status_code == 200
         assert "error" in httpx.get(f"{live.url}/v1/models").json()  # OpenAI-shaped off /v1/messages
+
+
+PREFILL_ASKS = [{"role": "user", "content": "Who built the lighthouse of Port Velmar? Answer as JSON."},
+                {"role": "assistant", "content": '{"builder": "'}]
+
+
+def continued(client: anthropic.Anthropic, stream: bool, **request) -> anthropic.types.Message:
+    if not stream:
+        return client.messages.create(model=MODEL, **request)
+    with client.messages.stream(model=MODEL, **request) as events:
+        return events.get_final_message()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_prefill_is_continued_as_the_template_renders_it_open(live_server, server_engine, stream):
+    """The assistant's last message is the answer's start: the answer is the greedy continuation of the chat
+    template's render left open (HF's continue_final_message), sent here as a raw prompt, and holds only the
+    continuation."""
+    client = make_client(live_server.url)
+    message = continued(client, stream, max_tokens=8, messages=PREFILL_ASKS)
+    [block] = message.content
+    assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens > 0
+    tokenizer = server_engine.parts.tokenizer
+    system = {"role": "system", "content": server_engine.parts.prompt.system_prompt}
+    ids = tokenizer.apply_chat_template([system, *PREFILL_ASKS], continue_final_message=True, tokenize=True,
+                                        return_dict=False)
+    raw = httpx.post(f"{live_server.url}/v1/completions", timeout=300,
+                     json={"model": MODEL, "prompt": list(ids), "max_tokens": 8}).json()
+    assert block.type == "text" and block.text == raw["choices"][0]["text"].rstrip(), (block.text, raw)
+    assert not block.text.startswith('{"builder"')  # the continuation alone, as Anthropic's
+    counted = client.messages.count_tokens(model=MODEL, messages=PREFILL_ASKS).input_tokens
+    assert counted == len(ids) == raw["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_prefill_that_opens_a_call_ends_in_the_whole_call(live_server, stream):
+    """Under tool_choice any, the prefill's tokens go to the grammar first: the model finishes the call it opened,
+    and the call comes back whole as a tool_use block."""
+    opened = '<tool_call>\n{"name": "lookup", "arguments": {"query": "'
+    message = continued(make_client(live_server.url), stream, max_tokens=40, tools=TOOLS,
+                        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                        messages=[PREFILL_ASKS[0], {"role": "assistant", "content": opened}])
+    assert message.stop_reason == "tool_use", message
+    [call] = [b for b in message.content if b.type == "tool_use"]
+    assert call.name == "lookup" and isinstance(call.input["query"], str), call
+    assert not [b for b in message.content if b.type == "text" and b.text.strip()]
+
+
+def test_a_prefill_the_grammar_refuses_is_a_400_naming_it(live_server):
+    with pytest.raises(anthropic.BadRequestError) as error:
+        make_client(live_server.url).messages.create(
+            model=MODEL, max_tokens=4, tools=TOOLS, tool_choice={"type": "any"},
+            messages=[PREFILL_ASKS[0], {"role": "assistant", "content": "Sure, here it is"}])
+    assert error.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages: the assistant's prefill" in error.value.body["error"]["message"]
+
+
+def test_a_prefill_after_retrieved_passages(live_server):
+    """With retrieval the question is the last user message, asked over its passages, and the prefill follows."""
+    client = make_client(live_server.url)
+    messages = [{"role": "user", "content": "Who built the lighthouse of Port Velmar?"},
+                {"role": "assistant", "content": "It was built by"}]
+    message = client.messages.create(model=MODEL, max_tokens=6, extra_body={"retrieval": True}, messages=messages)
+    [block] = message.content
+    assert block.text.strip() and not block.text.lstrip().startswith("It was built by")
+    u, alone = message.usage, client.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens > alone  # with its passages

@@ -1,8 +1,8 @@
 """The endpoints clients reach for besides chat, with the official `openai` and `anthropic` clients against a real
 server (the embedded SmolLM2): OpenAI's /v1/completions (a raw prompt, streamed or not, its KV reused when repeated;
-what it does not support refused with a 400), Anthropic's /v1/messages/count_tokens (the prompt /v1/messages runs),
-an unknown model id (a 404 model_not_found in each dialect's shape), /v1/responses (refused, saying where to
-go), and OpenAI's /v1/embeddings (the retrieval embedder's vectors)."""
+what it does not support refused with a 400), Anthropic's /v1/messages/count_tokens (the prompt /v1/messages runs,
+a prefill's too), an unknown model id (a 404 model_not_found in each dialect's shape), /v1/responses (refused,
+saying where to go), and OpenAI's /v1/embeddings (the retrieval embedder's vectors)."""
 from __future__ import annotations
 
 import anthropic
@@ -77,9 +77,11 @@ def test_count_tokens_is_the_prompt_messages_runs(live_server):
     assert counted == ran.input_tokens + ran.cache_read_input_tokens + ran.cache_creation_input_tokens
     bare = client.messages.count_tokens(model=MODEL, messages=body["messages"]).input_tokens
     assert bare < counted  # the tools and the system text are part of the prompt
-    with pytest.raises(anthropic.BadRequestError, match="last message must be a user message"):
-        client.messages.count_tokens(model=MODEL, messages=[*body["messages"],
-                                                             {"role": "assistant", "content": "Yes"}])
+    prefilled = {**body, "messages": [*body["messages"], {"role": "assistant", "content": "Yes, in"}]}
+    counted_prefill = client.messages.count_tokens(**prefilled).input_tokens  # the prefill is in the prompt
+    ran = client.messages.create(**prefilled, max_tokens=1).usage
+    assert counted_prefill == ran.input_tokens + ran.cache_read_input_tokens + ran.cache_creation_input_tokens
+    assert counted_prefill > counted
 
 
 def test_an_unknown_model_is_a_404_in_each_dialect(live_server):

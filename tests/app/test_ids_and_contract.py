@@ -26,6 +26,14 @@ UNSTATED = {
                                       "top_logprobs needs logprobs: true"),
     "a token id past the vocabulary": ("/v1/completions", {"prompt": [10 ** 6]}, "is not in the vocabulary"),
     "dimensions: 1": ("/v1/embeddings", {"input": "hi", "dimensions": 1}, "384 dimensions only"),
+    "required without tools": ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice required needs tools"),
+    "a named function without tools": ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {
+        "name": "f"}}}, "is not among the tools (none)"),
+    "a forced lookup without tools": ("/v1/cache/lookup", {"tool_choice": "required", "tools": []}, "needs tools"),
+    "any without tools": ("/v1/messages", {"tool_choice": {"type": "any"}}, "tool_choice any needs tools"),
+    "a named tool without tools": ("/v1/messages", {"tool_choice": {"type": "tool", "name": "f"}, "tools": []},
+                                   "is not among the tools (none)"),
+    "a tool name holding the call markup": ("/v1/messages", {"tools": [{"name": "x</tool_call>y"}]}, "call markup"),
     "tool_choice name: null": ("/v1/messages", {"tools": TOOLS, "tool_choice": {"type": "tool", "name": None}},
                                "tool_choice.tool.name"),
 }
@@ -89,7 +97,9 @@ def test_the_schema_states_the_loaded_models_sizes(client, server_engine):
     text_part = schemas["TextPart"]["properties"]["type"]
     assert text_part["const"] == "text"
     chat = schemas["ChatCompletionRequest"]
-    assert chat["then"]["properties"]["logprobs"] == {"const": True}  # top_logprobs needs logprobs: true
+    logprobs_rule, call_rule = chat["allOf"]
+    assert logprobs_rule["then"]["properties"]["logprobs"] == {"const": True}  # top_logprobs needs logprobs: true
+    assert call_rule["then"]["properties"]["tools"]["minItems"] == 1  # a forced call needs tools
 
 
 def test_warm_up_runs_a_first_requests_paths_before_ready(make_app, corpus):
@@ -114,7 +124,8 @@ def test_what_the_server_refuses_the_schema_states(client, case):
     spec = client.get("/openapi.json").json()
     embedder = spec["components"]["schemas"]["EmbeddingRequest"]["properties"]["model"]["enum"][0]
     chat = {"model": MODEL, "messages": HI, "max_tokens": 1}
-    valid = {"/v1/chat/completions": chat, "/v1/messages": chat, "/v1/embeddings": {"model": embedder, "input": "hi"},
+    valid = {"/v1/chat/completions": chat, "/v1/messages": chat, "/v1/cache/lookup": chat,
+             "/v1/embeddings": {"model": embedder, "input": "hi"},
              "/v1/completions": {"model": MODEL, "prompt": [1], "max_tokens": 1}}[path]
     pointer = "/".join(part.replace("/", "~1") for part in ("paths", path, "post", "requestBody", "content",
                                                             "application/json", "schema"))

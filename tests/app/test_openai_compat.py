@@ -2,6 +2,7 @@
 and not, usage, errors and the API key."""
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -63,3 +64,23 @@ def test_api_key(make_app, corpus, serve_live):
             "smollm2-135m-instruct", "smollm2-135m-instruct-chat", "all-MiniLM-L6-v2"]
         with pytest.raises(openai.AuthenticationError):
             make_client(live.url, "wrong").models.list()
+
+
+def test_an_assistant_message_last_is_a_turn_or_with_continue_final_message_a_prefill(live_server):
+    """As OpenAI's API, an assistant's message last is a finished turn, answered by a new one; vLLM's extra
+    continue_final_message makes it a prefill, continued as Anthropic's /v1/messages continues one (the same
+    tokens, streamed or not)."""
+    client = make_client(live_server.url)
+    messages = [{"role": "user", "content": "Who built the lighthouse of Port Velmar? Answer as JSON."},
+                {"role": "assistant", "content": '{"builder": "'}]
+    request = dict(model=MODEL + "-chat", messages=messages, max_tokens=8, temperature=0)
+    continued = client.chat.completions.create(**request, extra_body={"continue_final_message": True})
+    answered = client.chat.completions.create(**request)
+    assert continued.choices[0].message.content != answered.choices[0].message.content
+    assert continued.usage.prompt_tokens < answered.usage.prompt_tokens  # no end of turn, no new turn's opening
+    anthropic_body = {"model": MODEL, "max_tokens": 8, "messages": messages}
+    message = httpx.post(f"{live_server.url}/v1/messages", json=anthropic_body, timeout=300).json()
+    assert continued.choices[0].message.content == message["content"][0]["text"]
+    chunks = client.chat.completions.create(**request, stream=True, extra_body={"continue_final_message": True})
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).rstrip() == \
+        continued.choices[0].message.content

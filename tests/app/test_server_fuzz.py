@@ -87,12 +87,18 @@ def _a_file_that_is_not_text(recorder, case_id: str, check) -> bool:
 
 
 def _a_rule_json_schema_cannot_state(recorder, case_id: str, check) -> bool:
-    """Valid data refused by a rule the description states in words: on /v1/messages, an assistant's message
-    last (Anthropic's prefill, not supported: JSON Schema has no keyword for an array's last item) and more than
-    4 cache_control breakpoints (JSON Schema cannot count them across the body's parts); a tool_choice naming no
-    tool of the request, or forcing a call without tools, and a schema the grammar engine cannot compile; and a body
-    over limits.max_body_bytes, valid or not (a document's size in bytes, checked before the body is read;
-    /v1/messages takes free-form tool inputs and schemas, so the fuzzer's bodies can be any size)."""
+    """Valid data refused by a rule no JSON Schema keyword can state, stated in words in the description:
+    - a tool_choice naming a tool not among `tools` (a reference from one field's value to another's items; a
+      forced call without tools is stated, with if/then);
+    - a schema (response_format, a tool's parameters or input_schema) the grammar engine cannot take: past its
+      size in characters or its depth (of free-form JSON), more string patterns intersected than it compiles in
+      time, one past the compile time limit, one no finite document satisfies ($ref cycles: satisfiability is no
+      keyword), or one that does not compile; and an assistant's prefill that such a grammar refuses as the
+      answer's start (text against a grammar);
+    - the word pieces the embedder reads (/v1/embeddings: a tokenizer's count, not characters);
+    - a body over limits.max_body_bytes, valid or not (its size in bytes, checked before the body is read;
+      /v1/messages takes free-form tool inputs and schemas, so the fuzzer's bodies can be any size).
+    (An upload's file that is not UTF-8 text: `_a_file_that_is_not_text`.)"""
     interaction = recorder.interactions.get(case_id)
     if interaction is None or interaction.response is None:
         return False
@@ -102,17 +108,15 @@ def _a_rule_json_schema_cannot_state(recorder, case_id: str, check) -> bool:
     if check.name != "positive_data_acceptance":
         return False
     message = body.get("error", {}).get("message", "")
-    in_words = ("the last message must be a user message", "A maximum of 4 blocks with cache_control",
-                # tool_choice's tool must be one of `tools`, and a forced call needs tools (a reference across
-                # fields); a schema the grammar engine cannot compile, or past its stated size and depth
-                "is not among the tools", "not among the tools (", "needs tools", "the schema does not compile",
-                "a schema of", "a schema nested deeper than",
-                # what the schema's description states in words: too many patterns at once or past the compile
-                # limit, no finite document, a tool name holding the call markup
-                "the schema is too complex", "allows no finite document", "allows no document", "the call markup",
+    in_words = ("is not among the tools (",  # tool_choice's tool must be one of `tools`
+                # a schema the grammar engine cannot take (see above)
+                "a schema of", "a schema nested deeper than", "the schema is too complex", "allows no finite document",
+                "allows no document", "the schema does not compile", "the assistant's prefill",
                 "word pieces, over the")  # the word pieces the embedder reads (/v1/embeddings)
-    # top_logprobs without logprobs, a content part not text, a token id past the vocabulary and `dimensions` not
-    # the embedder's are stated as JSON Schema (test_ids_and_contract.py): none is excused here
+    # top_logprobs without logprobs, a forced call without tools, a tool name holding the call markup, a content
+    # part not text, a token id past the vocabulary and `dimensions` not the embedder's are stated as JSON Schema
+    # (test_ids_and_contract.py), as are any number of cache_control breakpoints and an assistant's message last (a
+    # prefill, taken): none is excused here
     return status == 400 and any(rule in message for rule in in_words)
 
 

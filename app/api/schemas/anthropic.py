@@ -5,7 +5,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.api.schemas.openai import JsonSchema
+from app.api.schemas.openai import JsonSchema, ToolName
 from app.api.schemas.ragblend import MAX_SEED, RETRY_AFTER, CacheKey, Id, NonBlank, RequestBody, Text
 from app.engine.prompt_cache import LeaseNote
 
@@ -20,8 +20,8 @@ class CacheControl(AnthropicBody):
     ttl: Literal["5m", "1h"] = "5m"
 
 
-BREAKPOINT = ("A prompt caching breakpoint: the prefix up to here is leased for its ttl. At most 4 in a request "
-              "(tools, system and message blocks and the request's own together).")
+BREAKPOINT = ("A prompt caching breakpoint: the prefix up to here is leased for its ttl. Any number in a request "
+              "(each lease counts against the tenant's pinned bytes, not a count).")
 
 
 class Cacheable(AnthropicBody):
@@ -56,7 +56,7 @@ class Message(AnthropicBody):
 
 
 class Tool(Cacheable):
-    name: Id
+    name: ToolName
     description: Text | None = None
     input_schema: JsonSchema = Field(default_factory=dict)
 
@@ -82,11 +82,21 @@ class Metadata(AnthropicBody):
     user_id: CacheKey | None = Field(None, description="The lease family's name (anthropic:<user_id>).")
 
 
+# tool_choice any or tool (a call forced) needs tools to call (which of them `name` names is a reference across
+# fields, no JSON Schema keyword's: a 400)
+FORCED_CALL_RULE = {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+    "type": "object", "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
+
+
 class CountTokensRequest(AnthropicBody):
     """POST /v1/messages/count_tokens: a Messages request without max_tokens (what else it holds is ignored)."""
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=FORCED_CALL_RULE)
+
     model: Text = Field(description="One of the ids GET /v1/models lists (another is a 404 not_found_error).")
-    messages: list[Message] = Field(min_length=1, description="The conversation; the last message is a user's "
-                                                              "(the question).")
+    messages: list[Message] = Field(min_length=1, description=(
+        "The conversation. The last user message is the question; an assistant's message last is a prefill: the "
+        "answer's start, which the model continues (the response holds the continuation)."))
     system: Text | list[TextBlock] | None = None
     tools: list[Tool] = Field(default_factory=list, description=(
         "A name holding the call markup (<tool_call>, </tool_call>) is a 400. input_schema: as OpenAI's "

@@ -6,10 +6,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from app.api.schemas.ragblend import MAX_SEED, CacheKey, Id, LimitError, OpenAIBody, Text
+from app.api.schemas.ragblend import ID_RULE, MAX_SEED, CacheKey, Id, LimitError, OpenAIBody, Text
 from app.engine.prompt_cache import RETENTION_TTL_S, LeaseNote
 from app.engine.query import Mode, Source
-from app.engine.tool_calls import MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH
+from app.engine.tool_calls import CLOSE, MAX_SCHEMA_CHARS, MAX_SCHEMA_DEPTH, OPEN
 from app.validation import NOT_BLANK
 from blend.decode import MAX_TOP_LOGPROBS
 from blend.grammar import MAX_PATTERNS
@@ -32,8 +32,13 @@ class ToolCall(OpenAIBody):
     function: FunctionCall
 
 
+# a tool's name holding the call markup: its calls would not be told from text (app.engine.tool_calls.check_name)
+ToolName = Annotated[Id, Field(json_schema_extra={"not": {"pattern": f"{OPEN}|{CLOSE}"}},
+                               description=f"{ID_RULE} Without the call markup ({OPEN}, {CLOSE}).")]
+
+
 class FunctionDef(OpenAIBody):
-    name: Id
+    name: ToolName
     description: Text | None = None
     parameters: JsonSchema | None = None
 
@@ -182,10 +187,16 @@ def stop_sequences(value: str | list[str] | None) -> list[str]:
 # top_logprobs only with logprobs: true, in JSON Schema
 TOP_LOGPROBS_RULE = {"if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
                      "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}
+# a call forced (required, or a named function) needs tools to call (which of them it names is a reference across
+# fields, no JSON Schema keyword's: a 400)
+FORCED_CALL_RULE = {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [
+    {"const": "required"}, {"type": "object"}]}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
+CHAT_RULES = {"allOf": [TOP_LOGPROBS_RULE, FORCED_CALL_RULE]}
 
 
 class ChatCompletionRequest(OpenAIBody):
-    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=TOP_LOGPROBS_RULE)
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=CHAT_RULES)
 
     model: Text | None = Field(None, description="One of the ids GET /v1/models lists (another is a 404 "
                                                 "model_not_found): `<model>-chat` turns retrieval off.")
@@ -214,7 +225,8 @@ class ChatCompletionRequest(OpenAIBody):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
         "Enforced by grammar-constrained decoding: none (text, never a call), auto (the default with tools: text "
         "until the model opens a call, then a valid call; with a json_schema response_format: the schema's "
-        "document or calls, never text), required (calls only), or a named function (one call of it)."))
+        "document or calls, never text), required (calls only), or a named function (one call of it, one of "
+        "`tools`); required and a named function need tools."))
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default: several).")
     response_format: ResponseFormat | None = Field(None, description=(
         f"json_object or json_schema: the answer is a JSON document (of the schema), enforced by grammar-"
@@ -235,6 +247,10 @@ class ChatCompletionRequest(OpenAIBody):
     retrieval: bool | None = Field(None, description=(
         "ragblend extra (the openai client: extra_body): false answers from the messages alone, no passages "
         "retrieved; default true, false under the served name `<model>-chat` (GET /v1/models lists both)."))
+    continue_final_message: bool = Field(False, description=(
+        "vLLM's extra: true, with an assistant's message last, makes it a prefill: the answer's start, which the "
+        "model continues (the content holds the continuation; under a grammar, the prefill must be a start it "
+        "allows). Otherwise, as OpenAI's API, an assistant's message last is a finished turn, answered by a new one."))
 
     @field_validator("stop")
     @classmethod

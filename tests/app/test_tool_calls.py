@@ -55,6 +55,17 @@ def test_parse_calls_from_text():
     assert content == "Let me look." and [c.name for c in calls] == ["get_time", "get_weather"]
 
 
+def test_a_prefill_is_read_first_and_not_returned():
+    """The answer's start the client wrote (a prefill): a call it opens comes back whole, its text does not, and
+    the continuation keeps the space it starts with."""
+    opened = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "'
+    content, [call] = split_tool_calls('UTC"}}\n</tool_call>', prefill=opened)
+    assert content == "" and call.name == "get_time" and json.loads(call.arguments) == {"timezone": "UTC"}
+    assert split_tool_calls(" 1887.\n", prefill="Built in") == (" 1887.", [])
+    stream = CallStream("Let me look.")
+    assert stream.feed(' Done.') == [("text", " Done.")] and stream.content == [" Done."]
+
+
 def test_tool_choice_required_named_parallel_and_streamed(live_server):
     client = client_of(live_server.url)
     common = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, extra_body=CHAT)

@@ -95,6 +95,21 @@ def test_a_finished_grammar_ends_the_answer_and_a_refused_token_ends_it_too(deco
     assert constraint.dead and constraint.finished  # the decode loop ends the answer there ("stop"), no error
 
 
+def test_a_prefill_is_the_answers_start_and_the_rest_completes_it(decoder):
+    """Constraint.start_with: the prefill's tokens taken first, so the decoded rest completes its document; a
+    prefill the grammar refuses says so."""
+    tokenizer = BLENDERS[decoder].tokenizer
+    constraint = COMPILERS[decoder].constraint(GRAMMAR)
+    prefill = '{"unit": "fahr'
+    assert constraint.start_with(tokenizer.encode(prefill, add_special_tokens=False))
+    assert not constraint.matcher.is_accepting()
+    rest = '"enheit", "rain": true}'
+    assert constraint.matcher.try_consume_tokens(tokenizer.encode(rest, add_special_tokens=False)) > 0
+    assert constraint.matcher.is_accepting()  # the prefill and the rest: one whole document
+    assert not COMPILERS[decoder].constraint(GRAMMAR).start_with(tokenizer.encode('{"unit": "kelvin"',
+                                                                                   add_special_tokens=False))
+
+
 def test_a_schema_that_does_not_compile_says_why(decoder):
     with pytest.raises(GrammarError, match="unknown|Unknown|invalid|Invalid|expected|Expected"):
         COMPILERS[decoder].constraint('start: %json {"type": "objekt"}')

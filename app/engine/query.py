@@ -10,6 +10,7 @@ from app.engine.tool_calls import ToolCallOut
 from blend.decode import TokenLogprob
 from blend.grammar import Grammar
 
+SYSTEM_ROLES = ("system", "developer")  # their text joins the system turn (the head), wherever they stand
 Mode = Literal["blend", "full", "reuse", "prefix"]  # prefix: the exact prefix reused, everything after it computed
 
 
@@ -52,7 +53,8 @@ class QueryParams:
     @property
     def prefill(self) -> str:
         """The answer's start the client wrote ("" without continue_final): the answer is what follows it."""
-        return message_text(self.messages[-1]) if self.continue_final and self.messages else ""
+        last = next((m for m in reversed(self.messages) if m["role"] not in SYSTEM_ROLES), None)
+        return message_text(last) if self.continue_final and last and last["role"] == "assistant" else ""
 
 
 def message_text(message: dict | None) -> str:

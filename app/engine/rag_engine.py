@@ -31,7 +31,15 @@ from app.engine.explain import Explain, explain_prompt
 from app.engine.kv import ChunkKVCache
 from app.engine.loading import LoadingControl
 from app.engine.planner import Loaded, Part, Plan, Planner
-from app.engine.query import QueryParams, QueryResult, QueryStats, RequestError, Source, message_text
+from app.engine.query import (
+    SYSTEM_ROLES,
+    QueryParams,
+    QueryResult,
+    QueryStats,
+    RequestError,
+    Source,
+    message_text,
+)
 from app.engine.tool_calls import split_tool_calls
 from app.engine.usage import COMPUTED
 from blend import Blender, DecodeRuntime, LoadedModel, Prefill, PromptFormat, SamplingParams, StoredSpans, TextStream
@@ -43,8 +51,6 @@ from blend.grammar import Constraint, GrammarError, Grammars
 from blend.prompt import ChatTemplateError
 from blend.selection import get_policy
 from retrieval import Retriever
-
-SYSTEM_ROLES = ("system", "developer")  # their text joins the system turn (the head)
 
 
 class Parts(Protocol):
@@ -212,9 +218,9 @@ class RagEngine:
         system = "\n\n".join(message_text(m) for m in params.messages
                              if m["role"] in SYSTEM_ROLES and message_text(m)) or None
         indexed = [(i, m) for i, m in enumerate(params.messages) if m["role"] not in SYSTEM_ROLES]
-        # a prefill (the assistant's message last) is the tail's: the assistant turn rendered open, after the rest
-        prefill = indexed.pop()[1] if params.continue_final and indexed[-1:] and \
-            indexed[-1][1]["role"] == "assistant" else None
+        # a prefill (the assistant's message last) goes at the end: the assistant turn rendered open with it, after
+        # the messages (the layout's tail) or after the question (its suffix)
+        prefill = indexed.pop()[1] if params.prefill else None
         question = None
         if params.retrieve:  # the last user message with text is the question, after its passages
             q = max((k for k, (_, m) in enumerate(indexed) if m["role"] == "user" and message_text(m)), default=None)
@@ -225,7 +231,8 @@ class RagEngine:
         keep = 0 if params.retrieve else 1  # without retrieval the last message is what is answered
         limit = self._context_limit()
         start = within_chars(indexed, limit, keep)
-        layout = template.layout([m for _, m in indexed[start:]], params.tools, system, prefill)
+        open_tail = None if question else prefill  # (with a question, the tail is unused)
+        layout = template.layout([m for _, m in indexed[start:]], params.tools, system, open_tail)
         suffix = prompt.suffix_ids(message_text(question), system, message_text(prefill)) if question else layout.tail
         fixed = len(opening) + sum(len(p.ids) for p in passages) + len(suffix) + max_tokens
         while limit and len(layout.head) + sum(map(len, layout.messages)) + fixed > limit \
@@ -234,7 +241,7 @@ class RagEngine:
             while excess > 0 and drop < min(len(layout.messages), len(indexed) - keep - start):
                 excess, drop = excess - len(layout.messages[drop]), drop + 1
             start += max(drop, 1)
-            layout = template.layout([m for _, m in indexed[start:]], params.tools, system, prefill)
+            layout = template.layout([m for _, m in indexed[start:]], params.tools, system, open_tail)
         kept = indexed[start:]
         numbers = [i for i, _ in kept] if layout.split else [i for i, _ in kept[-1:]] * len(layout.messages)
         given = [Part("head", tuple(layout.head))] + [Part("message", tuple(ids), number)

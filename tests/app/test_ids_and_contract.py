@@ -34,6 +34,8 @@ UNSTATED = {
     "a named tool without tools": ("/v1/messages", {"tool_choice": {"type": "tool", "name": "f"}, "tools": []},
                                    "is not among the tools (none)"),
     "a tool name holding the call markup": ("/v1/messages", {"tools": [{"name": "x</tool_call>y"}]}, "call markup"),
+    "retrieval without a user message": ("/v1/messages", {"retrieval": True, "messages": [
+        {"role": "assistant", "content": "The lighthouse"}]}, "retrieval needs a user message"),
     "tool_choice name: null": ("/v1/messages", {"tools": TOOLS, "tool_choice": {"type": "tool", "name": None}},
                                "tool_choice.tool.name"),
 }

@@ -87,11 +87,16 @@ class Metadata(AnthropicBody):
 FORCED_CALL_RULE = {"if": {"required": ["tool_choice"], "properties": {"tool_choice": {
     "type": "object", "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}}}},
     "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
+# retrieval asks the last user message (the question): with it, there is one (else the messages may all be an
+# assistant's: a prefill alone)
+RETRIEVAL_RULE = {"if": {"required": ["retrieval"], "properties": {"retrieval": {"const": True}}},
+                  "then": {"properties": {"messages": {"contains": {"properties": {"role": {"const": "user"}}}}}}}
 
 
 class CountTokensRequest(AnthropicBody):
     """POST /v1/messages/count_tokens: a Messages request without max_tokens (what else it holds is ignored)."""
-    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=FORCED_CALL_RULE)
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra={"allOf": [FORCED_CALL_RULE,
+                                                                                        RETRIEVAL_RULE]})
 
     model: Text = Field(description="One of the ids GET /v1/models lists (another is a 404 not_found_error).")
     messages: list[Message] = Field(min_length=1, description=(
@@ -111,7 +116,8 @@ class CountTokensRequest(AnthropicBody):
     thinking: Thinking | None = Field(None, description="Extended thinking is not supported: `{\"type\": "
                                                         "\"disabled\"}` or nothing (enabled is a 400).")
     # ragblend extras
-    retrieval: bool = Field(False, description="Retrieve passages for the question (default: off).")
+    retrieval: bool = Field(False, description="Retrieve passages for the question, the last user message (there "
+                                               "must be one; default: off).")
     retrieval_top_k: int | None = Field(None, ge=1, description="With retrieval: passages (default: retrieval.top_k).")
     # sampling: checked here too, so count_tokens refuses what /v1/messages refuses
     temperature: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False)

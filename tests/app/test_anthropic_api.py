@@ -172,23 +172,25 @@ def continued(client: anthropic.Anthropic, stream: bool, **request) -> anthropic
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_a_prefill_is_continued_as_the_template_renders_it_open(live_server, server_engine, stream):
-    """The assistant's last message is the answer's start: the answer is the greedy continuation of the chat
-    template's render left open (HF's continue_final_message), sent here as a raw prompt, and holds only the
-    continuation."""
+    """The assistant's last message is the answer's start: the prompt is the chat template's render left open (HF's
+    continue_final_message), and the answer is its greedy continuation (as a full prefill of it gives it, here
+    through the chat endpoint's continue_final_message and mode full), the continuation alone."""
     client = make_client(live_server.url)
     message = continued(client, stream, max_tokens=8, messages=PREFILL_ASKS)
     [block] = message.content
     assert message.stop_reason in ("end_turn", "max_tokens") and message.usage.output_tokens > 0
-    tokenizer = server_engine.parts.tokenizer
     system = {"role": "system", "content": server_engine.parts.prompt.system_prompt}
-    ids = tokenizer.apply_chat_template([system, *PREFILL_ASKS], continue_final_message=True, tokenize=True,
-                                        return_dict=False)
-    raw = httpx.post(f"{live_server.url}/v1/completions", timeout=300,
-                     json={"model": MODEL, "prompt": list(ids), "max_tokens": 8}).json()
-    assert block.type == "text" and block.text == raw["choices"][0]["text"].rstrip(), (block.text, raw)
+    ids = server_engine.parts.tokenizer.apply_chat_template([system, *PREFILL_ASKS], continue_final_message=True,
+                                                            tokenize=True, return_dict=False)
+    u = message.usage
+    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == len(ids)
+    assert client.messages.count_tokens(model=MODEL, messages=PREFILL_ASKS).input_tokens == len(ids)
+    full = httpx.post(f"{live_server.url}/v1/chat/completions", timeout=300, json={
+        "model": MODEL + "-chat", "messages": PREFILL_ASKS, "max_tokens": 8, "continue_final_message": True,
+        "mode": "full"}).json()
+    assert full["usage"]["prompt_tokens"] == len(ids)
+    assert block.type == "text" and block.text == full["choices"][0]["message"]["content"], (block.text, full)
     assert not block.text.startswith('{"builder"')  # the continuation alone, as Anthropic's
-    counted = client.messages.count_tokens(model=MODEL, messages=PREFILL_ASKS).input_tokens
-    assert counted == len(ids) == raw["usage"]["prompt_tokens"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
@@ -196,7 +198,10 @@ def test_a_prefill_that_opens_a_call_ends_in_the_whole_call(live_server, stream)
     """Under tool_choice any, the prefill's tokens go to the grammar first: the model finishes the call it opened,
     and the call comes back whole as a tool_use block."""
     opened = '<tool_call>\n{"name": "lookup", "arguments": {"query": "'
-    message = continued(make_client(live_server.url), stream, max_tokens=40, tools=TOOLS,
+    query = {"type": "object", "properties": {"query": {"type": "string", "maxLength": 24}}, "required": ["query"],
+             "additionalProperties": False}
+    tools = [{**TOOLS[0], "input_schema": query}]
+    message = continued(make_client(live_server.url), stream, max_tokens=40, tools=tools,
                         tool_choice={"type": "any", "disable_parallel_tool_use": True},
                         messages=[PREFILL_ASKS[0], {"role": "assistant", "content": opened}])
     assert message.stop_reason == "tool_use", message

@@ -103,7 +103,7 @@ def test_a_prefill_is_the_answers_start_and_the_rest_completes_it(decoder):
     prefill = '{"unit": "fahr'
     assert constraint.start_with(tokenizer.encode(prefill, add_special_tokens=False))
     assert not constraint.matcher.is_accepting()
-    rest = '"enheit", "rain": true}'
+    rest = 'enheit", "rain": true}'
     assert constraint.matcher.try_consume_tokens(tokenizer.encode(rest, add_special_tokens=False)) > 0
     assert constraint.matcher.is_accepting()  # the prefill and the rest: one whole document
     assert not COMPILERS[decoder].constraint(GRAMMAR).start_with(tokenizer.encode('{"unit": "kelvin"',

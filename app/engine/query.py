@@ -83,6 +83,8 @@ class QueryStats:
     dropped_messages: int = 0  # earlier messages left out: the conversation did not fit the context
     load_wait_ms: float = 0.0  # prefill time spent waiting for chunk KV layers (loading not hidden by compute)
     loading: dict | None = None  # blend.ratio auto: the controller's ratio, chunks recomputed from text, and why
+    plan: dict | None = None  # planner.by_cost: spans found past the exact prefix, blended or computed whole (the
+    # cheaper as predicted: blend, blend_ms, whole_ms); None where nothing was found or by_cost is off
 
 
 @dataclass(frozen=True)

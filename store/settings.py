@@ -44,7 +44,7 @@ class StoreSettings(Strict):
     cachegen_bins: CacheGenBins = CacheGenBins()
     # auto: a share of the device's free memory; 0 for a model on the host
     gpu_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
-    memory_bytes: int = Field(3 << 29, ge=0)
+    memory_bytes: int = Field(2 << 30, ge=0)
     disk_bytes: int = Field(4 << 30, ge=0)
     redis_url: str | None = None
     redis_password: str | None = None
@@ -57,7 +57,7 @@ class StoreSettings(Strict):
     # Leases (store/leases.py): the most bytes leased entries may pin in each tier (configs/default.yaml
     # says why each default), at most the tier's own cap; 0 turns leases off in that tier.
     gpu_pinned_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"  # auto: half the gpu tier
-    memory_pinned_bytes: int = Field(256 << 20, ge=0)
+    memory_pinned_bytes: int = Field(1 << 30, ge=0)
     disk_pinned_bytes: int = Field(2 << 30, ge=0)
     redis_pinned_bytes: int = Field(1 << 30, ge=0)
     lease_refresh_s: float = Field(1.0, gt=0)  # how stale a store's view of the shared leases may be

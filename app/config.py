@@ -149,9 +149,8 @@ class PlannerSettings(Strict):
     max_spans: int = Field(384, ge=2)  # spans per request at most (each one or two store entries): past it the
     # prompt is cut coarser (every size doubled) until it has no more
     # by_cost: blend the spans found, or compute the prompt whole, whichever the measured rates price cheaper
-    # (blend.controller.blend_or_whole); off: blend whatever is found. Off by default until the suite holds it (on, a
-    # few-dozen-token passage found in the store is computed instead, as the rates say; see README)
-    by_cost: bool = False
+    # (blend.controller.blend_or_whole; a request's stats.plan says which); off: blend whatever is found
+    by_cost: bool = True
 
 
 class Settings(BaseSettings):

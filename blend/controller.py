@@ -172,6 +172,8 @@ class Calibration:
     token_layer_bytes: dict[str, float] = field(default_factory=dict)  # stored bytes of a token in a layer, per codec
     alpha: float = 0.2
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # every prefill's work so far: token-layers run, their seconds, blended span-layers, their seconds (`settled`)
+    _work: list[float] = field(default_factory=lambda: [0.0] * 4, repr=False)
     _totals: dict[tuple[str, str], tuple[float, ...]] = field(default_factory=dict, repr=False)  # last seen
 
     def observe_compute(self, tokens_through_layers: float, seconds: float) -> None:
@@ -187,6 +189,19 @@ class Calibration:
         with self._lock:
             if spans[0] > 0:
                 self.span_s = _ema(self.span_s, max(0.0, spans[1]) / spans[0], self.alpha)
+            if token_layers > 0 and seconds > 0:
+                for i, value in enumerate((token_layers, seconds, spans[0], max(0.0, spans[1]))):
+                    self._work[i] += value
+
+    def settled(self, token_layers: float, span_layers: float) -> Rates | None:
+        """The compute and span rates over every prefill so far, each weighed by its work (a prefill of a few
+        tokens, mostly the layers' fixed costs, weighs little), once they ran `token_layers` and blended
+        `span_layers` in all; None before that. Tier and codec rates as `rates`."""
+        with self._lock:
+            ran, seconds, spans, span_seconds = self._work
+            if ran < token_layers or spans < span_layers:
+                return None
+            return Rates(seconds / ran, dict(self.bandwidth), dict(self.decode_rate), span_seconds / spans)
 
     def observe_tier(self, tier: str, nbytes: float, seconds: float) -> None:
         """`nbytes` read (and checked) from `tier` in `seconds`: the store's per-layer read counts."""

@@ -44,7 +44,7 @@ class StoreSettings(Strict):
     cachegen_bins: CacheGenBins = CacheGenBins()
     # auto: a share of the device's free memory; 0 for a model on the host
     gpu_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"
-    memory_bytes: int = Field(512 << 20, ge=0)
+    memory_bytes: int = Field(2 << 30, ge=0)
     disk_bytes: int = Field(4 << 30, ge=0)
     redis_url: str | None = None
     redis_password: str | None = None
@@ -57,14 +57,14 @@ class StoreSettings(Strict):
     # Leases (store/leases.py): the most bytes leased entries may pin in each tier (configs/default.yaml
     # says why each default), at most the tier's own cap; 0 turns leases off in that tier.
     gpu_pinned_bytes: Annotated[int, Field(ge=0)] | Literal["auto"] = "auto"  # auto: half the gpu tier
-    memory_pinned_bytes: int = Field(256 << 20, ge=0)
+    memory_pinned_bytes: int = Field(1 << 30, ge=0)
     disk_pinned_bytes: int = Field(2 << 30, ge=0)
     redis_pinned_bytes: int = Field(1 << 30, ge=0)
     lease_refresh_s: float = Field(1.0, gt=0)  # how stale a store's view of the shared leases may be
     # What a request stores from its prompt is written by the store's own thread (TieredStore.put_nowait): at most
     # this many chunks / bytes wait at once; past either, a chunk is dropped (counted), never waited for.
-    write_queue: int = Field(1024, ge=1)  # one request's spans (planner.max_spans x 2 entries) fit
-    write_queue_bytes: int = Field(512 << 20, ge=0)
+    write_queue: int = Field(4096, ge=1)  # three requests' spans (planner.max_spans x 2 entries each) fit
+    write_queue_bytes: int = Field(3 << 29, ge=0)
     # Which tiers take what requests store (store/admission.py): everywhere; second_sight (gpu/memory at once,
     # disk and Redis once the key is seen again within the last `admission_window` keys, or leased); frequency
     # (second_sight, but a tier with free room, or whose evictions would hit only never re-used entries, takes a

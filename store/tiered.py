@@ -77,7 +77,7 @@ class TieredStore:
                  fingerprint: str | None = None,
                  placement: Placement = HOST, read_threads: int = 4, read_ahead: int = 2,
                  leases: Leases | None = None, admission: Admission | None = None,
-                 write_queue: int = 1024, write_queue_bytes: int = 512 << 20,
+                 write_queue: int = 4096, write_queue_bytes: int = 3 << 29,
                  housekeeping: Housekeeping | None = None) -> None:
         """`read_threads`: the pool that reads open entries' layers ahead, concurrently (0: each
         layer is read when asked, on the caller's thread); `read_ahead`: layers per entry queued ahead.

@@ -58,7 +58,7 @@ class Writer:
 
     def __init__(self, tiers: Sequence[Tier], codecs: dict[str, Codec], readings: dict[str, Reading],
                  counters: StoreCounters, admission: Admission, leased: Callable[[str], bool],
-                 write_queue: int = 1024, write_queue_bytes: int = 512 << 20) -> None:
+                 write_queue: int = 4096, write_queue_bytes: int = 3 << 29) -> None:
         """`leased(key)`: whether a lease holds the key somewhere (admitted everywhere then)."""
         self.tiers, self._codecs, self._readings = list(tiers), codecs, readings
         self._counters, self.admission, self._leased = counters, admission, leased

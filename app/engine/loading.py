@@ -13,6 +13,8 @@ from blend.pipeline import LayerSource
 from blend.selection import get_policy
 from store import ResidentEntry, TieredStore
 
+SETTLE_TOKENS, SETTLE_SPANS = 256, 8  # the work measured before plans are priced (planning_rates)
+
 
 class Piece(Protocol):
     """A cached piece of the prompt (app.engine.rag_engine's): its tokens, where its KV came from, the KV."""
@@ -84,12 +86,14 @@ class LoadingControl:
                               pipelined=pipelined)
 
     def planning_rates(self) -> Rates | None:
-        """The rates a plan is priced by: the measured ones, fixed once a blended prefill's span costs have been
-        measured (the server's warm-up runs one); None before that (plans blend). Fixed, because a plan decides
-        between blending and computing whole, which may change an answer: the same prompt must get the same
-        answer whatever ran before it, not one that turns on the timings of its neighbours."""
-        if self.planning is None and self.calibration.span_s is not None:
-            self.planning = self.calibration.rates()
+        """The rates a plan is priced by: the measured ones, fixed once prefills have run SETTLE_TOKENS tokens and
+        blended SETTLE_SPANS spans through every layer (the server's warm-up does), weighed by their work; None
+        before that (plans blend). A few-dozen-token prefill alone would price a token by the layers' fixed costs.
+        Fixed, because a plan decides between blending and computing whole, which may change an answer: the same
+        prompt must get the same answer whatever ran before it, not one that turns on its neighbours' timings."""
+        if self.planning is None:
+            layers = self.blender.num_layers
+            self.planning = self.calibration.settled(SETTLE_TOKENS * layers, SETTLE_SPANS * layers)
         return self.planning
 
     def observe(self, tokens: int, seconds: float, *, spans: tuple[float, float] = (0, 0.0)) -> None:

@@ -364,7 +364,7 @@ class Planner:
         stats.recompute_ratio = 1.0 if mode == "full" else p.ratio
         messages = [s for s in plan.spans if s.kind == "message"]
         stats.conversation_tokens = sum(len(s.ids) for s in messages)
-        stats.dropped_messages = plan.dropped
+        stats.dropped_messages, stats.plan = plan.dropped, plan.choice
         if mode == "full":
             return
         selected = set(prefill.selected.tolist())

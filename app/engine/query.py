@@ -96,6 +96,9 @@ class QueryStats:
     dropped_messages: int = 0  # earlier messages left out: the conversation did not fit the context
     load_wait_ms: float = 0.0  # prefill time spent waiting for chunk KV layers (loading not hidden by compute)
     loading: dict | None = None  # blend.ratio auto: the controller's ratio, chunks recomputed from text, and why
+    plan: dict | None = None  # planner.by_cost: spans found past the exact prefix, blended or computed whole (the
+    # cheaper as predicted: blend, blend_ms, whole_ms); None where nothing was found, by_cost is off or the rates
+    # are not settled yet (app.engine.loading.planning_rates)
 
 
 @dataclass(frozen=True)

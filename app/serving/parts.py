@@ -41,6 +41,12 @@ WARM_CHAT = (("system", "Answer briefly."),
              ("user", WARM_PASSAGE),
              ("assistant", "Noted."),
              ("user", "What is the lighthouse built of?"))
+# the passage again behind another opening: found by its content, not as the exact prefix, so it is blended
+WARM_BLEND = (WARM_CHAT[0], ("user", "Read this first.\n\n" + WARM_PASSAGE), *WARM_CHAT[2:])
+
+
+def _messages(turns: tuple[tuple[str, str], ...]) -> tuple[dict, ...]:
+    return tuple({"role": role, "content": text} for role, text in turns)
 
 
 class Engine(Protocol):
@@ -123,10 +129,12 @@ class Serving:
         paths a first request takes have run once: retrieval (the index loaded), the planner, a prefill, a chat
         whose spans the next one blends (a blended prefill), decode steps and the grammar path. Their KV is
         stored under a tenant of their own, never a client's."""
-        chat = tuple({"role": role, "content": text} for role, text in WARM_CHAT)
+        chat, again = _messages(WARM_CHAT), _messages(WARM_BLEND)
         ask = dict(max_tokens=WARM_TOKENS, tenant=WARM_TENANT)
         return [QueryParams(WARM_CHAT[-1][1], **ask),  # retrieval over the documents (the default collection)
-                *[QueryParams(WARM_CHAT[-1][1], messages=chat, retrieve=False, **ask)] * 2,  # computed, then blended
+                QueryParams(WARM_CHAT[-1][1], messages=chat, retrieve=False, **ask),  # computed
+                # blended: the planner's rates settle on these two prefills (app.engine.loading.planning_rates)
+                QueryParams(WARM_CHAT[-1][1], messages=again, retrieve=False, **ask),
                 QueryParams(WARM_CHAT[-1][1], messages=chat, retrieve=False, grammar=tools_grammar(
                     [], None, answer_schema={"type": "object"}), **ask)]  # a grammar compiled and applied
 

@@ -60,8 +60,10 @@ def test_tenants_see_fetch_delete_and_retrieve_only_their_own_documents(per_tena
     mine = ask(per_tenant, ALICE, question)
     assert {s["doc_id"] for s in mine["sources"]} == {"plans", "diary"}
     assert all(s["title"].startswith("Alice") for s in mine["sources"])
-    # alice's passages were read from the store under her collection's keys, as her upload stored them
-    assert mine["stats"]["store_hits"] and "computed" not in mine["stats"]["store_hits"]
+    # alice's passages were found in the store under her collection's keys, as her upload stored them: read, or
+    # (planner.by_cost) found and priced cheaper to compute with the question, a few dozen tokens each
+    found = mine["stats"]["plan"] is not None and not mine["stats"]["plan"]["blend"]
+    assert found or (mine["stats"]["store_hits"] and "computed" not in mine["stats"]["store_hits"])
     bobs = ask(per_tenant, BOB, question)
     assert [(s["doc_id"], s["title"]) for s in bobs["sources"]] == [("plans", "Bob plans")]
     assert "4471" not in str(bobs)

@@ -241,10 +241,21 @@ def test_the_rates_come_from_prefills_whole_and_blended():
                           question_layers=24).blend_s == pytest.approx(30 * (1e-4 * 6.5 + 1e-3) + 1e-4 * 5 * 24)
 
 
+def test_plans_are_priced_once_enough_work_was_measured_each_prefill_weighed_by_its_work():
+    control = LoadingControl(SimpleNamespace(num_layers=30, selection="random", check_layer=1), None, floor=0.15)
+    control.calibration.observe_prefill(20 * 30, 0.06, spans=(4 * 30, 0.12))  # a tiny blend: 100 µs a token-layer
+    assert control.planning_rates() is None  # 20 tokens, 4 spans: not enough to price a plan by (plans blend)
+    control.calibration.observe_prefill(1000 * 30, 0.3, spans=(40 * 30, 0.12))  # 10 µs a token-layer
+    rates = control.planning_rates()
+    assert rates.recompute_s == pytest.approx(0.36 / (1020 * 30)) and rates.span_s == pytest.approx(0.24 / (44 * 30))
+    control.calibration.observe_prefill(1000 * 30, 3.0, spans=(40 * 30, 1.2))
+    assert control.planning_rates() is rates  # fixed once priced: a prompt's plan never turns on later timings
+
+
 def costs(recompute_s: float, span_s: float) -> LoadingControl:
     """A loading controller whose measured rates are the ones given (spans found in memory: nothing to load)."""
     control = LoadingControl(SimpleNamespace(num_layers=30, selection="random", check_layer=1), None, floor=0.15)
-    control.calibration = Calibration(recompute_s=recompute_s, span_s=span_s)
+    control.calibration.observe_prefill(1000 * 30, recompute_s * 1000 * 30, spans=(100 * 30, span_s * 100 * 30))
     return control
 
 

@@ -22,14 +22,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from app.config import load_settings  # noqa: E402
 from common import git_commit  # noqa: E402
 
 COMPUTED = "full"  # compare's reference mode: every passage computed in the prefill
 
 
 def run_compare(dataset: Path, limit: int, passages: int, out: Path) -> Path:
+    ratio = str(load_settings().blend.ratio)  # the default blend mode alone (compare adds hkvd and random)
     subprocess.run([sys.executable, "-m", "app.cli.main", "compare", "--dataset", str(dataset), "--limit", str(limit),
-                    "--passages", str(passages), "--out", str(out)], cwd=REPO, check=True)
+                    "--passages", str(passages), "--ratios", ratio, "--out", str(out)], cwd=REPO, check=True)
     return out / "report.json"
 
 

@@ -261,12 +261,12 @@ async def engine_params(body: CountTokensRequest, svc: Service, max_tokens: int)
     grammar = tool_grammar(body, tools)
     # the question's limit is on what the user writes, and only with retrieval (without it a message may carry
     # documents: the token budget alone); a tool result counts against the budgets, as an OpenAI tool message does
-    question = next((m for m in reversed(body.messages) if m.role == "user"), body.messages[-1])
-    check_limits(svc.settings.limits, question=question_text(question) if body.retrieval else "",
+    q = next((i for i in reversed(range(len(body.messages))) if body.messages[i].role == "user"), -1)
+    check_limits(svc.settings.limits, question=question_text(body.messages[q]) if body.retrieval else "",
                  top_k=body.retrieval_top_k, question_field="messages", max_tokens={"max_tokens": max_tokens})
     fields = [*([("system", system)] if system else []), *((f"messages.{i}", t) for i, t in enumerate(texts))]
     await svc.blocking("lookup", check_budget, svc.settings.limits, fields, svc.count_tokens, "messages")
-    return svc.query_params(message_text(question), top_k=body.retrieval_top_k, max_tokens=max_tokens,
+    return svc.query_params(texts[q], top_k=body.retrieval_top_k, max_tokens=max_tokens,
                             # each message a piece, indexed as in body.messages (the system text, which joins the
                             # head wherever it stands, goes last so the indices stay the client's)
                             messages=tuple({"role": m.role, "content": t} for m, t in zip(body.messages, texts))

@@ -233,7 +233,7 @@ class RagEngine:
         start = within_chars(indexed, limit, keep)
         open_tail = None if question else prefill  # (with a question, the tail is unused)
         layout = template.layout([m for _, m in indexed[start:]], params.tools, system, open_tail)
-        suffix = prompt.suffix_ids(message_text(question), system, message_text(prefill)) if question else layout.tail
+        suffix = prompt.suffix_ids(message_text(question), system, params.prefill) if question else layout.tail
         fixed = len(opening) + sum(len(p.ids) for p in passages) + len(suffix) + max_tokens
         while limit and len(layout.head) + sum(map(len, layout.messages)) + fixed > limit \
                 and start < len(indexed) - keep:  # drop the oldest messages, as many as the excess

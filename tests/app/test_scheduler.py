@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -120,6 +121,11 @@ def test_with_chunked_prefill_a_short_request_is_answered_inside_the_long_prompt
     blender = Blender(tiny_model("llama"), tokenizer=None, fingerprint="tiny-llama", chunk_tokens=8)
     log, sent = [], threading.Event()
 
+    def prepared(timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while ("short", "prepared") not in log and time.monotonic() < deadline:
+            time.sleep(0.001)
+
     class Prefill(Work):
         def __init__(self, name: str, ids: list[int]):
             super().__init__(name, 0, 1, log=log)
@@ -142,6 +148,8 @@ def test_with_chunked_prefill_a_short_request_is_answered_inside_the_long_prompt
                 if self.name == "long" and slices == 1:
                     log.append((self.name, "first slice"))
                     sent.wait(30)  # the short request comes while the long prompt's first layer is under way
+                if self.name == "long" and slices == 2:  # admitted at the last step, its prepare (off the model
+                    prepared(30)  # thread) done before the next: the race is the scheduler's choice, not the pool's
                 yield cost
 
     scheduler = make(decoder, layers=blender.num_layers, step_token_budget=1)

@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 from blend.batch import LayerStep  # noqa: E402
 from blend.decode import Decoding, SamplingParams  # noqa: E402
 from blend.graphs import StepGraphs, cuda_graph_capture  # noqa: E402
+from blend.pool import KVPool  # noqa: E402
 from blend.skinny import SkinnyLinear  # noqa: E402
 from common import git_commit  # noqa: E402
 
@@ -130,6 +131,7 @@ def cpu_timing(args) -> dict:
     result = {form: {} for form in forms}
     kernel_step = auto.form if not auto.kernel_step_refusal else None
     layers = LayerStep(auto.model)
+    pools = {}  # (runtime setting, pool dtype) → a pool of the runtime's shape: each form over its own elements
     for batch in batches:  # interleaved: every form at each B
         for form, (setting, linear, kernel_linears, use_kernel_step) in forms.items():
             if use_kernel_step and kernel_step is None:
@@ -137,6 +139,12 @@ def cpu_timing(args) -> dict:
             runtime = runtimes[setting]
             set_linears(runtime.model, linear, kernel_linears)
             runtime.form = kernel_step if use_kernel_step else layers
+            dtype = runtime.form.pool_dtype or runtime.model.dtype
+            if (setting, dtype) not in pools:
+                shape = runtime.pool.keys.shape
+                pools[setting, dtype] = KVPool(shape[0], shape[2], shape[4], slots=shape[1],
+                                               max_len=runtime.pool.max_len, dtype=dtype, device=runtime.device)
+            runtime.pool = pools[setting, dtype]
             rows = fill_rows(runtime, batch, args.context)
             ms, _ = timed_steps(runtime, rows, args.steps)
             release(rows)

@@ -137,13 +137,14 @@ def pooled_attention_forward(module, query: torch.Tensor, key: PooledKV, value: 
     hkv = key.rows.shape[1]
     grouped = query.view(rows, hkv, hq // hkv, dim)                                  # [rows, Hkv, G, D]
     visible = key.visible(sliding_window)                                            # [rows, 1, 1, T]
+    keys, values = (kv.rows.to(query.dtype) for kv in (key, value))  # a pool of other elements (float16), as floats
     if softcap is None:
-        out = F.scaled_dot_product_attention(grouped, key.rows, value.rows, attn_mask=visible, scale=scaling)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible, scale=scaling)
     else:  # sdpa cannot cap the scores: HF's eager attention, step by step
         scale = scaling if scaling is not None else dim ** -0.5
-        scores = torch.tanh(grouped @ key.rows.transpose(2, 3) * scale / softcap) * softcap   # [rows, Hkv, G, T]
+        scores = torch.tanh(grouped @ keys.transpose(2, 3) * scale / softcap) * softcap        # [rows, Hkv, G, T]
         weights = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(query.dtype)
-        out = weights @ value.rows                                                   # [rows, Hkv, G, D]
+        out = weights @ values                                                       # [rows, Hkv, G, D]
     # (reshape, not view: on CUDA, sdpa's memory-efficient kernel returns a non-contiguous output)
     return out.reshape(rows, 1, hq, dim), None                                      # head h·G + g, as HF's repeat_kv
 

@@ -54,8 +54,8 @@ class PoolView:
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # key_states/value_states: [rows, H, 1, D], row b the new token of slot b at positions[b]
         keys, values = self.pool.keys[layer_idx], self.pool.values[layer_idx]        # [slots, H, columns, D]
-        keys[self.rows, :, self.positions] = key_states[:, :, 0]
-        values[self.rows, :, self.positions] = value_states[:, :, 0]
+        keys[self.rows, :, self.positions] = key_states[:, :, 0].to(keys.dtype)     # (rounded to the pool's elements)
+        values[self.rows, :, self.positions] = value_states[:, :, 0].to(values.dtype)
         n, t = self.rows.shape[0], self.key_columns
         return (PooledKV(keys[:n, :, :t], self.visible, self.row_positions, self.columns),
                 PooledKV(values[:n, :, :t], self.visible, self.row_positions, self.columns))
@@ -65,6 +65,7 @@ class LayerStep:
     """The decode step's forward through the model's own modules, over any pool shaped for the model."""
 
     reads_masked_keys = True  # sdpa reads every key column, masked ones included: they must be finite
+    pool_dtype = None  # the decode pool's elements: the model's dtype
 
     def __init__(self, model):
         self.model = model

@@ -15,7 +15,9 @@ kernels do that at a fraction of the machine's bandwidth (2 cores, ~25 GB/s here
   `linear_rows_many` runs a layer's projections of one input in one call, its threads each taking an equal run
   of the outputs as if the weights were one matrix: 30 layers' q/k/v 4.8 → 3.5-4 ms.
 - `rope_write`: RoPE on a step's new queries and keys in HF's rotate-half form (the same bits) and the keys
-  and values written into the pool, one call a layer in place of ~14 small ops (blend.kernel_step).
+  and values written into the pool.
+- `decode_layer`: a whole Llama-shaped layer of a decode step, the kernels above in turn with the norms, SiLU
+  and residual adds as plain loops: one call a layer in place of ~60 small torch ops (blend.kernel_step).
 
 Each row's result depends on its own inputs only, never on the step's other rows (nor on the masked columns
 after a row's length), so a request decodes the same tokens alone or batched.
@@ -182,6 +184,10 @@ def _register_fakes() -> None:
         rows, dim = cos.shape
         return query.new_empty(rows, query.shape[1] // dim, dim)                # [rows, Hq, D]
 
+    @torch.library.register_fake("ragblend::decode_layer")
+    def _(hidden, *args):
+        return hidden.new_empty(hidden.shape)                                    # [rows, H]
+
     @torch.library.register_fake("ragblend::prefill_attention")
     def _(query, keys, values, positions, scale=None):
         _, heads, count, dim = query.shape
@@ -224,6 +230,22 @@ def rope_write(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos:
     values written into one pool layer, pool_keys/pool_values [slots, Hkv, columns, D], row r at slot r and
     column positions[r] [rows]. cos, sin [rows, D]. Returns the rotated queries [rows, Hq, D]."""
     return torch.ops.ragblend.rope_write(query, key, value, cos, sin, positions, pool_keys, pool_values)
+
+
+def decode_layer(hidden: torch.Tensor, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
+                 qkv: list[torch.Tensor], output: list[torch.Tensor], gate_up: list[torch.Tensor],
+                 down: list[torch.Tensor], biases: list[torch.Tensor | None], q_size: int, kv_size: int,
+                 cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                 pool_keys: torch.Tensor, pool_values: torch.Tensor, key_columns: int, scale: float) -> torch.Tensor:
+    """One Llama-shaped decoder layer of a decode step: hidden [rows, H] → [rows, H]. RMSNorm (input_norm [H],
+    eps), q/k/v (one product over `qkv`: float32 weights [w_q, w_k, w_v], or quantised (codes, scales[, mins]) per
+    matrix; q's width q_size, k's and v's kv_size), rope_write into pool_keys/pool_values [slots, Hkv, columns, D]
+    at `positions` (cos, sin [rows, D]), decode_attention over each row's first lengths[r] keys of the first
+    key_columns, the output projection, RMSNorm (post_norm), gate/up (gate's columns first), SiLU(gate)·up, down,
+    and the two residual adds; biases: q/k/v's, o's, gate/up's and down's ([Σ out] or None)."""
+    return torch.ops.ragblend.decode_layer(hidden, input_norm, post_norm, eps, qkv, output, gate_up, down, biases,
+                                           q_size, kv_size, cos, sin, positions, lengths, pool_keys, pool_values,
+                                           key_columns, scale)
 
 
 def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

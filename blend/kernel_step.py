@@ -2,10 +2,10 @@
 
 Through the HF decoder layers (blend.batch.LayerStep), a SmolLM2 step of one row spends ~18 of its ~50 ms
 outside its linears and attention: ~1,750 small torch ops and the modules' Python, 30 layers of it. This
-step runs the same layers as a short loop: per layer the model's two norm modules, the q/k/v projections,
-`rope_write` (RoPE on the new queries and keys and the pool write, one C call), `decode_attention`, the
-output projection, gate/up, the activation module, down, two residual adds; a layer's projections of one
-input run as one kernel call (`Projections`).
+step runs each layer as one call, `cpu_kernels.decode_layer`: RMSNorm, the q/k/v projections as one product,
+RoPE and the pool write, `decode_attention`, the output projection, RMSNorm, gate/up as one product, SiLU,
+down and the two residual adds, in C (a layer's weights as the model holds them: float32, or quantised codes).
+Only the embedding, RoPE's cos/sin, the final norm and the LM head run as the model's modules.
 
 It does what the model's own layers do, in other kernels (its linears and attention in C, RoPE as the same
 products and sums HF's uses), so it is held to what the model's own forward gives: `KernelStep.probe` runs a few
@@ -16,8 +16,14 @@ start-up gate's rule for the blend loop, so one definition of "the same model" h
 decode step. (Not bit for bit: the decode step it replaces runs sdpa, whose sums are ordered otherwise.)
 SmolLM2's logits are within 2e-5 of its own forward's, its spread 5e-5 (tolerance 1.1e-4).
 `KernelStep.refusal` names what keeps a model off it before any probe (layers that are not Llama's shape:
-Qwen3's q/k norms, Gemma's extra norms; weights the kernels do not take; a sliding window, which the kernel's
-attention does not apply). Those decode through the model's layers (blend.batch.LayerStep).
+Qwen3's q/k norms, Gemma's extra norms; norms that are not Llama's RMSNorm; an activation other than SiLU;
+weights the kernels do not take; a sliding window, which the kernel's attention does not apply). Those decode
+through the model's layers (blend.batch.LayerStep).
+
+Its pool keeps K/V in float16 (`KernelStep.pool_dtype`): a step streams every row's K/V, so half the bytes is
+~3.5 of a SmolLM2 step's ~19 ms at 3.1k tokens. The probe checks the step's math over a float32 pool; the kernels
+read float16 as the same floats, so over the float16 pool the step is the model over its K/V rounded to float16
+(as llama.cpp's default cache; the prompt's first token comes from its prefill, in float32).
 """
 from __future__ import annotations
 
@@ -28,49 +34,56 @@ from transformers import DynamicCache
 from blend import cpu_kernels
 from blend.gate import judge, sliding_window, tolerance
 from blend.pool import KVPool
-from blend.quantized import QuantizedLinear, quantized_product
+from blend.quantized import QuantizedLinear
 from blend.skinny import SkinnyLinear
 
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 MLP_PARTS = {"gate_proj", "up_proj", "down_proj", "act_fn"}
+SILU = {"SiLU", "SiLUActivation"}  # torch's and transformers' modules of the activation decode_layer computes
 PROBE_PROMPTS, PROBE_STEPS = (5, 11), 3   # the probe's rows (their prompt lengths; one more row pads), its steps
 
 
-class Projections:
-    """Linears of one input as one kernel call (cpu_kernels.linear_rows_many, or quantized_rows on quantised
-    weights, blend.quantized): the weights stay where they are (the model keeps its memory: its file's pages,
-    when loaded mapped), streamed as if they were one matrix. Biases are added as SkinnyLinear adds them."""
+def projection_weights(*linears: SkinnyLinear) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Linears of one input as cpu_kernels.decode_layer takes them: their weights where they are (the model keeps
+    its memory: its file's pages, when loaded mapped), float32 [w₀, w₁, ..] or quantised (codes, scales[, mins])
+    per linear (blend.quantized), and their biases as one [Σ out] (None without)."""
+    if isinstance(linears[0], QuantizedLinear):  # all or none, of one width (KernelStep.refusal)
+        parts = ("codes", "scales", "mins") if linears[0].bits == 4 else ("codes", "scales")
+        weights = [getattr(linear, part) for linear in linears for part in parts]
+    else:
+        weights = [linear.weight for linear in linears]
+    has_bias = linears[0].bias is not None  # all or none (KernelStep.refusal)
+    return weights, torch.cat([linear.bias for linear in linears]) if has_bias else None
 
-    def __init__(self, *linears: SkinnyLinear):
-        self.sizes = [linear.out_features for linear in linears]
-        if isinstance(linears[0], QuantizedLinear):  # all or none, of one width (KernelStep.refusal)
-            self.product = quantized_product(list(linears))
-        else:
-            weights = [linear.weight for linear in linears]
-            self.product = lambda x: cpu_kernels.linear_rows_many(x, weights)
-        has_bias = linears[0].bias is not None  # all or none (KernelStep.refusal)
-        self.bias = torch.cat([linear.bias for linear in linears]) if has_bias else None   # [Σ out]: a few floats
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """x [rows, in] → each linear's [rows, out] (column blocks of one output)."""
-        out = self.product(x)                                                          # [rows, Σ out]
-        return list((out if self.bias is None else out + self.bias).split(self.sizes, dim=1))
+def layer_arguments(layer: nn.Module) -> tuple:
+    """A Llama-shaped layer's own arguments to cpu_kernels.decode_layer (its norms, projections and biases)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = projection_weights(attention.q_proj, attention.k_proj, attention.v_proj)
+    output, output_bias = projection_weights(attention.o_proj)
+    gate_up, gate_up_bias = projection_weights(mlp.gate_proj, mlp.up_proj)
+    down, down_bias = projection_weights(mlp.down_proj)
+    return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            layer.input_layernorm.variance_epsilon, qkv, output, gate_up, down,
+            [qkv_bias, output_bias, gate_up_bias, down_bias], attention.q_proj.out_features,
+            attention.k_proj.out_features)
 
 
 class KernelStep:
     """A decode step's forward for Llama-shaped layers on the CPU kernels, over any pool shaped for the model."""
 
     reads_masked_keys = False  # the attention kernel reads no key past a row's own
+    # The decode pool's elements: K/V in float16 halve the bytes a step streams (llama.cpp's default cache too).
+    # The probe holds the step's math to the model's own forward over a pool of the model's dtype; the kernels
+    # read float16 elements as those same floats and write a float rounded to the nearest (tests/blend/
+    # test_cpu_kernels.py), so over this pool the step is the model over its K/V stored in float16.
+    pool_dtype = torch.float16
 
     def __init__(self, model: nn.Module):
         self.model, self.decoder = model, model.model
         self.layers = list(self.decoder.layers)
-        self.qkv = [Projections(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
-                    for layer in self.layers]
-        self.output = [Projections(layer.self_attn.o_proj) for layer in self.layers]
-        self.gate_up = [Projections(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self.layers]
-        self.down = [Projections(layer.mlp.down_proj) for layer in self.layers]
+        self.arguments = [layer_arguments(layer) for layer in self.layers]
 
     @classmethod
     def for_model(cls, model: nn.Module) -> tuple[KernelStep | None, str | None]:
@@ -94,6 +107,12 @@ class KernelStep:
                 return (f"{type(layer).__name__} is not a Llama-shaped layer (parts {sorted(parts[0])}, attention "
                         f"{sorted(parts[1])}, MLP {sorted(parts[2])})")
             attention, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if not all(hasattr(norm, "variance_epsilon") and getattr(norm, "weight", None) is not None
+                       for norm in norms):
+                return f"{type(norms[0]).__name__} is not Llama's RMSNorm (a weight and variance_epsilon)"
+            if type(mlp.act_fn).__name__ not in SILU:
+                return f"the MLP's activation is {type(mlp.act_fn).__name__}, not SiLU"
             linears = [getattr(attention, n) for n in sorted(ATTENTION_PARTS)]
             linears += [getattr(mlp, n) for n in sorted(MLP_PARTS - {"act_fn"})]
             if not all(isinstance(linear, SkinnyLinear) and linear.kernel for linear in linears):
@@ -157,20 +176,12 @@ class KernelStep:
 
     def logits(self, pool: KVPool, tokens: torch.Tensor, positions: torch.Tensor, key_columns: int) -> torch.Tensor:
         """tokens, positions [rows] (int64) → next-token logits [rows, V], as LayerStep.logits over `pool`."""
-        rows = tokens.shape[0]
         hidden = self.decoder.embed_tokens(tokens)                                     # [rows, hidden]
         cos, sin = self.decoder.rotary_emb(hidden[:, None], position_ids=positions[:, None])   # [rows, 1, D]
         cos, sin = cos[:, 0], sin[:, 0]                                                # [rows, D]
         lengths = pool.row_lengths(positions)                                          # [rows]; 0: padding
         for index, layer in enumerate(self.layers):
-            keys, values = pool.keys[index], pool.values[index]                        # [slots, Hkv, columns, D]
-            query = cpu_kernels.rope_write(*self.qkv[index](layer.input_layernorm(hidden)), cos, sin, positions,
-                                           keys, values)                                       # [rows, Hq, D]
-            grouped = query.view(rows, keys.shape[1], -1, keys.shape[3])               # [rows, Hkv, G, D]
-            out = cpu_kernels.decode_attention(grouped, keys[:rows, :, :key_columns], values[:rows, :, :key_columns],
-                                               lengths, layer.self_attn.scaling)
-            hidden = hidden + self.output[index](out.view(rows, -1))[0]
-            # contiguous, as the HF layers' own outputs (the activation's vector loops then split them alike)
-            gate, up = (part.contiguous() for part in self.gate_up[index](layer.post_attention_layernorm(hidden)))
-            hidden = hidden + self.down[index](layer.mlp.act_fn(gate) * up)[0]
+            hidden = cpu_kernels.decode_layer(hidden, *self.arguments[index], cos, sin, positions, lengths,
+                                              pool.keys[index], pool.values[index], key_columns,
+                                              layer.self_attn.scaling)                        # [rows, hidden]
         return self.model.lm_head(self.decoder.norm(hidden))                          # [rows, V]

@@ -55,11 +55,11 @@ class DecodeRuntime:
         self.model, self.backend, self.device = blender.model, blender.backend, blender.device
         context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.max_len = min(max_len or DEFAULT_POOL_TOKENS, context or max_len or DEFAULT_POOL_TOKENS)
-        self.pool = KVPool(blender.num_layers, blender.kv_heads, blender.head_dim, slots=slots, max_len=self.max_len,
-                           dtype=blender.dtype, device=self.device)
         self.form, self.kernel_step_refusal = self.backend.decode_step(self.model)
         if self.kernel_step_refusal:
             log.info("decode steps run through the model's layers", extra={"reason": self.kernel_step_refusal})
+        self.pool = KVPool(blender.num_layers, blender.kv_heads, blender.head_dim, slots=slots, max_len=self.max_len,
+                           dtype=self.form.pool_dtype or blender.dtype, device=self.device)
         self.graphs = self.backend.step_graphs(cuda_graphs)
         self.vocab = self.model.get_output_embeddings().weight.shape[0]
         ids = self.model.generation_config.eos_token_id

@@ -17,6 +17,7 @@
  * gives them, kept from build to build). Each op checks what it reads and writes (shapes, strides, dtypes,
  * positions, lengths) before it touches memory, whoever calls it. */
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -27,6 +28,9 @@
 #include <memory>
 #include <optional>
 #include <vector>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -34,12 +38,39 @@ typedef float floats8 __attribute__((vector_size(32)));
 typedef float floats8_unaligned __attribute__((vector_size(32), aligned(4)));
 typedef int32_t ints8 __attribute__((vector_size(32)));
 
+/* ---- the decode pool's elements: float32, or float16 (half the bytes a step streams) -----------------------
+ * Read 8 (or 1) at a time as floats; written rounded to the nearest half (c10::Half's conversion, torch's). */
+
+static inline floats8 load8(const float *p) { return *(const floats8_unaligned *)p; }
+static inline floats8 load8(const at::Half *p) {
+#if defined(__F16C__)
+    return (floats8)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    floats8 out;
+    for (int i = 0; i < 8; i++) out[i] = static_cast<float>(p[i]);
+    return out;
+#endif
+}
+static inline float load1(const float *p) { return *p; }
+static inline float load1(const at::Half *p) { return static_cast<float>(*p); }
+/* n elements as floats: float32 ones where they are, float16 ones widened into `buffer` (so one loop over
+ * floats, vectorised alike, reads either) */
+static inline const float *as_floats(const float *p, int64_t, float *) { return p; }
+static inline const float *as_floats(const at::Half *p, int64_t n, float *buffer) {
+    for (int64_t i = 0; i < n; i++) buffer[i] = static_cast<float>(p[i]);
+    return buffer;
+}
+template <typename T>
+static inline void store(T *out, const float *in, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = static_cast<T>(in[i]);
+}
+
 /* ---- decode attention ---------------------------------------------------------------------------------
  * Tasks are (row, KV head, CHUNK keys), spread over the threads; each row's chunks are merged in order by
  * their maxima. A task reads its keys and values from memory once, then works on them from cache for each
  * query head of its group; meanwhile it prefetches the next task's, so the memory keeps streaming. */
 
-#define CHUNK 256 /* keys per task: 64 KB of K and of V at head_dim 64, in L2 while the task works on them */
+#define CHUNK 256 /* keys per task: 64 KB of float32 K and of V at head_dim 64, in L2 while the task works on them */
 #define LINE 64   /* bytes in a cache line */
 
 /* A span of memory fetched into the caches a few lines at a time, spread over a task's loop steps. */
@@ -48,9 +79,10 @@ typedef struct {
     int64_t lines_per_step;
 } prefetch_span;
 
-static inline prefetch_span span(const float *start, int64_t floats, int64_t steps) {
-    int64_t lines = (floats * (int64_t)sizeof(float) + LINE - 1) / LINE;
-    return prefetch_span{(const char *)start, (const char *)(start + floats), (lines + steps - 1) / steps};
+template <typename T>
+static inline prefetch_span span(const T *start, int64_t count, int64_t steps) {
+    int64_t lines = (count * (int64_t)sizeof(T) + LINE - 1) / LINE;
+    return prefetch_span{(const char *)start, (const char *)(start + count), (lines + steps - 1) / steps};
 }
 
 static inline void prefetch_step(prefetch_span *p) {
@@ -77,14 +109,15 @@ static inline floats8 exp8_nonpositive(floats8 x) {
 
 /* scale · (q · k) for the 4 keys k, k + dim, .. (dim a multiple of 8): four independent sums, added across
  * their lanes together. */
-static inline void dots4(const float *q, const float *k, int64_t dim, float scale, float *scores) {
+template <typename T>
+static inline void dots4(const float *q, const T *k, int64_t dim, float scale, float *scores) {
     floats8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t d = 0; d < dim; d += 8) {
         floats8 qd = *(const floats8_unaligned *)(q + d);
-        a0 += qd * *(const floats8_unaligned *)(k + d);
-        a1 += qd * *(const floats8_unaligned *)(k + dim + d);
-        a2 += qd * *(const floats8_unaligned *)(k + 2 * dim + d);
-        a3 += qd * *(const floats8_unaligned *)(k + 3 * dim + d);
+        a0 += qd * load8(k + d);
+        a1 += qd * load8(k + dim + d);
+        a2 += qd * load8(k + 2 * dim + d);
+        a3 += qd * load8(k + 3 * dim + d);
     }
     /* halves added (x: a0 | a1, y: a2 | a3), then quarters, then pairs: a0, a2, a1, a3 in lanes 0, 2, 4, 6 */
     floats8 x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
@@ -99,13 +132,16 @@ static inline void dots4(const float *q, const float *k, int64_t dim, float scal
 
 /* One task: queries q [group, dim] over `count` keys/values k, v [count, dim]. Writes each query's
  * unnormalised output, max score and sum of exp: part [group, dim + 2]. Prefetches `next_k` and `next_v`
- * (the next task's, `next_floats` each) over its key loops. Inlined with dim a constant (attend_chunk), so
- * the loops over dim unroll. */
-static inline __attribute__((always_inline)) void attend(const float *q, const float *k, const float *v,
-                                                         int64_t count, int64_t group, const int64_t dim,
-                                                         float scale, float *part, const float *next_k,
-                                                         const float *next_v, int64_t next_floats) {
+ * (the next task's, `next_floats` elements each) over its key loops. Inlined with dim a constant
+ * (attend_chunk), so the loops over dim unroll. */
+template <typename T>
+static inline __attribute__((always_inline)) void attend(const float *q, const T *k, const T *v, int64_t count,
+                                                         int64_t group, const int64_t dim, float scale,
+                                                         float *part, const T *next_k, const T *next_v,
+                                                         int64_t next_floats) {
     float scores[CHUNK] __attribute__((aligned(32)));
+    std::vector<float> widened(sizeof(T) < sizeof(float) ? dim : 0); /* a float16 key, as floats */
+    float *key = widened.data();
     prefetch_span ahead_k = span(next_k, next_floats, group * ((count + 3) / 4));  /* over the dot loops */
     prefetch_span ahead_v = span(next_v, next_floats, group * count);              /* over the value loops */
     for (int64_t g = 0; g < group; g++) {
@@ -119,9 +155,10 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
             }
         for (; t < count; t++) {
             prefetch_step(&ahead_k);
+            const float *kt = as_floats(k + t * dim, dim, key);
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[t * dim + d];
+            for (int64_t d = 0; d < dim; d++) dot += qg[d] * kt[d];
             scores[t] = dot * scale;
         }
 #pragma omp simd reduction(max : max)
@@ -135,8 +172,8 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
             floats8 acc[dim / 8];
             for (int64_t i = 0; i < dim / 8; i++) acc[i] = floats8{};
             for (t = 0; t < count; t++) {
-                const float *vt = v + t * dim;
-                for (int64_t i = 0; i < dim / 8; i++) acc[i] += scores[t] * *(const floats8_unaligned *)(vt + 8 * i);
+                const T *vt = v + t * dim;
+                for (int64_t i = 0; i < dim / 8; i++) acc[i] += scores[t] * load8(vt + 8 * i);
                 prefetch_step(&ahead_v);
             }
             for (int64_t i = 0; i < dim / 8; i++) *(floats8_unaligned *)(out + 8 * i) = acc[i];
@@ -144,7 +181,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
             for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
             for (t = 0; t < count; t++) {
 #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) out[d] += scores[t] * v[t * dim + d];
+                for (int64_t d = 0; d < dim; d++) out[d] += scores[t] * load1(v + t * dim + d);
                 prefetch_step(&ahead_v);
             }
         }
@@ -153,9 +190,9 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
     }
 }
 
-static void attend_chunk(const float *q, const float *k, const float *v, int64_t count, int64_t group,
-                         int64_t dim, float scale, float *part, const float *next_k, const float *next_v,
-                         int64_t next_floats) {
+template <typename T>
+static void attend_chunk(const float *q, const T *k, const T *v, int64_t count, int64_t group, int64_t dim,
+                         float scale, float *part, const T *next_k, const T *next_v, int64_t next_floats) {
     switch (dim) { /* the common head sizes as constants; any other runs the same code with dim unknown */
         case 64: attend(q, k, v, count, group, 64, scale, part, next_k, next_v, next_floats); break;
         case 128: attend(q, k, v, count, group, 128, scale, part, next_k, next_v, next_floats); break;
@@ -177,7 +214,8 @@ static inline task_keys task_at(int64_t task, const int64_t *first, const int64_
 
 /* q, out [rows, heads, group, dim] contiguous. Row r, KV head h of k at k + r*k_row + h*k_head, its keys
  * dim floats apart (v likewise); lengths [rows]: keys per row (0: a padding row, output zeros). */
-void decode_attention_kernel(const float *q, const float *k, const float *v, const int64_t *lengths, float *out,
+template <typename T>
+void decode_attention_kernel(const float *q, const T *k, const T *v, const int64_t *lengths, float *out,
                              int64_t rows, int64_t heads, int64_t group, int64_t dim, int64_t k_row,
                              int64_t k_head, int64_t v_row, int64_t v_head, float scale) {
     auto first = std::make_unique_for_overwrite<int64_t[]>(rows + 1); /* row r's tasks: [first[r], first[r + 1]) */
@@ -235,21 +273,24 @@ static inline void rope_head(const float *x, const float *cos, const float *sin,
 }
 
 /* Row r (slot r of the pool's layer): its query heads q + r*q_row [q_heads, dim] rotated into q_out
- * [rows, q_heads, dim]; its key heads k + r*kv_row rotated and its value heads v + r*kv_row copied into
- * pool_k / pool_v at position positions[r] (head h at r*slot_stride + h*head_stride + position*dim).
- * cos, sin [rows, dim]. */
+ * [rows, q_heads, dim]; its key heads k + r*kv_row rotated and its value heads v + r*kv_row stored (rounded to
+ * the pool's elements) into pool_k / pool_v at position positions[r] (head h at r*slot_stride + h*head_stride +
+ * position*dim). cos, sin [rows, dim]. */
+template <typename T>
 void rope_write_kernel(const float *q, const float *k, const float *v, const float *cos, const float *sin,
-                       const int64_t *positions, float *q_out, float *pool_k, float *pool_v, int64_t rows,
-                       int64_t q_heads, int64_t kv_heads, int64_t dim, int64_t q_row, int64_t kv_row,
-                       int64_t slot_stride, int64_t head_stride) {
+                       const int64_t *positions, float *q_out, T *pool_k, T *pool_v, int64_t rows, int64_t q_heads,
+                       int64_t kv_heads, int64_t dim, int64_t q_row, int64_t kv_row, int64_t slot_stride,
+                       int64_t head_stride) {
+    std::vector<float> rotated(dim);
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos + r * dim, *s = sin + r * dim;
         for (int64_t h = 0; h < q_heads; h++)
             rope_head(q + r * q_row + h * dim, c, s, q_out + (r * q_heads + h) * dim, dim);
         for (int64_t h = 0; h < kv_heads; h++) {
             int64_t at = r * slot_stride + h * head_stride + positions[r] * dim;
-            rope_head(k + r * kv_row + h * dim, c, s, pool_k + at, dim);
-            for (int64_t d = 0; d < dim; d++) pool_v[at + d] = v[r * kv_row + h * dim + d];
+            rope_head(k + r * kv_row + h * dim, c, s, rotated.data(), dim);
+            store(pool_k + at, rotated.data(), dim);
+            store(pool_v + at, v + r * kv_row + h * dim, dim);
         }
     }
 }
@@ -661,6 +702,14 @@ void check_float32(const Tensors &...tensors) {
                      "the CPU kernels take float32 tensors on the CPU");
 }
 
+/* The decode pool's keys and values: float32 or float16 on the CPU, both alike. */
+void check_pool(const at::Tensor &keys, const at::Tensor &values) {
+    TORCH_CHECK_TYPE((keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf) && keys.is_cpu() &&
+                         values.scalar_type() == keys.scalar_type() && values.is_cpu(),
+                     "the decode pool's keys and values are float32 or float16 on the CPU, both alike: got ",
+                     keys.scalar_type(), " and ", values.scalar_type());
+}
+
 /* An index tensor (lengths, positions) as int64 [count] on the CPU, to read before the kernel does. */
 at::Tensor int64_vector(const at::Tensor &values, int64_t count, const char *name) {
     TORCH_CHECK_VALUE(values.is_cpu() && values.dim() == 1 && values.numel() == count, "expected ", count, " ",
@@ -674,7 +723,8 @@ float scale_for(std::optional<double> scale, int64_t dim) {
 
 at::Tensor decode_attention(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &values,
                             const at::Tensor &lengths, std::optional<double> scale) {
-    check_float32(query, keys, values);
+    check_float32(query);
+    check_pool(keys, values);
     TORCH_CHECK_VALUE(query.dim() == 4 && keys.dim() == 4 && values.dim() == 4,
                       "decode_attention takes query [rows, Hkv, G, D] and keys, values [rows, Hkv, T, D], got ",
                       query.sizes(), ", ", keys.sizes(), " and ", values.sizes());
@@ -694,9 +744,14 @@ at::Tensor decode_attention(const at::Tensor &query, const at::Tensor &keys, con
         TORCH_CHECK_VALUE(length[r] <= keys.size(2), "a row of ", length[r], " keys over a view of ", keys.size(2));
     }
     at::Tensor q = query.contiguous(), out = at::empty(q.sizes(), q.options());
-    decode_attention_kernel(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), length,
-                            out.data_ptr<float>(), rows, heads, group, dim, keys.stride(0), keys.stride(1),
-                            values.stride(0), values.stride(1), scale_for(scale, dim));
+    if (keys.scalar_type() == at::kHalf)
+        decode_attention_kernel(q.data_ptr<float>(), keys.data_ptr<at::Half>(), values.data_ptr<at::Half>(), length,
+                                out.data_ptr<float>(), rows, heads, group, dim, keys.stride(0), keys.stride(1),
+                                values.stride(0), values.stride(1), scale_for(scale, dim));
+    else
+        decode_attention_kernel(q.data_ptr<float>(), keys.data_ptr<float>(), values.data_ptr<float>(), length,
+                                out.data_ptr<float>(), rows, heads, group, dim, keys.stride(0), keys.stride(1),
+                                values.stride(0), values.stride(1), scale_for(scale, dim));
     return out;
 }
 
@@ -775,7 +830,8 @@ at::Tensor quantized_rows(const at::Tensor &x, at::TensorList codes, at::TensorL
 at::Tensor rope_write(const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, const at::Tensor &cos,
                       const at::Tensor &sin, const at::Tensor &positions, at::Tensor &pool_keys,
                       at::Tensor &pool_values) {
-    check_float32(query, key, value, cos, sin, pool_keys, pool_values);
+    check_float32(query, key, value, cos, sin);
+    check_pool(pool_keys, pool_values);
     TORCH_CHECK_VALUE(cos.dim() == 2 && cos.size(1) % 2 == 0 && sin.sizes() == cos.sizes(),
                       "rope_write takes cos and sin [rows, D], D even: got ", cos.sizes(), " and ", sin.sizes());
     int64_t rows = cos.size(0), dim = cos.size(1);
@@ -795,11 +851,112 @@ at::Tensor rope_write(const at::Tensor &query, const at::Tensor &key, const at::
         TORCH_CHECK_VALUE(0 <= position[r] && position[r] < pool_keys.size(2), "positions outside the pool's ",
                           pool_keys.size(2), " columns");
     at::Tensor c = cos.contiguous(), s = sin.contiguous(), out = at::empty({rows, heads, dim}, query.options());
-    rope_write_kernel(query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(), c.data_ptr<float>(),
-                      s.data_ptr<float>(), position, out.data_ptr<float>(), pool_keys.data_ptr<float>(),
-                      pool_values.data_ptr<float>(), rows, heads, kv_heads, dim, query.stride(0), key.stride(0),
-                      pool_keys.stride(0), pool_keys.stride(1));
+    auto write = [&](auto *pool_k, auto *pool_v) {
+        rope_write_kernel(query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(), c.data_ptr<float>(),
+                          s.data_ptr<float>(), position, out.data_ptr<float>(), pool_k, pool_v, rows, heads, kv_heads,
+                          dim, query.stride(0), key.stride(0), pool_keys.stride(0), pool_keys.stride(1));
+    };
+    if (pool_keys.scalar_type() == at::kHalf)
+        write(pool_keys.data_ptr<at::Half>(), pool_values.data_ptr<at::Half>());
+    else
+        write(pool_keys.data_ptr<float>(), pool_values.data_ptr<float>());
     return out;
+}
+
+/* ---- one decoder layer of a decode step ------------------------------------------------------------------
+ * A Llama-shaped layer (RMSNorm, q/k/v, RoPE, attention over the pool, o, RMSNorm, gate/up, SiLU, down, two
+ * residual adds) as one call: the kernels above in turn, and the norms, the activation and the adds as plain
+ * loops, so a step makes one call a layer instead of ~60 small torch ops and their Python (~10 of a SmolLM2
+ * step's ~28 ms). Each row's result depends on its own inputs only, as in every kernel here. */
+
+/* out [rows, n] = weight · (x / sqrt(mean(x²) + eps)), x [rows, n] (HF's LlamaRMSNorm, float32). */
+at::Tensor rms_norm(const at::Tensor &x, const at::Tensor &weight, double eps) {
+    int64_t rows = x.size(0), n = x.size(1);
+    at::Tensor out = at::empty({rows, n}, x.options());
+    const float *in = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+    float *o = out.data_ptr<float>();
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = in + r * n;
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int64_t i = 0; i < n; i++) squares += xr[i] * xr[i];
+        float inverse = 1.0f / std::sqrt(squares / static_cast<float>(n) + static_cast<float>(eps));
+        for (int64_t i = 0; i < n; i++) o[r * n + i] = w[i] * (xr[i] * inverse);
+    }
+    return out;
+}
+
+/* [rows, n] = silu(gate) · up, from gate_up [rows, 2n] (gate's columns first; SiLU as x / (1 + e^-x)). */
+at::Tensor silu_times(const at::Tensor &gate_up) {
+    int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+    at::Tensor out = at::empty({rows, n}, gate_up.options());
+    const float *in = gate_up.data_ptr<float>();
+    float *o = out.data_ptr<float>();
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++) {
+            float g = in[r * 2 * n + i];
+            o[r * n + i] = g / (1.0f + std::exp(-g)) * in[r * 2 * n + n + i];
+        }
+    return out;
+}
+
+/* x [rows, in] times one layer's projections of one input, `weights` in the form of the first tensor's dtype:
+ * float32 [w₀, w₁, ..] (linear_rows_many), int8 [codes₀, scales₀, codes₁, ..] or uint8 [codes₀, scales₀, mins₀,
+ * codes₁, ..] (quantized_rows); plus `bias` [Σ out] if given. */
+at::Tensor projections(const at::Tensor &x, at::TensorList weights, const std::optional<at::Tensor> &bias) {
+    TORCH_CHECK_VALUE(!weights.empty(), "a layer's projections need weights");
+    at::Tensor out;
+    at::ScalarType form = weights[0].scalar_type();
+    if (form == at::kFloat) {
+        out = linear_rows_many(x, weights);
+    } else {
+        size_t per = form == at::kByte ? 3 : 2; /* codes, scales (, mins) per matrix */
+        TORCH_CHECK_VALUE((form == at::kByte || form == at::kChar) && weights.size() % per == 0,
+                          "quantised projections come as (codes, scales) or (codes, scales, mins) per matrix");
+        std::vector<at::Tensor> codes, scales, mins;
+        for (size_t m = 0; m < weights.size(); m += per) {
+            codes.push_back(weights[m]), scales.push_back(weights[m + 1]);
+            if (per == 3) mins.push_back(weights[m + 2]);
+        }
+        out = quantized_rows(x, codes, scales, mins);
+    }
+    if (bias.has_value()) out.add_(*bias);
+    return out;
+}
+
+/* hidden [rows, H] → the layer's output [rows, H]; the step's new keys and values written into pool_keys,
+ * pool_values [slots, Hkv, columns, D] (rows at slots 0..rows-1, columns `positions`), attention over each row's
+ * first lengths[r] keys within the first key_columns. q_size, kv_size: the widths of q and of k (and v) in qkv's
+ * output. biases: q/k/v's, o's, gate/up's and down's (each [Σ out] or none). */
+at::Tensor decode_layer(const at::Tensor &hidden, const at::Tensor &input_norm, const at::Tensor &post_norm,
+                        double eps, at::TensorList qkv, at::TensorList output, at::TensorList gate_up,
+                        at::TensorList down, const c10::List<std::optional<at::Tensor>> &biases, int64_t q_size,
+                        int64_t kv_size, const at::Tensor &cos, const at::Tensor &sin, const at::Tensor &positions,
+                        const at::Tensor &lengths, at::Tensor &pool_keys, at::Tensor &pool_values,
+                        int64_t key_columns, double scale) {
+    check_float32(hidden, input_norm, post_norm);
+    TORCH_CHECK_VALUE(hidden.dim() == 2 && hidden.is_contiguous() && input_norm.dim() == 1 &&
+                          input_norm.size(0) == hidden.size(1) && post_norm.sizes() == input_norm.sizes() &&
+                          input_norm.is_contiguous() && post_norm.is_contiguous() && biases.size() == 4,
+                      "decode_layer takes hidden [rows, H] contiguous, norm weights [H] and four biases: got ",
+                      hidden.sizes(), ", ", input_norm.sizes(), " and ", biases.size(), " biases");
+    TORCH_CHECK_VALUE(0 < key_columns && key_columns <= pool_keys.size(2), key_columns, " key columns of ",
+                      pool_keys.size(2));
+    int64_t rows = hidden.size(0);
+    at::Tensor qkv_out = projections(rms_norm(hidden, input_norm, eps), qkv, biases.get(0));   /* [rows, Σ out] */
+    TORCH_CHECK_VALUE(qkv_out.size(1) == q_size + 2 * kv_size, "q/k/v give ", qkv_out.size(1), " columns, not ",
+                      q_size, " + 2 x ", kv_size);
+    at::Tensor query = rope_write(qkv_out.narrow(1, 0, q_size), qkv_out.narrow(1, q_size, kv_size),
+                                  qkv_out.narrow(1, q_size + kv_size, kv_size), cos, sin, positions, pool_keys,
+                                  pool_values);                                                  /* [rows, Hq, D] */
+    int64_t kv_heads = pool_keys.size(1), dim = pool_keys.size(3);
+    at::Tensor attended = decode_attention(query.view({rows, kv_heads, -1, dim}),
+                                           pool_keys.narrow(0, 0, rows).narrow(2, 0, key_columns),
+                                           pool_values.narrow(0, 0, rows).narrow(2, 0, key_columns), lengths,
+                                           scale);                                          /* [rows, Hkv, G, D] */
+    at::Tensor mid = projections(attended.view({rows, -1}), output, biases.get(1)).add_(hidden);  /* [rows, H] */
+    at::Tensor gated = silu_times(projections(rms_norm(mid, post_norm, eps), gate_up, biases.get(2)));
+    return projections(gated, down, biases.get(3)).add_(mid);                                   /* [rows, H] */
 }
 
 at::Tensor prefill_attention(const at::Tensor &query, const at::Tensor &keys, const at::Tensor &values,
@@ -841,6 +998,10 @@ TORCH_LIBRARY(ragblend, m) {
     m.def("quantized_rows(Tensor x, Tensor[] codes, Tensor[] scales, Tensor[] mins) -> Tensor");
     m.def("rope_write(Tensor query, Tensor key, Tensor value, Tensor cos, Tensor sin, Tensor positions, "
           "Tensor(a!) pool_keys, Tensor(b!) pool_values) -> Tensor");
+    m.def("decode_layer(Tensor hidden, Tensor input_norm, Tensor post_norm, float eps, Tensor[] qkv, "
+          "Tensor[] output, Tensor[] gate_up, Tensor[] down, Tensor?[] biases, int q_size, int kv_size, Tensor cos, "
+          "Tensor sin, Tensor positions, Tensor lengths, Tensor(a!) pool_keys, Tensor(b!) pool_values, "
+          "int key_columns, float scale) -> Tensor");
     m.def("prefill_attention(Tensor query, Tensor keys, Tensor values, Tensor positions, float? scale=None) -> Tensor");
 }
 
@@ -850,5 +1011,6 @@ TORCH_LIBRARY_IMPL(ragblend, CPU, m) {
     m.impl("linear_rows_many", &linear_rows_many);
     m.impl("quantized_rows", &quantized_rows);
     m.impl("rope_write", &rope_write);
+    m.impl("decode_layer", &decode_layer);
     m.impl("prefill_attention", &prefill_attention);
 }

@@ -136,6 +136,30 @@ def test_rope_write_rotates_as_hf_does_and_writes_each_row_at_its_position(heads
 
 
 @needs_kernel
+@pytest.mark.parametrize("dim", [64, 12])  # the vector loops, and the scalar ones
+def test_a_float16_pool_is_read_and_written_as_the_same_floats(dim):
+    """The decode pool in float16 (blend.kernel_step's): attention over it is attention over its values as float32,
+    bit for bit, and rope_write stores what it writes into a float32 pool, rounded to the nearest half."""
+    assert cpu_kernels.load() is not None, cpu_kernels.unavailable()
+    keys, values = (part.half() for part in pool_rows(LENGTHS, 3, dim))
+    query = torch.randn(len(LENGTHS), 3, 2, dim, generator=torch.Generator().manual_seed(7))
+    lengths = torch.tensor(LENGTHS)
+    assert torch.equal(cpu_kernels.decode_attention(query, keys, values, lengths),
+                       cpu_kernels.decode_attention(query, keys.float(), values.float(), lengths))
+    generator = torch.Generator().manual_seed(8)
+    qkv = torch.randn(2, 5 * dim, generator=generator)  # 3 query heads, 1 KV head
+    angles = torch.rand(2, dim // 2, generator=generator) * 40
+    cos, sin = torch.cat([angles, angles], 1).cos(), torch.cat([angles, angles], 1).sin()
+    pools = {dtype: [torch.zeros(3, 1, 16, dim, dtype=dtype) for _ in range(2)] for dtype in (torch.float16,
+                                                                                             torch.float32)}
+    queries = [cpu_kernels.rope_write(*qkv.split([3 * dim, dim, dim], dim=1), cos, sin, torch.tensor([4, 15]), *pool)
+               for pool in pools.values()]
+    assert torch.equal(queries[0], queries[1])
+    for half, single in zip(*pools.values()):
+        assert torch.equal(half, single.half()) and half.abs().sum() > 0
+
+
+@needs_kernel
 def test_the_kernels_refuse_what_they_cannot_read_in_place():
     assert cpu_kernels.load() is not None, cpu_kernels.unavailable()
     keys, values = pool_rows([4], 2, 8)
@@ -258,6 +282,12 @@ def op_samples() -> dict[str, tuple]:
         "rope_write": (*qkv.split([32, 32, 32], dim=1), cos, sin, torch.tensor([3, 0, 39]), pool.clone(), pool.clone()),
         "prefill_attention": (torch.randn(1, 3, 4, 16, generator=generator).transpose(1, 2), pool[:1], pool[1:2],
                               torch.tensor([2, 5, 9]), 0.3),
+        # a layer of hidden 32: 2 query and 2 KV heads of 16, an MLP of 48; its pool in float16
+        "decode_layer": (torch.randn(3, 32, generator=generator), torch.rand(32), torch.rand(32), 1e-5,
+                         [torch.randn(32, 32, generator=generator) for _ in range(3)], [torch.randn(32, 32)],
+                         [torch.randn(48, 32) for _ in range(2)], [torch.randn(32, 48)], [None, None, None, None],
+                         32, 32, cos, sin, torch.tensor([3, 0, 39]), torch.tensor([4, 1, 40]),
+                         pool.clone().half(), pool.clone().half(), 40, 0.25),
     }
 
 

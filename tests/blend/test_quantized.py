@@ -103,18 +103,24 @@ def test_the_quantised_model_answers_a_repeat_from_its_stored_spans_as_computed(
         quantized_blender, ratio, None, monkeypatch)
 
 
-def test_kernel_step_projections_run_the_codes():
+def test_the_kernel_step_reads_the_codes_not_their_float_copy():
+    """The decode step's layers stream the codes: with every layer's float weights zeroed its logits stay the same
+    bits; with one layer's codes changed they move."""
     model = tiny_model("llama")
     quantize_linears(model, "int4")
-    blender = Blender(model, tokenizer=None, fingerprint="tiny")
-    step, reason = KernelStep.for_model(blender.model)
+    step, reason = KernelStep.for_model(Blender(model, tokenizer=None, fingerprint="tiny").model)
     assert reason is None
-    attention = blender.model.model.layers[1].self_attn
-    x = torch.randn(3, attention.q_proj.in_features)
+    pool = test_kernel_step.filled_pools(Blender(model, tokenizer=None, fingerprint="tiny"), [step.pool_dtype])[0]
+    tokens, positions = torch.tensor([5, 9, 3]), torch.tensor(test_kernel_step.LENGTHS)
     with torch.inference_mode():
-        q, k, v = step.qkv[1](x)
-        for got, linear in ((q, attention.q_proj), (k, attention.k_proj), (v, attention.v_proj)):
-            assert torch.equal(got, linear(x))
+        before = step.logits(pool, tokens, positions, 64)
+        for layer in model.model.layers:
+            for linear in layer.modules():
+                if isinstance(linear, QuantizedLinear):
+                    linear.weight.zero_()
+        assert torch.equal(step.logits(pool, tokens, positions, 64), before)
+        model.model.layers[1].mlp.down_proj.codes.zero_()
+        assert not torch.allclose(step.logits(pool, tokens, positions, 64), before)
 
 
 def test_the_fingerprint_keys_the_weight_setting():

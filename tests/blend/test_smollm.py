@@ -118,7 +118,7 @@ def test_planned_attention_changes_nothing_at_15_percent(blender, prompt, musiqu
 
 def test_the_real_model_decodes_through_the_kernel_step_as_through_its_layers(blender, decoder, prompt, musique):
     """SmolLM2 passes the kernel step's probe, and answers a blended MuSiQue prompt with the same tokens through
-    the kernel step as through its layers (blend.batch.LayerStep)."""
+    the kernel step as through its layers (blend.batch.LayerStep), both over the pool's float16 K/V."""
     assert isinstance(decoder.form, KernelStep), decoder.kernel_step_refusal
     segments, suffix, _ = build(blender, prompt, musique[0], 3)
     prefill = blender.prefill(segments, suffix, 0.15)

@@ -2,10 +2,11 @@
  * (torch.ops.ragblend.*; built by torch.utils.cpp_extension, see that module's docstring):
  *
  *   decode_attention   for each row, the query heads that share a KV head over that row's own keys
- *                      [0, length), read once, in place in the KV pool
+ *                      [0, length), read once, in place in the KV pool (float32 or float16 elements)
  *   linear_rows(_many) 1..8 rows times a weight matrix (or several), the weights streamed once by all threads
  *   quantized_rows     the same on weights kept as 8- or 4-bit codes in groups of 32 (GGUF's Q8_0 / Q4_1 forms)
  *   rope_write         RoPE on a decode step's new queries and keys, the keys and values written into the pool
+ *   decode_layer       a Llama-shaped decoder layer of a decode step: the kernels above, norms, SiLU, residuals
  *   prefill_attention  causal flash attention of queries at sorted positions over the prompt's keys
  *
  * Each row's result depends on its own inputs only, never on the step's other rows: a request decodes the
@@ -28,7 +29,7 @@
 #include <memory>
 #include <optional>
 #include <vector>
-#if defined(__F16C__) || defined(__AVX2__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
 
@@ -51,15 +52,6 @@ static inline floats8 load8(const at::Half *p) {
     return out;
 #endif
 }
-static inline float load1(const float *p) { return *p; }
-static inline float load1(const at::Half *p) { return static_cast<float>(*p); }
-/* n elements as floats: float32 ones where they are, float16 ones widened into `buffer` (so one loop over
- * floats, vectorised alike, reads either) */
-static inline const float *as_floats(const float *p, int64_t, float *) { return p; }
-static inline const float *as_floats(const at::Half *p, int64_t n, float *buffer) {
-    for (int64_t i = 0; i < n; i++) buffer[i] = static_cast<float>(p[i]);
-    return buffer;
-}
 template <typename T>
 static inline void store(T *out, const float *in, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = static_cast<T>(in[i]);
@@ -70,7 +62,7 @@ static inline void store(T *out, const float *in, int64_t n) {
  * their maxima. A task reads its keys and values from memory once, then works on them from cache for each
  * query head of its group; meanwhile it prefetches the next task's, so the memory keeps streaming. */
 
-#define CHUNK 256 /* keys per task: 64 KB of float32 K and of V at head_dim 64, in L2 while the task works on them */
+#define CHUNK 256 /* keys per task: 64 KB of K and of V at head_dim 64, in L2 while the task works on them */
 #define LINE 64   /* bytes in a cache line */
 
 /* A span of memory fetched into the caches a few lines at a time, spread over a task's loop steps. */
@@ -79,10 +71,9 @@ typedef struct {
     int64_t lines_per_step;
 } prefetch_span;
 
-template <typename T>
-static inline prefetch_span span(const T *start, int64_t count, int64_t steps) {
-    int64_t lines = (count * (int64_t)sizeof(T) + LINE - 1) / LINE;
-    return prefetch_span{(const char *)start, (const char *)(start + count), (lines + steps - 1) / steps};
+static inline prefetch_span span(const void *start, int64_t bytes, int64_t steps) {
+    int64_t lines = (bytes + LINE - 1) / LINE;
+    return prefetch_span{(const char *)start, (const char *)start + bytes, (lines + steps - 1) / steps};
 }
 
 static inline void prefetch_step(prefetch_span *p) {
@@ -109,15 +100,14 @@ static inline floats8 exp8_nonpositive(floats8 x) {
 
 /* scale · (q · k) for the 4 keys k, k + dim, .. (dim a multiple of 8): four independent sums, added across
  * their lanes together. */
-template <typename T>
-static inline void dots4(const float *q, const T *k, int64_t dim, float scale, float *scores) {
+static inline void dots4(const float *q, const float *k, int64_t dim, float scale, float *scores) {
     floats8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t d = 0; d < dim; d += 8) {
         floats8 qd = *(const floats8_unaligned *)(q + d);
-        a0 += qd * load8(k + d);
-        a1 += qd * load8(k + dim + d);
-        a2 += qd * load8(k + 2 * dim + d);
-        a3 += qd * load8(k + 3 * dim + d);
+        a0 += qd * *(const floats8_unaligned *)(k + d);
+        a1 += qd * *(const floats8_unaligned *)(k + dim + d);
+        a2 += qd * *(const floats8_unaligned *)(k + 2 * dim + d);
+        a3 += qd * *(const floats8_unaligned *)(k + 3 * dim + d);
     }
     /* halves added (x: a0 | a1, y: a2 | a3), then quarters, then pairs: a0, a2, a1, a3 in lanes 0, 2, 4, 6 */
     floats8 x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
@@ -132,18 +122,15 @@ static inline void dots4(const float *q, const T *k, int64_t dim, float scale, f
 
 /* One task: queries q [group, dim] over `count` keys/values k, v [count, dim]. Writes each query's
  * unnormalised output, max score and sum of exp: part [group, dim + 2]. Prefetches `next_k` and `next_v`
- * (the next task's, `next_floats` elements each) over its key loops. Inlined with dim a constant
- * (attend_chunk), so the loops over dim unroll. */
-template <typename T>
-static inline __attribute__((always_inline)) void attend(const float *q, const T *k, const T *v, int64_t count,
-                                                         int64_t group, const int64_t dim, float scale,
-                                                         float *part, const T *next_k, const T *next_v,
-                                                         int64_t next_floats) {
+ * (the next task's, `next_bytes` each) over its key loops. Inlined with dim a constant (attend_chunk), so
+ * the loops over dim unroll. */
+static inline __attribute__((always_inline)) void attend(const float *q, const float *k, const float *v,
+                                                         int64_t count, int64_t group, const int64_t dim,
+                                                         float scale, float *part, const void *next_k,
+                                                         const void *next_v, int64_t next_bytes) {
     float scores[CHUNK] __attribute__((aligned(32)));
-    std::vector<float> widened(sizeof(T) < sizeof(float) ? dim : 0); /* a float16 key, as floats */
-    float *key = widened.data();
-    prefetch_span ahead_k = span(next_k, next_floats, group * ((count + 3) / 4));  /* over the dot loops */
-    prefetch_span ahead_v = span(next_v, next_floats, group * count);              /* over the value loops */
+    prefetch_span ahead_k = span(next_k, next_bytes, group * ((count + 3) / 4));  /* over the dot loops */
+    prefetch_span ahead_v = span(next_v, next_bytes, group * count);              /* over the value loops */
     for (int64_t g = 0; g < group; g++) {
         const float *qg = q + g * dim;
         float *out = part + g * (dim + 2), max = -INFINITY, sum = 0.0f;
@@ -155,10 +142,9 @@ static inline __attribute__((always_inline)) void attend(const float *q, const T
             }
         for (; t < count; t++) {
             prefetch_step(&ahead_k);
-            const float *kt = as_floats(k + t * dim, dim, key);
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; d++) dot += qg[d] * kt[d];
+            for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[t * dim + d];
             scores[t] = dot * scale;
         }
 #pragma omp simd reduction(max : max)
@@ -172,8 +158,8 @@ static inline __attribute__((always_inline)) void attend(const float *q, const T
             floats8 acc[dim / 8];
             for (int64_t i = 0; i < dim / 8; i++) acc[i] = floats8{};
             for (t = 0; t < count; t++) {
-                const T *vt = v + t * dim;
-                for (int64_t i = 0; i < dim / 8; i++) acc[i] += scores[t] * load8(vt + 8 * i);
+                const float *vt = v + t * dim;
+                for (int64_t i = 0; i < dim / 8; i++) acc[i] += scores[t] * *(const floats8_unaligned *)(vt + 8 * i);
                 prefetch_step(&ahead_v);
             }
             for (int64_t i = 0; i < dim / 8; i++) *(floats8_unaligned *)(out + 8 * i) = acc[i];
@@ -181,7 +167,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const T
             for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
             for (t = 0; t < count; t++) {
 #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) out[d] += scores[t] * load1(v + t * dim + d);
+                for (int64_t d = 0; d < dim; d++) out[d] += scores[t] * v[t * dim + d];
                 prefetch_step(&ahead_v);
             }
         }
@@ -190,14 +176,31 @@ static inline __attribute__((always_inline)) void attend(const float *q, const T
     }
 }
 
-template <typename T>
-static void attend_chunk(const float *q, const T *k, const T *v, int64_t count, int64_t group, int64_t dim,
-                         float scale, float *part, const T *next_k, const T *next_v, int64_t next_floats) {
+static void attend_chunk(const float *q, const float *k, const float *v, int64_t count, int64_t group,
+                         int64_t dim, float scale, float *part, const void *next_k, const void *next_v,
+                         int64_t next_bytes) {
     switch (dim) { /* the common head sizes as constants; any other runs the same code with dim unknown */
-        case 64: attend(q, k, v, count, group, 64, scale, part, next_k, next_v, next_floats); break;
-        case 128: attend(q, k, v, count, group, 128, scale, part, next_k, next_v, next_floats); break;
-        default: attend(q, k, v, count, group, dim, scale, part, next_k, next_v, next_floats);
+        case 64: attend(q, k, v, count, group, 64, scale, part, next_k, next_v, next_bytes); break;
+        case 128: attend(q, k, v, count, group, 128, scale, part, next_k, next_v, next_bytes); break;
+        default: attend(q, k, v, count, group, dim, scale, part, next_k, next_v, next_bytes);
     }
+}
+
+/* The same over a float16 pool: the chunk's keys and values widened to floats once (into this thread's buffer,
+ * where the group's queries then read them from cache), so its sums are those over the same values in float32. */
+static void attend_chunk(const float *q, const at::Half *k, const at::Half *v, int64_t count, int64_t group,
+                         int64_t dim, float scale, float *part, const void *next_k, const void *next_v,
+                         int64_t next_bytes) {
+    thread_local std::vector<float> widened;
+    widened.resize(2 * CHUNK * dim);
+    float *keys = widened.data(), *values = keys + CHUNK * dim;
+    int64_t n = count * dim, i = 0;
+    for (; i + 8 <= n; i += 8) {
+        *(floats8_unaligned *)(keys + i) = load8(k + i);
+        *(floats8_unaligned *)(values + i) = load8(v + i);
+    }
+    for (; i < n; i++) keys[i] = static_cast<float>(k[i]), values[i] = static_cast<float>(v[i]);
+    attend_chunk(q, keys, values, count, group, dim, scale, part, next_k, next_v, next_bytes);
 }
 
 /* Task `task`'s row, KV head, first key and key count, from first [rows + 1] (each row's first task). */
@@ -233,7 +236,8 @@ void decode_attention_kernel(const float *q, const T *k, const T *v, const int64
                          k + t.row * k_row + t.head * k_head + t.start * dim,
                          v + t.row * v_row + t.head * v_head + t.start * dim, t.count, group, dim, scale,
                          parts.get() + task * width, k + n.row * k_row + n.head * k_head + n.start * dim,
-                         v + n.row * v_row + n.head * v_head + n.start * dim, n.count * dim);
+                         v + n.row * v_row + n.head * v_head + n.start * dim,
+                         n.count * dim * (int64_t)sizeof(T));
         }
     });
 
@@ -399,9 +403,21 @@ static inline void decode_group(const uint8_t *code, int64_t g, floats8 &q0, flo
 }
 #endif
 
+/* a·b + c, fused where the CPU has it: the codes' products are bound by the arithmetic, not by the memory (a
+ * row's sums keep one order at any row count: each row's are the same instructions) */
+static inline floats8 multiply_add(floats8 a, floats8 b, floats8 c) {
+#if defined(__FMA__)
+    return (floats8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 static inline floats8 group_dot(const float *x, floats8 q0, floats8 q1, floats8 q2, floats8 q3) {
-    return q0 * *(const floats8_unaligned *)x + q1 * *(const floats8_unaligned *)(x + 8) +
-           q2 * *(const floats8_unaligned *)(x + 16) + q3 * *(const floats8_unaligned *)(x + 24);
+    floats8 sum = q0 * *(const floats8_unaligned *)x;
+    sum = multiply_add(q1, *(const floats8_unaligned *)(x + 8), sum);
+    sum = multiply_add(q2, *(const floats8_unaligned *)(x + 16), sum);
+    return multiply_add(q3, *(const floats8_unaligned *)(x + 24), sum);
 }
 
 /* out[r·ld + o] for the outputs o in [lo, hi) of codes [n, k] (bytes8) or [n, k/2] (4-bit), scales and mins
@@ -421,7 +437,8 @@ static inline __attribute__((always_inline)) void quantized_range(const float *x
         for (int64_t g = 0; g < groups; g++) {
             floats8 q0, q1, q2, q3;
             decode_group<FOUR_BITS>(code, g, q0, q1, q2, q3);
-            for (int r = 0; r < R; r++) acc[r] += group_dot(x + r * k + g * QGROUP, q0, q1, q2, q3) * scale[g];
+            for (int r = 0; r < R; r++)
+                acc[r] = multiply_add(group_dot(x + r * k + g * QGROUP, q0, q1, q2, q3), floats8{} + scale[g], acc[r]);
         }
         if (FOUR_BITS) /* the mins' part: Σ_g min·Σx, 8 groups a vector, the rest one by one */
             for (int r = 0; r < R; r++) {

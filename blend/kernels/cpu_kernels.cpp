@@ -12,11 +12,12 @@
  * Each row's result depends on its own inputs only, never on the step's other rows: a request decodes the
  * same tokens alone or batched. Threads come from ATen's intra-op pool (at::parallel_for: in torch's OpenMP
  * build, OpenMP compiled into this file, its calls resolved to the runtime torch loaded); a thread computes each
- * output element in the same order whichever elements it is given. Plain C++ with GCC/Clang vector types (no
- * intrinsics): the compiler maps them to the machine's vectors. Built with -ffp-contract=off (the decode
- * kernels' sums are the same bits at any row count) and `omp simd` reductions (the order the vectoriser
- * gives them, kept from build to build). Each op checks what it reads and writes (shapes, strides, dtypes,
- * positions, lengths) before it touches memory, whoever calls it. */
+ * output element in the same order whichever elements it is given. Plain C++ with GCC/Clang vector types, which
+ * the compiler maps to the machine's vectors (x86 intrinsics only where a widening or a fused product has no
+ * portable form, with the plain code beside them). Built with -ffp-contract=off (the decode
+ * linears' sums are the same bits at any row count; the attention kernels fuse theirs, see there) and `omp simd`
+ * reductions (the order the vectoriser gives them, kept from build to build). Each op checks what it reads and
+ * writes (shapes, strides, dtypes, positions, lengths) before it touches memory, whoever calls it. */
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <ATen/core/Tensor.h>
@@ -38,6 +39,16 @@ namespace {
 typedef float floats8 __attribute__((vector_size(32)));
 typedef float floats8_unaligned __attribute__((vector_size(32), aligned(4)));
 typedef int32_t ints8 __attribute__((vector_size(32)));
+
+/* Fused multiply-adds in the decode attention (the pool's elements, the attention): every row runs the same code
+ * whatever the step's other rows, so its sums keep one order at any row count; a fused product-sum rounds once
+ * and halves the arithmetic that bounds the kernel once the pool is float16. */
+#if defined(__clang__)
+#pragma clang fp contract(fast)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#endif
 
 /* ---- the decode pool's elements: float32, or float16 (half the bytes a step streams) -----------------------
  * Read 8 (or 1) at a time as floats; written rounded to the nearest half (c10::Half's conversion, torch's). */
@@ -264,6 +275,12 @@ void decode_attention_kernel(const float *q, const T *k, const T *v, const int64
         }
     });
 }
+
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
 
 /* ---- RoPE and the pool write ------------------------------------------------------------------------
  * A decode step's new tokens after their projections: RoPE on each row's query and key heads in HF's

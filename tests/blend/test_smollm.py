@@ -10,6 +10,7 @@ import yaml
 from blend import Blender, DecodeRuntime, PromptFormat, SamplingParams, TextStream
 from blend.batch import LayerStep
 from blend.kernel_step import KernelStep
+from blend.pool import KVPool
 
 pytestmark = pytest.mark.slow
 DEFAULTS = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
@@ -101,6 +102,22 @@ def test_sampling_is_seeded_and_varies(smollm, blender, decoder):
 
     assert sample(1) == sample(1)
     assert len({tuple(sample(s)) for s in range(4)}) > 1
+
+
+def test_the_real_model_answers_over_its_float16_pool_as_over_a_float32_one(blender, decoder, prompt, musique):
+    """The kernel step keeps the pool's K/V in float16 (half the bytes a step reads): a blended MuSiQue prompt's
+    24-token greedy answer is the one the same step gives over a float32 pool."""
+    assert decoder.pool.keys.dtype == torch.float16
+    segments, suffix, _ = build(blender, prompt, musique[2], 3)
+    prefill = blender.prefill(segments, suffix, 0.15)
+    over_float16, pool = answer(decoder, prefill, 24), decoder.pool
+    decoder.pool = KVPool(blender.num_layers, blender.kv_heads, blender.head_dim, slots=1, max_len=pool.max_len,
+                          dtype=torch.float32, device="cpu")
+    try:
+        over_float32 = answer(decoder, prefill, 24)
+    finally:
+        decoder.pool = pool
+    assert over_float16 == over_float32
 
 
 def test_planned_attention_changes_nothing_at_15_percent(blender, prompt, musique, monkeypatch):

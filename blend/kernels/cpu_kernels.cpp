@@ -34,6 +34,18 @@
 #include <immintrin.h>
 #endif
 
+/* Where a section fuses its multiply-adds (the file is built without: -ffp-contract=off) */
+#if defined(__clang__)
+#define FUSED_PRODUCTS_BEGIN _Pragma("clang fp contract(fast)")
+#define FUSED_PRODUCTS_END _Pragma("clang fp contract(off)")
+#elif defined(__GNUC__)
+#define FUSED_PRODUCTS_BEGIN _Pragma("GCC push_options") _Pragma("GCC optimize(\"fp-contract=fast\")")
+#define FUSED_PRODUCTS_END _Pragma("GCC pop_options")
+#else
+#define FUSED_PRODUCTS_BEGIN
+#define FUSED_PRODUCTS_END
+#endif
+
 namespace {
 
 typedef float floats8 __attribute__((vector_size(32)));
@@ -43,12 +55,7 @@ typedef int32_t ints8 __attribute__((vector_size(32)));
 /* Fused multiply-adds in the decode attention (the pool's elements, the attention): every row runs the same code
  * whatever the step's other rows, so its sums keep one order at any row count; a fused product-sum rounds once
  * and halves the arithmetic that bounds the kernel once the pool is float16. */
-#if defined(__clang__)
-#pragma clang fp contract(fast)
-#elif defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
-#endif
+FUSED_PRODUCTS_BEGIN
 
 /* ---- the decode pool's elements: float32, or float16 (half the bytes a step streams) -----------------------
  * Read 8 (or 1) at a time as floats; written rounded to the nearest half (c10::Half's conversion, torch's). */
@@ -276,11 +283,7 @@ void decode_attention_kernel(const float *q, const T *k, const T *v, const int64
     });
 }
 
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC pop_options
-#endif
+FUSED_PRODUCTS_END
 
 /* ---- RoPE and the pool write ------------------------------------------------------------------------
  * A decode step's new tokens after their projections: RoPE on each row's query and key heads in HF's
@@ -524,12 +527,7 @@ void quantized_rows_kernel(const float *x, const void *const *codes, const float
 
 /* Fused multiply-adds from here on: a prefill runs alone, so no other row's count can change its sums' order
  * (the reason the file is built without them), and they halve the products' instructions. */
-#if defined(__clang__)
-#pragma clang fp contract(fast)
-#elif defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=fast")
-#endif
+FUSED_PRODUCTS_BEGIN
 
 #define QROWS 32  /* query positions per task: each task reads the K/V its queries see once */
 #define KBLOCK 64 /* keys per block: S's row and Kᵀ's block stay in L1 */
@@ -719,11 +717,7 @@ void prefill_attention_kernel(const float *q, const float *k, const float *v, co
     });
 }
 
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC pop_options
-#endif
+FUSED_PRODUCTS_END
 
 /* ---- the ops: what each kernel reads and writes checked, then the kernel ---------------------------------- */
 

@@ -155,8 +155,9 @@ def test_logprobs_are_each_answer_tokens_streamed_or_not(live_server):
     content = answer.choices[0].logprobs.content
     assert answer.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens_details.cached_tokens
     assert answer.choices[0].message.content == first.choices[0].message.content
+    # (within the decode pool's float16 rounding: a last-bit difference in a prompt's K/V may round to another half)
     assert [t.logprob for t in content] == pytest.approx([t.logprob for t in first.choices[0].logprobs.content],
-                                                         abs=1e-4)
+                                                         abs=2e-3)
     assert len(content) == answer.usage.completion_tokens  # every answer token (an ending eos aside)
     assert "".join(t.token for t in content).strip() == answer.choices[0].message.content
     for token in content:

@@ -70,7 +70,9 @@ def test_anthropic_client_reuses_pasted_passages_in_another_order(live_server):
 
     first = ask([0, 1, 2, 3, 4], "Who won the Halden Open in 2019?")  # (the facts' spans may be known already)
     again = ask([3, 1, 4, 0, 2], "Who founded the Kestrel Bakery?")
-    assert again.usage.cache_read_input_tokens >= max(0.6 * passage_tokens(docs), first.usage.cache_read_input_tokens)
+    # as much as the first read, but for a cut at the question's edge (content-defined cuts may move a few tokens)
+    assert again.usage.cache_read_input_tokens >= max(0.6 * passage_tokens(docs),
+                                                      0.95 * first.usage.cache_read_input_tokens)
 
 
 def metric(text: str, name: str) -> float:

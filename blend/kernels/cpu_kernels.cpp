@@ -77,10 +77,11 @@ static inline void store(T *out, const float *in, int64_t n) {
 
 /* ---- decode attention ---------------------------------------------------------------------------------
  * Tasks are (row, KV head, CHUNK keys), spread over the threads; each row's chunks are merged in order by
- * their maxima. A task reads its keys and values from memory once, then works on them from cache for each
- * query head of its group; meanwhile it prefetches the next task's, so the memory keeps streaming. */
+ * their maxima. A task reads each key and value from memory once, widened to floats in registers for up to
+ * three query heads of its group at once (float16 elements are never written out as floats); meanwhile it
+ * prefetches the next task's, so the memory keeps streaming. */
 
-#define CHUNK 256 /* keys per task: 64 KB of K and of V at head_dim 64, in L2 while the task works on them */
+#define CHUNK 128 /* keys per task: 32 KB of K and of V at head_dim 64 in float32 (half in float16), in L2 */
 #define LINE 64   /* bytes in a cache line */
 
 /* A span of memory fetched into the caches a few lines at a time, spread over a task's loop steps. */
@@ -116,18 +117,9 @@ static inline floats8 exp8_nonpositive(floats8 x) {
     return p * (floats8)((n + 127) << 23); /* times 2^n, built in the exponent bits */
 }
 
-/* scale · (q · k) for the 4 keys k, k + dim, .. (dim a multiple of 8): four independent sums, added across
- * their lanes together. */
-static inline void dots4(const float *q, const float *k, int64_t dim, float scale, float *scores) {
-    floats8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int64_t d = 0; d < dim; d += 8) {
-        floats8 qd = *(const floats8_unaligned *)(q + d);
-        a0 += qd * *(const floats8_unaligned *)(k + d);
-        a1 += qd * *(const floats8_unaligned *)(k + dim + d);
-        a2 += qd * *(const floats8_unaligned *)(k + 2 * dim + d);
-        a3 += qd * *(const floats8_unaligned *)(k + 3 * dim + d);
-    }
-    /* halves added (x: a0 | a1, y: a2 | a3), then quarters, then pairs: a0, a2, a1, a3 in lanes 0, 2, 4, 6 */
+/* The four sums' lanes added together: a0, a1, a2, a3's totals (times scale) into out[0..3]. Halves added
+ * (x: a0 | a1, y: a2 | a3), then quarters, then pairs: a0, a2, a1, a3 in lanes 0, 2, 4, 6. */
+static inline void sum4(floats8 a0, floats8 a1, floats8 a2, floats8 a3, float scale, float *out) {
     floats8 x = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
                 __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
     floats8 y = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
@@ -135,90 +127,145 @@ static inline void dots4(const float *q, const float *k, int64_t dim, float scal
     floats8 z = __builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) +
                 __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15);
     floats8 w = z + __builtin_shufflevector(z, z, 1, 0, 3, 2, 5, 4, 7, 6);
-    scores[0] = w[0] * scale, scores[1] = w[4] * scale, scores[2] = w[2] * scale, scores[3] = w[6] * scale;
+    out[0] = w[0] * scale, out[1] = w[4] * scale, out[2] = w[2] * scale, out[3] = w[6] * scale;
 }
 
-/* One task: queries q [group, dim] over `count` keys/values k, v [count, dim]. Writes each query's
- * unnormalised output, max score and sum of exp: part [group, dim + 2]. Prefetches `next_k` and `next_v`
- * (the next task's, `next_bytes` each) over its key loops. Inlined with dim a constant (attend_chunk), so
- * the loops over dim unroll. */
-static inline __attribute__((always_inline)) void attend(const float *q, const float *k, const float *v,
-                                                         int64_t count, int64_t group, const int64_t dim,
-                                                         float scale, float *part, const void *next_k,
-                                                         const void *next_v, int64_t next_bytes) {
-    float scores[CHUNK] __attribute__((aligned(32)));
-    prefetch_span ahead_k = span(next_k, next_bytes, group * ((count + 3) / 4));  /* over the dot loops */
-    prefetch_span ahead_v = span(next_v, next_bytes, group * count);              /* over the value loops */
+/* Scores of G queries q [G, dim] (G ≤ 3) over `count` keys k [count, dim], dim a multiple of 8: scores[g·CHUNK + t].
+ * Four keys at a time, each key's vector read (and widened) once for the G queries: 4·G independent sums. */
+template <int G, typename T>
+static inline __attribute__((always_inline)) void score_keys(const float *q, const T *k, int64_t count,
+                                                             const int64_t dim, float scale, float *scores,
+                                                             prefetch_span *ahead) {
+    int64_t t = 0;
+    for (; t + 4 <= count; t += 4) {
+        floats8 acc[G][4];
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < 4; j++) acc[g][j] = floats8{};
+        for (int64_t d = 0; d < dim; d += 8)
+            for (int j = 0; j < 4; j++) {
+                floats8 kj = load8(k + (t + j) * dim + d);
+                for (int g = 0; g < G; g++) acc[g][j] += load8(q + g * dim + d) * kj;
+            }
+        for (int g = 0; g < G; g++) sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], scale, scores + g * CHUNK + t);
+        prefetch_step(ahead);
+    }
+    for (; t < count; t++) /* the last 1..3 keys */
+        for (int g = 0; g < G; g++) {
+            floats8 acc = floats8{};
+            for (int64_t d = 0; d < dim; d += 8) acc += load8(q + g * dim + d) * load8(k + t * dim + d);
+            float dot = 0.0f;
+            for (int i = 0; i < 8; i++) dot += acc[i];
+            scores[g * CHUNK + t] = dot * scale;
+        }
+}
+
+/* out[g] [W·8] = Σ_t p[g·CHUNK + t] · v[t] [W·8] for G queries, over `count` values rows `dim` apart: G·W sums in
+ * registers, each value vector read (and widened) once for the G queries. */
+template <int G, int W, typename T>
+static inline __attribute__((always_inline)) void weigh_values(const float *p, const T *v, int64_t count,
+                                                               const int64_t dim, float *out, int64_t out_stride,
+                                                               prefetch_span *ahead) {
+    floats8 acc[G][W];
+    for (int g = 0; g < G; g++)
+        for (int w = 0; w < W; w++) acc[g][w] = floats8{};
+    for (int64_t t = 0; t < count; t++) {
+        floats8 weight[G];
+        for (int g = 0; g < G; g++) weight[g] = floats8{} + p[g * CHUNK + t];
+        for (int w = 0; w < W; w++) {
+            floats8 vw = load8(v + t * dim + 8 * w);
+            for (int g = 0; g < G; g++) acc[g][w] += weight[g] * vw;
+        }
+        prefetch_step(ahead);
+    }
+    for (int g = 0; g < G; g++)
+        for (int w = 0; w < W; w++) *(floats8_unaligned *)(out + g * out_stride + 8 * w) = acc[g][w];
+}
+
+/* One task's G queries (G ≤ 3) of a group, dim a multiple of 8: each query's unnormalised output, max score and
+ * sum of exp into part [G, dim + 2] (the layout of attend's parts). */
+template <int G, typename T>
+static inline __attribute__((always_inline)) void attend_queries(const float *q, const T *k, const T *v,
+                                                                 int64_t count, const int64_t dim, float scale,
+                                                                 float *part, prefetch_span *ahead_k,
+                                                                 prefetch_span *ahead_v) {
+    float scores[G * CHUNK] __attribute__((aligned(32)));
+    score_keys<G>(q, k, count, dim, scale, scores, ahead_k);
+    for (int g = 0; g < G; g++) {
+        float *s = scores + g * CHUNK, max = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : max)
+        for (int64_t t = 0; t < count; t++) max = s[t] > max ? s[t] : max;
+        for (int64_t t = count; t % 8; t++) s[t] = max; /* whole vectors for exp: the padding is never summed */
+        for (int64_t t = 0; t < count; t += 8) *(floats8 *)(s + t) = exp8_nonpositive(*(floats8 *)(s + t) - max);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < count; t++) sum += s[t];
+        part[g * (dim + 2) + dim] = max;
+        part[g * (dim + 2) + dim + 1] = sum;
+    }
+    int64_t d = 0; /* the values in blocks of 4 vectors (G·4 sums in registers), then of one */
+    for (; d + 32 <= dim; d += 32) weigh_values<G, 4>(scores, v + d, count, dim, part + d, dim + 2, ahead_v);
+    for (; d < dim; d += 8) weigh_values<G, 1>(scores, v + d, count, dim, part + d, dim + 2, ahead_v);
+}
+
+/* One task: queries q [group, dim] over `count` keys/values k, v [count, dim] (float32 or float16, read as floats).
+ * Writes each query's unnormalised output, max score and sum of exp: part [group, dim + 2]. The group's queries
+ * three at a time, so each key and value is read from memory once and from cache at most ⌈group/3⌉ times.
+ * Prefetches `next_k` and `next_v` (the next task's, `next_bytes` each) over its loops. Inlined with dim a
+ * constant for the common head sizes, so the loops over dim unroll. */
+template <typename T>
+static inline __attribute__((always_inline)) void attend(const float *q, const T *k, const T *v, int64_t count,
+                                                         int64_t group, const int64_t dim, float scale, float *part,
+                                                         const void *next_k, const void *next_v,
+                                                         int64_t next_bytes) {
+    int64_t passes = (group + 2) / 3;
+    prefetch_span ahead_k = span(next_k, next_bytes, passes * (count / 4 + 1));  /* over the score loops */
+    prefetch_span ahead_v = span(next_v, next_bytes, passes * count * ((dim + 31) / 32)); /* the value loops */
+    for (int64_t g = 0; g < group; g += 3) {
+        const float *qg = q + g * dim;
+        float *out = part + g * (dim + 2);
+        switch (group - g) {
+            case 1: attend_queries<1>(qg, k, v, count, dim, scale, out, &ahead_k, &ahead_v); break;
+            case 2: attend_queries<2>(qg, k, v, count, dim, scale, out, &ahead_k, &ahead_v); break;
+            default: attend_queries<3>(qg, k, v, count, dim, scale, out, &ahead_k, &ahead_v);
+        }
+    }
+}
+
+/* A head size that is not a multiple of 8: the same sums one element at a time, each product-sum fused (as the
+ * vector code's), whatever the compiler makes of the loops. */
+template <typename T>
+static void attend_any_dim(const float *q, const T *k, const T *v, int64_t count, int64_t group, int64_t dim,
+                           float scale, float *part) {
+    float scores[CHUNK];
     for (int64_t g = 0; g < group; g++) {
         const float *qg = q + g * dim;
         float *out = part + g * (dim + 2), max = -INFINITY, sum = 0.0f;
-        int64_t t = 0;
-        if (dim % 8 == 0)
-            for (; t + 4 <= count; t += 4) {
-                dots4(qg, k + t * dim, dim, scale, scores + t);
-                prefetch_step(&ahead_k);
-            }
-        for (; t < count; t++) {
-            prefetch_step(&ahead_k);
+        for (int64_t t = 0; t < count; t++) {
             float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < dim; d++) dot += qg[d] * k[t * dim + d];
+            for (int64_t d = 0; d < dim; d++) dot = std::fma(qg[d], static_cast<float>(k[t * dim + d]), dot);
             scores[t] = dot * scale;
+            max = scores[t] > max ? scores[t] : max;
         }
-#pragma omp simd reduction(max : max)
-        for (t = 0; t < count; t++) max = scores[t] > max ? scores[t] : max;
-        for (t = count; t % 8; t++) scores[t] = max; /* whole vectors for exp: the padding is never summed */
-        for (t = 0; t < count; t += 8)
-            *(floats8 *)(scores + t) = exp8_nonpositive(*(floats8 *)(scores + t) - max);
-#pragma omp simd reduction(+ : sum)
-        for (t = 0; t < count; t++) sum += scores[t];
-        if (dim % 8 == 0) { /* the output row in vector registers while V's rows are added in */
-            floats8 acc[dim / 8];
-            for (int64_t i = 0; i < dim / 8; i++) acc[i] = floats8{};
-            for (t = 0; t < count; t++) {
-                const float *vt = v + t * dim;
-                for (int64_t i = 0; i < dim / 8; i++) acc[i] += scores[t] * *(const floats8_unaligned *)(vt + 8 * i);
-                prefetch_step(&ahead_v);
-            }
-            for (int64_t i = 0; i < dim / 8; i++) *(floats8_unaligned *)(out + 8 * i) = acc[i];
-        } else {
-            for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
-            for (t = 0; t < count; t++) {
-#pragma omp simd
-                for (int64_t d = 0; d < dim; d++) out[d] += scores[t] * v[t * dim + d];
-                prefetch_step(&ahead_v);
-            }
+        for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
+        for (int64_t t = 0; t < count; t++) {
+            float weight = expf(scores[t] - max);
+            sum += weight;
+            for (int64_t d = 0; d < dim; d++) out[d] = std::fma(weight, static_cast<float>(v[t * dim + d]), out[d]);
         }
         out[dim] = max;
         out[dim + 1] = sum;
     }
 }
 
-static void attend_chunk(const float *q, const float *k, const float *v, int64_t count, int64_t group,
-                         int64_t dim, float scale, float *part, const void *next_k, const void *next_v,
-                         int64_t next_bytes) {
-    switch (dim) { /* the common head sizes as constants; any other runs the same code with dim unknown */
+template <typename T>
+static void attend_chunk(const float *q, const T *k, const T *v, int64_t count, int64_t group, int64_t dim,
+                         float scale, float *part, const void *next_k, const void *next_v, int64_t next_bytes) {
+    switch (dim) { /* the common head sizes as constants; any other multiple of 8 with dim unknown */
         case 64: attend(q, k, v, count, group, 64, scale, part, next_k, next_v, next_bytes); break;
         case 128: attend(q, k, v, count, group, 128, scale, part, next_k, next_v, next_bytes); break;
-        default: attend(q, k, v, count, group, dim, scale, part, next_k, next_v, next_bytes);
+        default:
+            if (dim % 8 == 0) attend(q, k, v, count, group, dim, scale, part, next_k, next_v, next_bytes);
+            else attend_any_dim(q, k, v, count, group, dim, scale, part);
     }
-}
-
-/* The same over a float16 pool: the chunk's keys and values widened to floats once (into this thread's buffer,
- * where the group's queries then read them from cache), so its sums are those over the same values in float32. */
-static void attend_chunk(const float *q, const at::Half *k, const at::Half *v, int64_t count, int64_t group,
-                         int64_t dim, float scale, float *part, const void *next_k, const void *next_v,
-                         int64_t next_bytes) {
-    thread_local std::vector<float> widened;
-    widened.resize(2 * CHUNK * dim);
-    float *keys = widened.data(), *values = keys + CHUNK * dim;
-    int64_t n = count * dim, i = 0;
-    for (; i + 8 <= n; i += 8) {
-        *(floats8_unaligned *)(keys + i) = load8(k + i);
-        *(floats8_unaligned *)(values + i) = load8(v + i);
-    }
-    for (; i < n; i++) keys[i] = static_cast<float>(k[i]), values[i] = static_cast<float>(v[i]);
-    attend_chunk(q, keys, values, count, group, dim, scale, part, next_k, next_v, next_bytes);
 }
 
 /* Task `task`'s row, KV head, first key and key count, from first [rows + 1] (each row's first task). */

@@ -444,10 +444,14 @@ static inline floats8 widen_signed(const int8_t *c) {
 }
 template <bool FOUR_BITS>
 static inline void decode_group(const uint8_t *code, int64_t g, floats8 &q0, floats8 &q1, floats8 &q2, floats8 &q3) {
-    if (FOUR_BITS) {
-        const __m128i b = _mm_loadu_si128((const __m128i *)(code + g * 16)), nibble = _mm_set1_epi8(15);
-        const __m128i low = _mm_and_si128(b, nibble), high = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
-        q0 = widen(low), q1 = widen(_mm_srli_si128(low, 8)), q2 = widen(high), q3 = widen(_mm_srli_si128(high, 8));
+    if (FOUR_BITS) { /* bytes 0-7 and 8-15 widened to 32 bits, then split: low nibbles 0-15, high ones 16-31 */
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(code + g * 16)));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(code + g * 16 + 8)));
+        const __m256i nibble = _mm256_set1_epi32(15);
+        q0 = (floats8)_mm256_cvtepi32_ps(_mm256_and_si256(b0, nibble));
+        q1 = (floats8)_mm256_cvtepi32_ps(_mm256_and_si256(b1, nibble));
+        q2 = (floats8)_mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+        q3 = (floats8)_mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
     } else {
         const int8_t *c = (const int8_t *)code + g * QGROUP;
         q0 = widen_signed(c), q1 = widen_signed(c + 8), q2 = widen_signed(c + 16), q3 = widen_signed(c + 24);

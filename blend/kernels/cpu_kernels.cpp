@@ -438,7 +438,6 @@ typedef uint8_t ubytes8 __attribute__((vector_size(8), aligned(1)));
  * byte-to-float conversion into one scalar insert per byte; AVX2 widens 8 bytes in one instruction. */
 #if defined(__AVX2__)
 #include <immintrin.h>
-static inline floats8 widen(__m128i b) { return (floats8)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
 static inline floats8 widen_signed(const int8_t *c) {
     return (floats8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
 }

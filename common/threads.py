@@ -20,16 +20,26 @@ _local = threading.local()
 T = TypeVar("T")
 
 
+def _set_threads(count: int) -> None:
+    """This thread's torch ops on `count` threads. A thread's first parallel op (in torch, and again in each library
+    built on its headers: blend's CPU kernels) sets its count from the process-wide one, the last any thread set;
+    torch.get_num_threads() is torch's first here, so the count set after it stays."""
+    torch.get_num_threads()
+    torch.set_num_threads(count)
+
+
 def serial_torch() -> None:
     """This thread's torch ops run on it alone, with no OpenMP team of its own (cheap after the first call)."""
     if not getattr(_local, "serial", False):
-        torch.set_num_threads(1)  # also the count a new thread starts with: the model thread sets its own
+        _set_threads(1)
         _local.serial = True
 
 
 def model_torch() -> None:
-    """This thread runs the model: torch's ops on MODEL_THREADS threads."""
-    torch.set_num_threads(MODEL_THREADS)
+    """This thread runs the model: torch's ops on MODEL_THREADS threads. The model thread calls it before each step
+    (~0.5 µs), as the CPU kernels' first call on it may have set its count from another thread's 1 (a decode step
+    1.8x slower, a prefill 2.4x, in the server, when the model thread's count was set once)."""
+    _set_threads(MODEL_THREADS)
     _local.serial = False
 
 

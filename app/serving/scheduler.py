@@ -227,7 +227,6 @@ class Scheduler:
     # ---- the model thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        model_torch()  # torch's intra-op threads are this thread's (common.threads)
         while True:
             with self._cond:
                 self._admit()
@@ -242,6 +241,7 @@ class Scheduler:
                     self._cond.wait(1.0)
                     continue
             try:
+                model_torch()  # torch's intra-op threads are this thread's, each time (common.threads)
                 if task:
                     self._run_task()
                 if step:

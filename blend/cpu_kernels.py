@@ -17,7 +17,7 @@ kernels do that at a fraction of the machine's bandwidth (2 cores, ~25 GB/s here
   `linear_rows_many` runs a layer's projections of one input in one call, its threads each taking an equal run
   of the outputs as if the weights were one matrix: 30 layers' q/k/v 4.8 → 3.5-4 ms. `quantized_rows` is the
   same over 8- or 4-bit codes (GGUF's blocks): the codes are widened to floats, 4-bit ones split into nibbles in
-  32-bit lanes (30 layers' linears at one row, int4, 8.2-10.1 → 5.8-6.4 ms).
+  32-bit lanes (30 layers' linears at one row, int4, 8.2-10.1 → 5.8-7.6 ms).
 - `rope_write`: RoPE on a step's new queries and keys in HF's rotate-half form (the same bits) and the keys
   and values written into the pool.
 - `decode_layer`: a whole Llama-shaped layer of a decode step, the kernels above in turn with the norms, SiLU

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -50,6 +52,9 @@ from blend.graphs import StepGraphs
 from blend.kernel_step import KernelStep
 from blend.skinny import use_skinny_linears
 from common.placement import Placement
+
+if TYPE_CHECKING:
+    from blend.pipeline import LayerSource
 
 log = logging.getLogger("ragblend.blend")
 FLEX_BLOCK = 128  # FlexAttention's default block: the block mask says which key blocks each query block sees
@@ -122,6 +127,12 @@ class Backend:
 class Stager:
     """Host-synchronous staging: a layer is there once the loader has written it."""
 
+    def overlaps(self, sources: Sequence[LayerSource]) -> bool:
+        """Whether a loader thread beside the prefill hides loading: on the host only a read that waits on I/O
+        (a byte tier's) gains; a copy of held tensors takes the cores the prefill computes on (a 4-token question
+        pass ran 1.5-3x slower beside a loader copying memory-tier spans)."""
+        return not all(source.resident for source in sources)
+
     def scope(self):
         return contextlib.nullcontext()
 
@@ -139,6 +150,9 @@ class StreamStager(Stager):
     def __init__(self, device: torch.device):
         self.device, self.stream, self.ready = device, torch.cuda.Stream(device), []
         self.compute = torch.cuda.current_stream(device)
+
+    def overlaps(self, sources: Sequence[LayerSource]) -> bool:
+        return True  # the copies run on their own stream, beside the compute's
 
     def scope(self):
         # The loader's copies go into buffers and use rotations the compute stream made: wait for them first.

@@ -368,7 +368,7 @@ class Blender:
         finally:
             loader.close()
         cache.before_read = None
-        result.stats.pipelined, result.stats.load_wait_ms = pipeline, round(loader.wait_s * 1000, 3)
+        result.stats.pipelined, result.stats.load_wait_ms = loader.pipelined, round(loader.wait_s * 1000, 3)
         return result
 
     def _blend(self, ids: torch.Tensor, segments: list[LayerSource], bounds: list[tuple[int, int]],

@@ -5,11 +5,13 @@ reads (store.LayeredEntry fits the protocol as it is) or an in-memory ChunkKV (K
 head, a fresh precompute after a miss). The LayerLoader writes layer i of every chunk into the
 prompt cache's buffer, keys RoPE-shifted to the chunk's place, in the model's dtype and on its device.
 
-Pipelined, the loader runs on its own thread and stays at most `ahead` layers in front of the
-prefill: while layer i computes, layer i+1 is read, checked, decoded and shifted (all of which
-release the GIL). The prefill calls `wait(i)` before layer i reads its cached K/V
-(BlendCache.before_read), so it never sees a layer that is not there yet. Not pipelined, every
-layer is loaded before the prefill starts: the same copies in the same order, so the same logits.
+Pipelined, where the backend's stager says loading overlaps the compute (on a GPU, always: the copies
+run on a side stream; on the host, only where a source waits on I/O: a byte tier's read), the loader
+runs on its own thread and stays at most `ahead` layers in front of the prefill: while layer i
+computes, layer i+1 is read, checked, decoded and shifted (all of which release the GIL). The
+prefill calls `wait(i)` before layer i reads its cached K/V (BlendCache.before_read), so it never
+sees a layer that is not there yet. Not pipelined, every layer is loaded before the prefill starts:
+the same copies in the same order, so the same logits.
 
 A layer that cannot be read (damaged, gone) makes its chunk a miss: `wait` raises ChunkMiss and
 the prefill recomputes that chunk and starts again (Blender.prefill_steps `recompute`).
@@ -50,6 +52,7 @@ class LayerSource(Protocol):
     context_hash: str
     fingerprint: str
     shape: tuple[int, int, int, int]   # [L, H, T, D]
+    resident: bool   # its layers are tensors held in memory: a read is a copy, it waits on no I/O
 
     def layer(self, i: int, device: torch.device | None = None, dtype: torch.dtype | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -58,6 +61,8 @@ class LayerSource(Protocol):
 
 class KVLayers:
     """An in-memory ChunkKV as a LayerSource."""
+
+    resident = True
 
     def __init__(self, kv: ChunkKV):
         self.kv = kv
@@ -80,6 +85,7 @@ class Fresh:
     layers read as zeros until the prefill writes them."""
 
     context_hash = ""  # never an exact prefix
+    resident = True  # nothing to read
 
     def __init__(self, token_ids: torch.Tensor, position: int, kv_heads: int, head_dim: int, num_layers: int):
         self.token_ids, self.position, self.fingerprint = token_ids, position, ""
@@ -136,7 +142,8 @@ class LayerLoader:
         self._error: BaseException | None = None
         self._stop = False
         self._thread: threading.Thread | None = None
-        if pipelined and sources:
+        self.pipelined = bool(pipelined and sources and stager.overlaps(sources))  # a loader thread beside it
+        if self.pipelined:
             self._thread = threading.Thread(target=serially, args=(self._run,), name="ragblend-kv-loader", daemon=True)
             self._thread.start()
         else:

@@ -116,6 +116,7 @@ class OpenEntry:
     fingerprint: str
     nbytes: int  # the entry as the tier holds it
     layer_nbytes: int  # one layer of it (what a load of one layer reads)
+    resident = False  # a read decodes bytes a tier holds (blend.pipeline.LayerSource.resident)
 
     def layer(self, i: int, device: torch.device | None = None, dtype: torch.dtype | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 
+import numpy as np
 import torch
 
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
@@ -23,11 +24,12 @@ def _field(text: str) -> bytes:
 
 def kv_key(fingerprint: str, context_hash: str, token_ids: list[int] | torch.Tensor) -> str:
     """The store key of the KV of `token_ids` computed by model `fingerprint` after `context_hash`."""
-    ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).contiguous()  # [T], little-endian
+    ids = token_ids.to(torch.int64).reshape(-1).numpy() if isinstance(token_ids, torch.Tensor) \
+        else np.asarray(token_ids, dtype=np.int64)  # [T]; numpy: a plan hashes hundreds of spans
     h = hashlib.sha256(_DOMAIN)
     h.update(_field(fingerprint))
     h.update(_field(context_hash))
-    h.update(ids.numpy().tobytes())  # last field: its length is what remains
+    h.update(ids.astype("<i8", copy=False).tobytes())  # last field: its length is what remains
     return h.hexdigest()
 
 

@@ -59,6 +59,8 @@ class LayerReadError(RuntimeError):
 class ResidentEntry(OpenEntry):
     """A chunk a tensor tier holds (keys/values [L, H, T, D] on the tier's device, model dtype)."""
 
+    resident = True
+
     def __init__(self, key: str, tier: str, codec: str | Codec, kv: ChunkKV, hooks: EntryHooks) -> None:
         self.key, self.tier, self.kv, self._hooks = key, tier, kv, hooks
         self._coder = get_codec(codec)  # encodes the entry if it is promoted into a byte tier

@@ -13,6 +13,7 @@ import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import cached_property
 from typing import Literal
 
 from blend import Blender, ChunkKV, PromptFormat, hash_ids
@@ -50,9 +51,9 @@ class ChunkKVCache:
             self.store.put(self.head_key, self._head)
         return self._head
 
-    @property
+    @cached_property
     def head_key(self) -> str:
-        """The store key of the prompt head's KV."""
+        """The store key of the prompt head's KV (asked at every lookup of a plan)."""
         return kv_key(self.blender.fingerprint, hash_ids([]), self.head_ids)
 
     def passage_ids(self, chunk_ids: Sequence[int], title: str | None = None) -> list[int]:

@@ -13,7 +13,10 @@ Each span's KV, decided once (`plan`), in prompt order:
     exact    a stored entry computed after exactly the tokens before it: used as is. Found by the chain key
              (the hash of everything before it) while every span before it is exact, or by the content key
              when the entry there was computed at this very place.
-    blended  an entry found by its content key (its own tokens, after the head): RoPE-shifted and blended.
+    blended  an entry found by its content key (its own tokens, after the head): RoPE-shifted and blended. A span
+             found by neither key whose ending a stored span shares (a document behind another label: the span
+             holding the label differs before the text) is split there: the tokens shared are that entry's last
+             ones, blended; the rest is looked up again (the planner remembers the endings of the spans it stored).
     compute  no entry: computed in the prefill itself (blend.Blender.fresh between cached spans; at the end
              with the question), then stored from that prefill's own KV (`store`: no extra compute).
 Keys mix in the model fingerprint and, for every span but the shared head and the collection's passages, the
@@ -23,6 +26,7 @@ is a tenant's (retrieval.documents: tenant; app.engine.kv.ChunkKVCache.passage_c
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -44,6 +48,8 @@ from store import kv_key
 PartKind = Literal["head", "message", "opening", "passage"]
 Source = Literal["exact", "blended", "compute"]
 WINDOW_INDEX_MAX = 1 << 16  # window hashes remembered (mode windows): the oldest forgotten first
+TAIL_INDEX_MAX = 1 << 16  # stored spans' endings remembered (mode content): the oldest forgotten first
+TAILS_PER_ENDING = 4  # the latest stored spans kept under one ending (templated text repeats its endings)
 WHOLE = "whole"  # a found span's Loaded tier once the plan computed the prompt whole (_blend_or_whole): its entry kept
 
 
@@ -121,6 +127,10 @@ class Planner:
         self.costs, self.ratio = costs, ratio  # the measured rates a blend is priced by; the ratio when none is asked
         self.fingerprint = kv_cache.blender.fingerprint
         self._windows: dict[int, None] = {}  # mode windows: hashes of the windows stored (insertion order)
+        # mode content: a stored span's last min_span_tokens ids -> the latest spans stored ending so (plans read it
+        # off the model thread while `store` writes it on it)
+        self._tails: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}
+        self._tails_lock = threading.Lock()
 
     @cached_property
     def breaks(self) -> tuple[np.ndarray, np.ndarray]:
@@ -204,9 +214,10 @@ class Planner:
         asked, else the default)."""
         spans, loaded, chain, exact = [], [], hashlib.sha256(), mode != "full"
         source: Source
-        for span in self.cut(parts):
+        pending = self.cut(parts)[::-1]  # a stack: a span split at a stored span's ending is looked up in two
+        while pending:
+            span = pending.pop()
             before = chain.hexdigest()  # sha256 of the ids before: hash_ids(before), computed incrementally
-            chain.update(torch.tensor(span.ids, dtype=torch.int64).numpy().tobytes())
             keys = [key for _, key in self.entries(span, before, tenant, collection)]
             found, source = Loaded(list(span.ids), None, None, span.start), "compute"
             if mode != "full" and (exact or mode != "prefix"):
@@ -214,6 +225,8 @@ class Planner:
                     if k == 0 and len(keys) == 2 and not exact:
                         continue  # a chain key: only while every span before is exact
                     found = self._find(candidate, span, read)
+                    if found.tier is not None and k == 1 and span.kind == "message":
+                        self._remember_ending(span.ids)  # (stored by another process: found by its ending too)
                     if found.tier is not None:  # exact by its chain key, or a passage computed right here
                         here = (k == 0 and len(keys) == 2) or span.kind == "head" or (
                             found.kv.position == span.start and self._computed_after(found, span) == before)
@@ -222,6 +235,15 @@ class Planner:
             if source == "blended" and mode == "prefix":  # prefix caching: what is not exact is computed
                 found.close()
                 found, source = Loaded(list(span.ids), None, None, span.start), "compute"
+            if source == "compute" and mode not in ("full", "prefix") and (ending := self._ending(span)):
+                stored, shared = ending
+                if shared < len(span.ids):  # the rest first, then the tokens shared, each looked up on its own
+                    pending += [replace(span, ids=span.ids[-shared:], start=span.end - shared),
+                                replace(span, ids=span.ids[:-shared])]
+                    continue
+                found = self._find_ending(stored, span, tenant, read)
+                source = "compute" if found.tier is None else "blended"
+            chain.update(np.asarray(span.ids, dtype="<i8").tobytes())
             exact = exact and source == "exact"
             # its entry (kv_keys, leases): the chain's, the one the same prompt reads next (a blended or computed
             # span is stored there: `store`); a passage's or a head's only key
@@ -264,9 +286,50 @@ class Planner:
             contexts = [self.kv.passage_context(collection)]
         elif span.kind == "head":
             contexts = [hash_ids([]) if span.shared else _salted(hash_ids([]), tenant)]
-        else:  # "content" keeps a content entry's context from ever equalling a chain's
-            contexts = [_salted(before, tenant), _salted(self.kv.context_hash(), "content\x00" + tenant)]
+        else:
+            contexts = [_salted(before, tenant), self._content_context(tenant)]
         return [(context, kv_key(self.fingerprint, context, list(span.ids))) for context in contexts]
+
+    def _content_context(self, tenant: str) -> str:
+        """A client's text found anywhere ("content" keeps it from ever equalling a chain's context)."""
+        return _salted(self.kv.context_hash(), "content\x00" + tenant)
+
+    # ---- spans found by their ending -------------------------------------------------------------
+
+    def _ending(self, span: Span) -> tuple[tuple[int, ...], int] | None:
+        """(a stored span, how many of its last ids `span` ends with) for the stored span sharing the most, at least
+        min_span_tokens; None if none does. Cuts are decided by content, so a document's spans end alike wherever
+        it appears; what precedes it on its first line (a label) is what differs."""
+        low = self.settings.min_span_tokens
+        if span.kind != "message" or self.settings.chunking != "content" or len(span.ids) < low:
+            return None
+        best, shared = None, 0
+        for stored in self._tails.get(span.ids[-low:], ()):
+            n = _shared_ending(stored, span.ids)
+            if n > shared:
+                best, shared = stored, n
+        return None if best is None else (best, shared)
+
+    def _find_ending(self, stored: tuple[int, ...], span: Span, tenant: str, read: bool) -> Loaded:
+        """`span`'s KV as the last len(span) tokens of the stored span's content entry (read whole: one span's)."""
+        key, skip = kv_key(self.fingerprint, self._content_context(tenant), list(stored)), len(stored) - len(span.ids)
+        if not read:
+            found = self._find(key, replace(span, ids=stored), read=False)
+            meta = None if found.kv is None else _Meta(found.kv.position + skip, found.kv.context_hash)
+            return Loaded(list(span.ids), meta, found.tier, span.start)  # type: ignore[arg-type]
+        kv, tier = self.kv.lookup_key(key, stored)
+        return Loaded(list(span.ids), None if kv is None else ending_kv(kv, len(span.ids)), tier, span.start)
+
+    def _remember_ending(self, ids: tuple[int, ...]) -> None:
+        low = self.settings.min_span_tokens
+        if self.settings.chunking != "content" or len(ids) < low:
+            return
+        with self._tails_lock:
+            ending = ids[-low:]
+            kept = self._tails.pop(ending, ())
+            self._tails[ending] = (ids, *(t for t in kept if t != ids))[:TAILS_PER_ENDING]
+            if len(self._tails) > TAIL_INDEX_MAX:
+                del self._tails[next(iter(self._tails))]
 
     def stored(self, plan: Plan) -> tuple[tuple[int, int], ...]:
         """The positions [start, end) of the spans `store` will keep after this plan's prefill (its prefill attends
@@ -326,6 +389,8 @@ class Planner:
                     if not self.kv.store.put_nowait(key, kv):
                         return len(written)  # backpressure: the writer is full
                     written.add(key)
+            if span.kind == "message" and had != "blended":  # stored under its content key: found by its ending
+                self._remember_ending(span.ids)
             if self.settings.chunking == "windows" and len(span.ids) == self.settings.window_tokens:
                 self._remember_window(span.ids)
         return len(written)
@@ -410,6 +475,21 @@ def _kept(span: Span, had: str) -> bool:
 
 def _salted(context: str, tenant: str) -> str:
     return hashlib.sha256(f"{context}\x00tenant={tenant}".encode()).hexdigest() if tenant else context
+
+
+def _shared_ending(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many last ids `a` and `b` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def ending_kv(kv: ChunkKV, n: int) -> ChunkKV:
+    """The KV of an entry's last n tokens (their keys rotated for their own positions, as stored)."""
+    skip = kv.num_tokens - n
+    keys, values = kv.keys[:, :, skip:].contiguous(), kv.values[:, :, skip:].contiguous()  # [L, H, n, D]
+    return ChunkKV(keys, values, kv.token_ids[skip:], kv.position + skip, kv.context_hash, kv.fingerprint)
 
 
 def span_kv(prefill: Prefill, span: Span, context: str, fingerprint: str) -> ChunkKV:

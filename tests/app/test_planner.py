@@ -299,3 +299,49 @@ def test_a_writer_with_no_room_left_gets_no_more_of_the_prompt():
     entries = list(dict.fromkeys(key for s in plan.spans if s.source == "compute" and s.kind != "head"
                                  for _, key in p.entries(s, s.after, plan.tenant, plan.collection)))
     assert len(entries) > 4 and offered == entries[:4]  # the first three taken, the fourth refused, then no more
+
+
+def stored_by(p: Planner, plan, loaded) -> None:
+    """Planner.store after a prefill whose K/V at each position holds that position (the entries cut from it say
+    where they were cut)."""
+    tokens = plan.spans[-1].end
+    keys = torch.arange(tokens, dtype=torch.float32).repeat_interleave(2).view(1, 1, tokens, 2)  # [1, H, T, D]
+    layer = SimpleNamespace(keys=keys, values=-keys)
+    p.kv.store.put_nowait = lambda key, kv: p.kv.entries.setdefault(key, kv) is not None
+    p.store(plan, loaded, SimpleNamespace(cache=SimpleNamespace(layers=[layer, layer])))
+    (context, key), = p.entries(plan.spans[0], "", plan.tenant)  # the head, which ChunkKVCache keeps
+    p.kv.entries[key] = kv_of(HEAD, 0, context)
+
+
+def test_a_document_behind_another_label_on_its_first_line_is_found_by_its_ending():
+    """A label on a document's first line ("Document [2] (Title: …): {…") makes the span holding it differ; the
+    tokens after the label are the stored span's last ones: that span is split, its ending blended from them."""
+    tokenizer = shared_tokenizer()
+    records = [", ".join(f'{{"id": {1000 + 7 * i + k}, "status": "shipped", "city": "Oslo"}}' for k in range(6))
+               for i in range(3)]
+
+    def stuffed(order, label):
+        lines = [f"Document [{n}] (Title: {label} {i}): {records[i]}" for n, i in enumerate(order, 1)]
+        return [Part("head", HEAD), message(tokenizer.encode("\n".join(lines) + "\n\n"))]
+
+    p = planner(by_cost=False)
+    first, loaded = p.plan(stuffed([0, 1, 2], "result"), [1], mode="blend")
+    stored_by(p, first, loaded)
+    before = {s.ids for s in p.cut(stuffed([0, 1, 2], "result"))}
+    again, loaded = p.plan(stuffed([2, 0, 1], "search hit (copy 17)"), [1], mode="blend")
+    plain = sum(len(s.ids) for s in p.cut(stuffed([2, 0, 1], "search hit (copy 17)")) if s.ids in before)
+    blended = [(s, r) for s, r in zip(again.spans, loaded) if s.source == "blended"]
+    assert sum(len(s.ids) for s, _ in blended) > plain + 3 * 8  # each document's first span found but its label
+    for span, read in blended:  # each the KV of the same tokens where they were stored
+        assert read.kv.token_ids.tolist() == list(span.ids)
+        stored_at = read.kv.keys[0, 0, :, 0].long().tolist()
+        assert stored_at == list(range(read.kv.position, read.kv.position + len(span.ids)))
+        assert [t for s in first.spans for t in s.ids][read.kv.position:][:len(span.ids)] == list(span.ids)
+    assert any(s.end != r.end for s in again.spans for r in p.cut(stuffed([2, 0, 1], "search hit (copy 17)"))
+               if s.start == r.start)  # split where the label ends
+    stored_by(p, again, loaded)
+    repeat, _ = p.plan(stuffed([2, 0, 1], "search hit (copy 17)"), [1], mode="blend")
+    assert [s.ids for s in repeat.spans] == [s.ids for s in again.spans]  # split alike: its own chain again
+    assert {s.source for s in repeat.spans[1:]} == {"exact"}
+    other, _ = p.plan(stuffed([2, 0, 1], "search hit (copy 17)"), [1], mode="blend", tenant="another")
+    assert {s.source for s in other.spans[1:]} == {"compute"}  # another tenant's text is never found

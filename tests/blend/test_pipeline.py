@@ -77,6 +77,19 @@ def test_pipelined_prefill_on_smollm_matches(smollm):
             assert torch.equal(piped.logits, loaded.logits) and torch.equal(piped.logits, whole.logits)
 
 
+def test_on_the_host_only_a_source_that_reads_bytes_is_loaded_beside_the_prefill(disk_store):
+    """A loader thread hides a byte tier's reads; held tensors (the memory tier's, a ChunkKV) are copies on the same
+    cores the prefill computes on: loaded first, the same logits."""
+    blender = Blender(tiny_model("llama", num_hidden_layers=4), tokenizer=None, fingerprint="tiny", check_layer=1)
+    with TieredStore([MemoryTier(1 << 26)]) as memory:
+        head, keys, kvs = stored_chunks(blender, memory)
+        held = run(blender, memory, head, keys, 0.3, "query", pipeline=True)
+    head, keys, _ = stored_chunks(blender, disk_store)
+    read = run(blender, disk_store, head, keys, 0.3, "query", pipeline=True)
+    assert read.stats.pipelined and not held.stats.pipelined
+    assert torch.equal(read.logits, held.logits)
+
+
 class SlowTier(BytesTier):
     """An in-process byte tier whose every range read takes `delay_s` more: a remote store, for timing structure."""
 

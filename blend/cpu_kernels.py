@@ -20,6 +20,8 @@ kernels do that at a fraction of the machine's bandwidth (2 cores, ~25 GB/s here
   32-bit lanes (30 layers' linears at one row, int4, 8.2-10.1 → 5.8-7.6 ms).
 - `rope_write`: RoPE on a step's new queries and keys in HF's rotate-half form (the same bits) and the keys
   and values written into the pool.
+- `int8_round_trip`: the int8 codec's pack and unpack of a prefill's spans to be stored, in place, in one pass
+  (torch's ops took ~10: 12 ms a layer at 3.1k rows, ~4% of a cold prompt's prefill).
 - `decode_layer`: a whole Llama-shaped layer of a decode step, the kernels above in turn with the norms, SiLU
   and residual adds as plain loops: one call a layer in place of ~60 small torch ops (blend.kernel_step).
 
@@ -160,6 +162,12 @@ def load() -> Path | None:
         return _library
 
 
+def loaded() -> bool:
+    """Whether this process has the ops (a backend's `load()` gave them), for a caller that must not build them
+    (blend.cpu_kernel: off leaves them unbuilt)."""
+    return _library is not None
+
+
 def unavailable() -> str | None:
     """Why `load()` gave no kernels (None: it gave them, or was not called yet)."""
     return _reason
@@ -196,6 +204,10 @@ def _register_fakes() -> None:
     def _(query, keys, values, positions, scale=None):
         _, heads, count, dim = query.shape
         return query.new_empty(1, count, heads, dim)                             # [1, Tq, Hq, D]
+
+    @torch.library.register_fake("ragblend::int8_round_trip")
+    def _(keys, values, spans):
+        return None
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -259,3 +271,12 @@ def prefill_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     keys after the last position are never read) → [1, Tq, Hq, D]. float32 on the CPU, D a multiple of
     PREFILL_DIM_MULTIPLE; `load()` must have given a library."""
     return torch.ops.ragblend.prefill_attention(query, keys, values, positions, scale)
+
+
+def int8_round_trip(keys: torch.Tensor, values: torch.Tensor, spans: torch.Tensor) -> None:
+    """The int8 codec's pack and unpack of each span, in place and bit for bit (store.codecs.Int8Codec: keys
+    scaled per span and channel, values per row): keys/values [1, H, N, D] (rows of D floats), spans [S, 2] int64
+    (start, end). One pass a layer where torch's ops take ~10 (a prefill rounds every span it will store, at every
+    layer). float32 on the CPU; `load()` must have given a library."""
+    torch.ops.ragblend.int8_round_trip(keys, values, spans)
+

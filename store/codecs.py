@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from blend import cpu_kernels
 from common.chunk_kv import ChunkKV
 from common.placement import HOST
 
@@ -243,6 +244,11 @@ def _nonzero(scale: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)  # a prefill asks for the same spans at every layer
+def _span_bounds(spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    return torch.tensor(spans, dtype=torch.int64).view(-1, 2)                                      # [S, 2]
+
+
+@functools.lru_cache(maxsize=64)
 def _span_rows(spans: tuple[tuple[int, int], ...], device: Device) -> tuple[slice | torch.Tensor, torch.Tensor]:
     """The rows of `spans` (a slice where they lie one after another, as a prompt's new messages do: a view;
     else their positions, [n] int64) and the index of the span each row belongs to ([n] int64)."""
@@ -299,8 +305,12 @@ class Int8Codec(Codec):
         return parts["k_scale"].float() / 2, parts["v_scale"].float() / 2
 
     def round_trip_spans(self, keys, values, spans):
-        """Every span at once, bit for bit as pack and unpack give each (a prefill rounds ~150 spans a layer)."""
+        """Every span at once, bit for bit as pack and unpack give each (a prefill rounds ~150 spans a layer): in
+        one pass where this process loaded the CPU kernels (blend.cpu_kernels.int8_round_trip), else torch's ops."""
         if not spans:
+            return
+        if cpu_kernels.loaded() and _on_host(keys.device) and keys.dtype == values.dtype == torch.float32:
+            cpu_kernels.int8_round_trip(keys, values, _span_bounds(tuple(spans)))
             return
         rows, owner = _span_rows(tuple(spans), keys.device)                                  # [n] each
         k, v = (x[0][:, rows].float() for x in (keys, values))      # each [H, n, D] (a view: a slice, float32)

@@ -24,6 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -1066,6 +1067,67 @@ at::Tensor prefill_attention(const at::Tensor &query, const at::Tensor &keys, co
     return out;
 }
 
+/* ---- the int8 codec's round trip of spans, in place (store.codecs.Int8Codec: pack then unpack) -------------
+ * Keys: one scale per span and channel (the span's largest |x| in it / 127), values: one per row; an all-zero
+ * slice's scale is 1. x -> round half to even (x / scale), clamped to ±127, times the scale: each step one IEEE
+ * float32 operation, as torch's ops take them (the file is built without fused multiply-adds), so the same bits.
+ * A NaN stays NaN, as through torch's ops. */
+
+static inline float round_trip_one(float x, float scale) {
+    float q = std::nearbyint(x / scale);
+    if (q > 127.0f) q = 127.0f;
+    else if (q < -127.0f) q = -127.0f;
+    return q * scale;
+}
+
+static inline float int8_scale(float amax) {
+    float scale = amax / 127.0f;
+    return scale > 0.0f ? scale : 1.0f; /* (NaN > 0 is false: 1, as torch.where(scale > 0, scale, 1)) */
+}
+
+static inline float larger_magnitude(float amax, float x) {
+    float a = std::fabs(x);
+    return std::isnan(amax) || a <= amax ? amax : a; /* a NaN wins, and stays */
+}
+
+/* keys, values [1, H, N, D] (rows of D floats), spans [S, 2] (start, end) within N */
+void int8_round_trip(at::Tensor &keys, at::Tensor &values, const at::Tensor &spans) {
+    check_float32(keys, values);
+    TORCH_CHECK_VALUE(keys.dim() == 4 && keys.size(0) == 1 && values.sizes() == keys.sizes() &&
+                          keys.stride(3) == 1 && values.stride(3) == 1 && keys.stride(2) == keys.size(3) &&
+                          values.stride(2) == values.size(3),
+                      "int8_round_trip takes keys and values [1, H, N, D] of rows of D floats: got ", keys.sizes(),
+                      " strides ", keys.strides(), " and ", values.sizes(), " strides ", values.strides());
+    TORCH_CHECK_VALUE(spans.dim() == 2 && spans.size(1) == 2 && spans.scalar_type() == at::kLong,
+                      "spans must be [S, 2] int64 (start, end): got ", spans.sizes());
+    at::Tensor bounds = spans.contiguous();
+    const int64_t *span = bounds.data_ptr<int64_t>();
+    int64_t count = bounds.size(0), heads = keys.size(1), length = keys.size(2), dim = keys.size(3);
+    for (int64_t s = 0; s < count; s++)
+        TORCH_CHECK_VALUE(0 <= span[2 * s] && span[2 * s] <= span[2 * s + 1] && span[2 * s + 1] <= length, "span [",
+                          span[2 * s], ", ", span[2 * s + 1], ") outside the ", length, " rows");
+    float *k = keys.data_ptr<float>(), *v = values.data_ptr<float>();
+    int64_t k_head = keys.stride(1), v_head = values.stride(1);
+    at::parallel_for(0, heads * count, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scales(dim);
+        for (int64_t task = begin; task < end; task++) {
+            int64_t h = task / count, s = task % count, first = span[2 * s], last = span[2 * s + 1];
+            float *kh = k + h * k_head, *vh = v + h * v_head;
+            std::fill(scales.begin(), scales.end(), 0.0f);
+            for (int64_t t = first; t < last; t++)
+                for (int64_t d = 0; d < dim; d++) scales[d] = larger_magnitude(scales[d], kh[t * dim + d]);
+            for (int64_t d = 0; d < dim; d++) scales[d] = int8_scale(scales[d]);
+            for (int64_t t = first; t < last; t++) {
+                float *key = kh + t * dim, *value = vh + t * dim, amax = 0.0f;
+                for (int64_t d = 0; d < dim; d++) key[d] = round_trip_one(key[d], scales[d]);
+                for (int64_t d = 0; d < dim; d++) amax = larger_magnitude(amax, value[d]);
+                float scale = int8_scale(amax);
+                for (int64_t d = 0; d < dim; d++) value[d] = round_trip_one(value[d], scale);
+            }
+        }
+    });
+}
+
 } // namespace
 
 TORCH_LIBRARY(ragblend, m) {
@@ -1081,6 +1143,7 @@ TORCH_LIBRARY(ragblend, m) {
           "Tensor sin, Tensor positions, Tensor lengths, Tensor(a!) pool_keys, Tensor(b!) pool_values, "
           "int key_columns, float scale) -> Tensor");
     m.def("prefill_attention(Tensor query, Tensor keys, Tensor values, Tensor positions, float? scale=None) -> Tensor");
+    m.def("int8_round_trip(Tensor(a!) keys, Tensor(b!) values, Tensor spans) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ragblend, CPU, m) {
@@ -1091,4 +1154,5 @@ TORCH_LIBRARY_IMPL(ragblend, CPU, m) {
     m.impl("rope_write", &rope_write);
     m.impl("decode_layer", &decode_layer);
     m.impl("prefill_attention", &prefill_attention);
+    m.impl("int8_round_trip", &int8_round_trip);
 }

@@ -288,6 +288,9 @@ def op_samples() -> dict[str, tuple]:
                          [torch.randn(48, 32) for _ in range(2)], [torch.randn(32, 48)], [None, None, None, None],
                          32, 32, cos, sin, torch.tensor([3, 0, 39]), torch.tensor([4, 1, 40]),
                          pool.clone().half(), pool.clone().half(), 40, 0.25),
+        # a layer's K/V [1, H, N, D] (a view of a longer buffer), three spans to round trip in place
+        "int8_round_trip": (torch.randn(1, 2, 48, 16, generator=generator)[:, :, :40],
+                            torch.randn(1, 2, 40, 16, generator=generator), torch.tensor([[0, 7], [9, 30], [30, 31]])),
     }
 
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blend import Blender, ChunkKV
+from blend import Blender, ChunkKV, cpu_kernels
 from store import (
     CacheGenTables,
     CorruptEntryError,
@@ -365,22 +365,29 @@ def test_damaged_or_foreign_tables_are_refitted_and_no_redis_is_no_failure(tmp_p
         shared_tables(TablesShelf(tmp_path / "x"), "model-b", DEFAULT_BINS, fit)
 
 
-@pytest.mark.parametrize("codec", ["fp16", "int8", "int4"])
+@pytest.mark.parametrize("codec", ["fp16", "int8", "int4", "int8 kernel"])
 @pytest.mark.parametrize("spans", [[(5, 13), (13, 77), (90, 91), (120, 184)], [(5, 13), (13, 77), (77, 78), (78, 140)]])
-def test_a_prefills_round_trip_of_spans_is_each_spans_entry_read_back(codec, spans):
+def test_a_prefills_round_trip_of_spans_is_each_spans_entry_read_back(codec, spans, monkeypatch):
     """round_trip_spans (what a prefill attends to for the spans the store keeps) equals, bit for bit, the round
     trip of each span's own entry, however many spans, of whatever lengths, apart or one after another, and leaves
-    the rest of the layer alone."""
-    coder = get_codec(codec)
+    the rest of the layer alone; int8's in one pass where the CPU kernels are loaded, else through torch's ops."""
+    if codec == "int8 kernel" and cpu_kernels.load() is None:
+        pytest.skip(f"no CPU kernels: {cpu_kernels.unavailable()}")
+    monkeypatch.setattr(cpu_kernels, "loaded", lambda: codec == "int8 kernel")
+    coder = get_codec(codec.split()[0])
     torch.manual_seed(3)
-    keys, values = torch.randn(1, 3, 200, 16) * 4, torch.randn(1, 3, 200, 16)  # one layer: [1, H, N, D]
+    keys, values = torch.randn(1, 3, 256, 16)[:, :, :200] * 4, torch.randn(1, 3, 200, 16)  # a layer: [1, H, N, D]
     keys[:, :, 50:60, 2] *= 100  # an outlier channel in one span
+    keys[:, 1, 5:13, 3], values[:, 2, 90] = 0, 0  # all-zero slices: any scale is exact
     want_k, want_v = keys.clone(), values.clone()
     for start, end in spans:
         kv = ChunkKV(keys[:, :, start:end].clone(), values[:, :, start:end].clone(), torch.arange(end - start), start,
                      "ctx", "model")
         read = coder.round_trip(kv)
         want_k[:, :, start:end], want_v[:, :, start:end] = read.keys, read.values
-    coder.round_trip_spans(keys, values, spans)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        coder.round_trip_spans(keys, values, spans)
     assert torch.equal(keys, want_k) and torch.equal(values, want_v)
+    ran = {event.name for event in profile.events()}
+    assert ("ragblend::int8_round_trip" in ran) == (codec == "int8 kernel")
     assert not get_codec("cachegen").layerwise  # its bins follow a layer's place among all: never rounded a layer alone

@@ -48,8 +48,8 @@ from store import kv_key
 PartKind = Literal["head", "message", "opening", "passage"]
 Source = Literal["exact", "blended", "compute"]
 WINDOW_INDEX_MAX = 1 << 16  # window hashes remembered (mode windows): the oldest forgotten first
-TAIL_INDEX_MAX = 1 << 16  # stored spans' endings remembered (mode content): the oldest forgotten first
-TAILS_PER_ENDING = 4  # the latest stored spans kept under one ending (templated text repeats its endings)
+ENDINGS_MAX = 1 << 14  # stored spans' endings remembered (mode content; ~300k tokens of text, at most 17 MB): the
+ENDING_SPANS = 4       # oldest forgotten first; under each, the latest spans (templated text repeats its endings)
 WHOLE = "whole"  # a found span's Loaded tier once the plan computed the prompt whole (_blend_or_whole): its entry kept
 
 
@@ -129,8 +129,9 @@ class Planner:
         self._windows: dict[int, None] = {}  # mode windows: hashes of the windows stored (insertion order)
         # mode content: a stored span's last min_span_tokens ids -> the latest spans stored ending so (plans read it
         # off the model thread while `store` writes it on it)
-        self._tails: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}
-        self._tails_lock = threading.Lock()
+        # (ids as int32 bytes: compact and hashable)
+        self._endings: dict[bytes, tuple[bytes, ...]] = {}
+        self._endings_lock = threading.Lock()
 
     @cached_property
     def breaks(self) -> tuple[np.ndarray, np.ndarray]:
@@ -303,12 +304,13 @@ class Planner:
         low = self.settings.min_span_tokens
         if span.kind != "message" or self.settings.chunking != "content" or len(span.ids) < low:
             return None
+        ids = np.asarray(span.ids, dtype=np.int32)
         best, shared = None, 0
-        for stored in self._tails.get(span.ids[-low:], ()):
-            n = _shared_ending(stored, span.ids)
+        for stored in self._endings.get(ids[-low:].tobytes(), ()):
+            n = _shared_ending(np.frombuffer(stored, dtype=np.int32), ids)
             if n > shared:
                 best, shared = stored, n
-        return None if best is None else (best, shared)
+        return None if best is None else (tuple(np.frombuffer(best, dtype=np.int32).tolist()), shared)
 
     def _find_ending(self, stored: tuple[int, ...], span: Span, tenant: str, read: bool) -> Loaded:
         """`span`'s KV as the last len(span) tokens of the stored span's content entry (read whole: one span's)."""
@@ -320,16 +322,17 @@ class Planner:
         kv, tier = self.kv.lookup_key(key, stored)
         return Loaded(list(span.ids), None if kv is None else ending_kv(kv, len(span.ids)), tier, span.start)
 
-    def _remember_ending(self, ids: tuple[int, ...]) -> None:
+    def _remember_ending(self, span_ids: tuple[int, ...]) -> None:
         low = self.settings.min_span_tokens
-        if self.settings.chunking != "content" or len(ids) < low:
+        if self.settings.chunking != "content" or len(span_ids) < low:
             return
-        with self._tails_lock:
-            ending = ids[-low:]
-            kept = self._tails.pop(ending, ())
-            self._tails[ending] = (ids, *(t for t in kept if t != ids))[:TAILS_PER_ENDING]
-            if len(self._tails) > TAIL_INDEX_MAX:
-                del self._tails[next(iter(self._tails))]
+        ids = np.asarray(span_ids, dtype=np.int32)
+        stored, ending = ids.tobytes(), ids[-low:].tobytes()
+        with self._endings_lock:
+            kept = self._endings.pop(ending, ())
+            self._endings[ending] = (stored, *(s for s in kept if s != stored))[:ENDING_SPANS]
+            if len(self._endings) > ENDINGS_MAX:
+                del self._endings[next(iter(self._endings))]
 
     def stored(self, plan: Plan) -> tuple[tuple[int, int], ...]:
         """The positions [start, end) of the spans `store` will keep after this plan's prefill (its prefill attends
@@ -477,12 +480,11 @@ def _salted(context: str, tenant: str) -> str:
     return hashlib.sha256(f"{context}\x00tenant={tenant}".encode()).hexdigest() if tenant else context
 
 
-def _shared_ending(a: Sequence[int], b: Sequence[int]) -> int:
+def _shared_ending(a: np.ndarray, b: np.ndarray) -> int:
     """How many last ids `a` and `b` share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
-        n += 1
-    return n
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[len(a) - n:][::-1] != b[len(b) - n:][::-1])
+    return int(differ[0]) if len(differ) else n
 
 
 def ending_kv(kv: ChunkKV, n: int) -> ChunkKV:

@@ -279,4 +279,3 @@ def int8_round_trip(keys: torch.Tensor, values: torch.Tensor, spans: torch.Tenso
     (start, end). One pass a layer where torch's ops take ~10 (a prefill rounds every span it will store, at every
     layer). float32 on the CPU; `load()` must have given a library."""
     torch.ops.ragblend.int8_round_trip(keys, values, spans)
-

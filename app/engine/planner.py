@@ -127,9 +127,8 @@ class Planner:
         self.costs, self.ratio = costs, ratio  # the measured rates a blend is priced by; the ratio when none is asked
         self.fingerprint = kv_cache.blender.fingerprint
         self._windows: dict[int, None] = {}  # mode windows: hashes of the windows stored (insertion order)
-        # mode content: a stored span's last min_span_tokens ids -> the latest spans stored ending so (plans read it
-        # off the model thread while `store` writes it on it)
-        # (ids as int32 bytes: compact and hashable)
+        # mode content: a stored span's last min_span_tokens ids -> the latest spans stored ending so, ids as int32
+        # bytes (compact, hashable); plans read it off the model thread while `store` writes it on it
         self._endings: dict[bytes, tuple[bytes, ...]] = {}
         self._endings_lock = threading.Lock()
 

@@ -3,6 +3,7 @@ them again in another order with another question. The official `openai` and `an
 real server: most passage tokens are read from the store (app.engine.planner found their spans by content)."""
 from __future__ import annotations
 
+import json
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -58,6 +59,27 @@ def test_openai_client_reuses_pasted_passages_in_another_order(live_server):
     assert details.cached_tokens >= 0.6 * passage_tokens(docs)  # read from the store and not recomputed
     assert details.cached_tokens + details.recomputed_tokens >= 0.75 * passage_tokens(docs)
     assert details.cached_tokens + details.recomputed_tokens <= again.usage.prompt_tokens
+
+
+def test_json_results_behind_other_labels_on_their_first_line_are_found_again(live_server):
+    """Tool results pasted on one line behind a label that changes (`Document [2] (Title: …): {"results": …`): the
+    span holding the label differs, yet the rest of it is found by its ending (app.engine.planner)."""
+    client = openai.OpenAI(base_url=f"{live_server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    tag = uuid.uuid4().hex[:6]
+    docs = [json.dumps({"results": [{"id": f"{tag}-{i}-{k}", "city": city, "status": "shipped", "quantity": 3 + k}
+                                    for k, city in enumerate(["Oslo", "Quito", "Hanoi"])], "page": i})
+            for i in range(5)]
+
+    def ask(order, label):
+        listed = "\n".join(f"Document [{n + 1}] (Title: {label} {i}): {docs[i]}" for n, i in enumerate(order))
+        return client.chat.completions.create(
+            model=MODEL, max_tokens=2, extra_body={"retrieval": False},
+            messages=[{"role": "user", "content": f"Use these results.\n{listed}\n\nQuestion: which city?"}])
+
+    ask([0, 1, 2, 3, 4], "tool result")
+    details = ask([3, 0, 4, 1, 2], f"search hit (copy {tag})").usage.prompt_tokens_details
+    # (each document's first span lost: ~0.93 of their tokens found; by its ending: all but the labels)
+    assert details.cached_tokens + details.recomputed_tokens >= 0.97 * passage_tokens(docs)
 
 
 def test_anthropic_client_reuses_pasted_passages_in_another_order(live_server):

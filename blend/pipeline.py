@@ -31,6 +31,7 @@ from common.chunk_kv import ChunkKV
 from common.threads import serially
 
 log = logging.getLogger("ragblend.blend")
+HELD_GROUP_BYTES = 32 << 20  # the keys of this many bytes of layers are gathered at once (_load_held)
 
 
 class LayerSource(Protocol):
@@ -45,6 +46,8 @@ class LayerSource(Protocol):
     `device` in `dtype` returns it without a copy; the caller never writes into what it gets.
     With device/dtype None the layer comes back as stored, on the host (tests, tools).
     `layer` may raise (a store's LayerReadError): the chunk is then a miss, recomputed.
+    A `resident` source also gives every layer at once, `held(device, dtype)` -> (keys, values [L, H, T, D]),
+    so a loader that runs before the prefill copies a group of layers of every chunk in one operation.
     """
 
     token_ids: torch.Tensor   # [T] int64
@@ -56,6 +59,8 @@ class LayerSource(Protocol):
 
     def layer(self, i: int, device: torch.device | None = None, dtype: torch.dtype | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def held(self, device: torch.device | None = None, dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]: ...
     def close(self) -> None: ...
 
 
@@ -74,6 +79,10 @@ class KVLayers:
               ) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.kv.keys[i], self.kv.values[i]                                  # [H, T, D] each
         return k.to(device, dtype, non_blocking=True), v.to(device, dtype, non_blocking=True)
+
+    def held(self, device: torch.device | None = None, dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv.keys.to(device, dtype), self.kv.values.to(device, dtype)                 # [L, H, T, D]
 
     def close(self) -> None:
         pass
@@ -94,6 +103,11 @@ class Fresh:
     def layer(self, i: int, device: torch.device | None = None, dtype: torch.dtype | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         zeros = torch.zeros(self.shape[1:], device=device, dtype=dtype)                   # [H, T, D]
+        return zeros, zeros
+
+    def held(self, device: torch.device | None = None, dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        zeros = torch.zeros((), device=device, dtype=dtype).expand(self.shape)          # [L, H, T, D], no memory
         return zeros, zeros
 
     def close(self) -> None:
@@ -178,6 +192,8 @@ class LayerLoader:
 
     def _run(self) -> None:
         with torch.inference_mode(), self.stager.scope():
+            if self._thread is None and self.sources and all(source.resident for source in self.sources):
+                return self._load_held()
             for i in range(self.num_layers):
                 with self._cond:  # bounded read-ahead: at most `ahead` layers past what the prefill asked for
                     self._cond.wait_for(lambda: self._stop or i <= self._wanted + self.ahead
@@ -194,6 +210,27 @@ class LayerLoader:
                 with self._cond:
                     self._loaded = i + 1
                     self._cond.notify_all()
+
+    def _load_held(self) -> None:
+        """Every layer of chunks held in memory, before the prefill: a group of layers of all of them in one copy
+        and one rotation (a copy a chunk and layer cost more in calls than in bytes: ~100 chunks x 30 layers)."""
+        held = []
+        for j, source in enumerate(self.sources):
+            try:
+                held.append(source.held(self.keys.device, self.keys.dtype))                 # [L, H, T, D] each
+            except Exception as exc:  # noqa: BLE001 - the prefill's to decide, as a failed layer's
+                self._error = ChunkMiss(j, exc)
+                return
+        n, (_, heads, _, dim) = self.cached, self.keys.shape
+        group = max(1, HELD_GROUP_BYTES // (heads * n * dim * self.keys.element_size()))
+        for lo in range(0, self.num_layers, group):
+            hi = min(lo + group, self.num_layers)
+            gathered = torch.cat([k[lo:hi] for k, _ in held], dim=2)                     # [G, H, N, D]
+            self.rope.place(self.keys[lo:hi, :, :n], gathered, self.cos, self.sin)      # rotated to 0..N-1
+            torch.cat([v[lo:hi] for _, v in held], dim=2, out=self.values[lo:hi, :, :n])
+            for i in range(lo, hi):
+                self.stager.mark(i)
+        self._loaded = self.num_layers
 
     def _load(self, i: int) -> None:
         start = time.perf_counter()

@@ -86,6 +86,15 @@ class ResidentEntry(OpenEntry):
         self._hooks.layer_read(k.nbytes + v.nbytes, time.perf_counter() - start)
         return k, v
 
+    def held(self, device: torch.device | None = None, dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's held tensors (keys, values [L, H, T, D]; no copy when already on `device` in `dtype`)."""
+        start = time.perf_counter()
+        k, v = self.kv.keys.to(device, dtype, non_blocking=True), self.kv.values.to(device, dtype, non_blocking=True)
+        self._read.update(range(self.num_layers))
+        self._hooks.layer_read(k.nbytes + v.nbytes, time.perf_counter() - start)
+        return k, v
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

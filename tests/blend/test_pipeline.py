@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from blend import Blender, ChunkKV
+from blend import Blender, ChunkKV, pipeline
 from blend.pipeline import ChunkMiss
 from store import BytesTier, DiskTier, MemoryTier, TieredStore, decode, encode, kv_key
 from store.serialize import parse_head
@@ -77,17 +77,22 @@ def test_pipelined_prefill_on_smollm_matches(smollm):
             assert torch.equal(piped.logits, loaded.logits) and torch.equal(piped.logits, whole.logits)
 
 
-def test_on_the_host_only_a_source_that_reads_bytes_is_loaded_beside_the_prefill(disk_store):
+def test_on_the_host_only_a_source_that_reads_bytes_is_loaded_beside_the_prefill(disk_store, monkeypatch):
     """A loader thread hides a byte tier's reads; held tensors (the memory tier's, a ChunkKV) are copies on the same
-    cores the prefill computes on: loaded first, the same logits."""
+    cores the prefill computes on: loaded first, a group of layers of every chunk at once, the same logits."""
     blender = Blender(tiny_model("llama", num_hidden_layers=4), tokenizer=None, fingerprint="tiny", check_layer=1)
     with TieredStore([MemoryTier(1 << 26)]) as memory:
         head, keys, kvs = stored_chunks(blender, memory)
         held = run(blender, memory, head, keys, 0.3, "query", pipeline=True)
+        monkeypatch.setattr(pipeline, "HELD_GROUP_BYTES", 1)  # a layer at a time
+        layer_by_layer = run(blender, memory, head, keys, 0.3, "query", pipeline=True)
     head, keys, _ = stored_chunks(blender, disk_store)
     read = run(blender, disk_store, head, keys, 0.3, "query", pipeline=True)
     assert read.stats.pipelined and not held.stats.pipelined
-    assert torch.equal(read.logits, held.logits)
+    assert torch.equal(read.logits, held.logits) and torch.equal(read.logits, layer_by_layer.logits)
+    n = read.num_tokens
+    for layer in range(4):
+        assert torch.equal(held.cache.layers[layer].keys[..., :n, :], read.cache.layers[layer].keys[..., :n, :])
 
 
 class SlowTier(BytesTier):

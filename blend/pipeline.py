@@ -148,7 +148,7 @@ class LayerLoader:
         moves = torch.tensor([lo - s.position for s, (lo, _) in zip(sources, bounds)], dtype=torch.int64)
         cos, sin = rope.rotation(moves.repeat_interleave(lengths), keys.dtype)                    # [N, D/2] or [N, D]
         self.cos, self.sin = cos.to(keys.device), sin.to(keys.device)
-        self._gathered: torch.Tensor | None = None   # [H, N, D] the layer's chunk keys, side by side
+        self._gathered: torch.Tensor | None = None   # [(G,) H, N, D] the chunks' keys, side by side
         self.wait_s = 0.0           # time the prefill spent waiting for layers
         self._cond = threading.Condition()
         self._loaded = 0            # layers 0.._loaded-1 are in the cache
@@ -224,13 +224,25 @@ class LayerLoader:
         n, (_, heads, _, dim) = self.cached, self.keys.shape
         group = max(1, HELD_GROUP_BYTES // (heads * n * dim * self.keys.element_size()))
         for lo in range(0, self.num_layers, group):
-            hi = min(lo + group, self.num_layers)
-            gathered = torch.cat([k[lo:hi] for k, _ in held], dim=2)                     # [G, H, N, D]
-            self.rope.place(self.keys[lo:hi, :, :n], gathered, self.cos, self.sin)      # rotated to 0..N-1
-            torch.cat([v[lo:hi] for _, v in held], dim=2, out=self.values[lo:hi, :, :n])
-            for i in range(lo, hi):
+            layers = slice(lo, min(lo + group, self.num_layers))
+            self._place(layers, [k[layers] for k, _ in held], [v[layers] for _, v in held])  # [G, H, T, D] each
+            for i in range(layers.start, layers.stop):
                 self.stager.mark(i)
         self._loaded = self.num_layers
+
+    def _place(self, layers: int | slice, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """The chunks' keys and values ([H, T, D] each, or [G, H, T, D] for a slice of layers) side by side into the
+        cache's `layers`, keys rotated to 0..N-1."""
+        n = self.cached
+        if len(keys) == 1:
+            gathered = keys[0]
+        else:  # one buffer per prompt, refilled each time (in stream order on CUDA)
+            shape = (*keys[0].shape[:-2], n, keys[0].shape[-1])                         # [(G,) H, N, D]
+            if self._gathered is None or self._gathered.shape != shape:
+                self._gathered = self.keys.new_empty(shape)
+            gathered = torch.cat(keys, dim=-2, out=self._gathered)
+        self.rope.place(self.keys[layers, :, :n], gathered, self.cos, self.sin)
+        torch.cat(values, dim=-2, out=self.values[layers, :, :n])
 
     def _load(self, i: int) -> None:
         start = time.perf_counter()
@@ -244,15 +256,7 @@ class LayerLoader:
             keys.append(k)
             values.append(v)
         if keys:
-            n = self.cached
-            if len(keys) == 1:
-                gathered = keys[0]
-            else:  # one buffer per prompt, refilled each layer (in stream order on CUDA)
-                if self._gathered is None:
-                    self._gathered = self.keys.new_empty(self.keys.shape[1], n, self.keys.shape[3])
-                gathered = torch.cat(keys, dim=1, out=self._gathered)             # [H, N, D]
-            self.rope.place(self.keys[i, :, :n], gathered, self.cos, self.sin)    # rotated to 0..N-1
-            torch.cat(values, dim=1, out=self.values[i, :, :n])
+            self._place(i, keys, values)
         self.stager.mark(i)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("kv layer loaded", extra={"layer": i, "start_s": start, "end_s": time.perf_counter()})
